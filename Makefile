@@ -3,13 +3,22 @@ SHELL := /bin/bash
 PY ?= .venv/bin/python
 PIP ?= .venv/bin/pip
 
-.PHONY: setup test test-fast engine engine-stop render
+.PHONY: setup system-deps test test-fast engine engine-stop render
+
+# Debian packages the real-image, .sqsh and Slurm tests use (root; a no-op when all are present).
+SYSTEM_PACKAGES := docker.io docker-registry skopeo squashfs-tools squashfuse qemu-user-static binfmt-support \
+	debootstrap slurm-wlm munge umoci iproute2 curl
 
 setup: ## create .venv with the host package, the test tools and the smoke cell's training stack (CPU torch)
 	python3 -m venv .venv
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev,train]'
+
+system-deps: ## install the Debian packages above (needs root; CI calls it)
+	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then echo "installing: $$missing"; apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; fi
 
 test: ## everything: unit, rendered files, real images (starts the engine itself), Slurm
 	$(PY) -m pytest -ra tests
