@@ -18,7 +18,7 @@ setup: ## create .venv with the host package, the test tools and the smoke cell'
 system-deps: ## install the Debian packages above (needs root; CI calls it)
 	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then echo "installing: $$missing"; apt-get update -qq && \
-	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; fi
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi
 
 test: ## everything: unit, rendered files, real images (starts the engine itself), Slurm
 	$(PY) -m pytest -ra tests
