@@ -1,0 +1,229 @@
+"""Run lifecycle shared by the training entrypoints: output dir, preemption -> checkpoint, resume, summary, artifacts.
+
+Preemption contract (Slurm sends SIGTERM on scancel/preemption, or SIGUSR1 with `--signal=USR1@SECONDS`):
+every rank installs handlers that only set a flag; at the next optimizer step end all ranks agree (max over the
+group) and the Trainer writes a normal `checkpoint-N` and returns. The process then exits with `exit_code()`:
+0 by default, so torchrun and Slurm see a clean end, and rerunning the same command resumes from checkpoint-N.
+A job script that wants to requeue itself can set `TRAINBOX_PREEMPTED_EXIT_CODE` (e.g. 99) and test for it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_OUTPUT_DIR = "/workspace/outputs"
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+_preempt_requested = False  # set by the signal handler (any rank)
+_preempted = False  # set once the Trainer was told to save and stop
+_checkpoint_saved: str | None = None
+
+
+def output_dir(configured: str | None) -> str:
+    """Explicit option if the user set it, else $OUTPUT_DIR, else /workspace/outputs."""
+    if configured:
+        return str(configured)
+    return os.environ.get("OUTPUT_DIR") or DEFAULT_OUTPUT_DIR
+
+
+def _handler(signum, frame):
+    global _preempt_requested
+    _preempt_requested = True
+    # Only async-signal-safe work here; the Trainer saves at the next step end.
+    try:
+        os.write(2, f"[trainbox] got signal {signal.Signals(signum).name}: will checkpoint and stop after this step\n".encode())
+    except OSError:
+        pass
+
+
+def install_signal_handlers() -> None:
+    for sig in PREEMPT_SIGNALS:
+        signal.signal(sig, _handler)
+
+
+def preempt_requested() -> bool:
+    return _preempt_requested
+
+
+def was_preempted() -> bool:
+    """True when this run stopped early because of SIGTERM/SIGUSR1 (and the Trainer saved a checkpoint)."""
+    return _preempted
+
+
+def exit_code() -> int:
+    """0 normally. Preempted-and-saved: $TRAINBOX_PREEMPTED_EXIT_CODE if set, else 0 (clean end for torchrun/Slurm)."""
+    if _preempted:
+        try:
+            return int(os.environ.get("TRAINBOX_PREEMPTED_EXIT_CODE", "0"))
+        except ValueError:
+            return 0
+    return 0
+
+
+def _agree(flag: bool, args) -> bool:
+    """Max of `flag` over all ranks, so every rank saves at the same step (a lone rank would hang the collective)."""
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover
+        return flag
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    device = "cpu"
+    if dist.get_backend() == "nccl":
+        device = getattr(args, "device", None) or torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _callback_base():
+    from transformers import TrainerCallback
+
+    return TrainerCallback
+
+
+class PreemptionCallback(_callback_base()):
+    """Installs SIGTERM/SIGUSR1 handlers; at the next step end asks the Trainer to save a checkpoint and stop."""
+
+    def __init__(self):
+        super().__init__()
+        install_signal_handlers()
+        self.tokens_at_start: int | None = None
+        self.step_at_start: int | None = None
+        self.started_at: float | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.tokens_at_start = int(getattr(state, "num_input_tokens_seen", 0) or 0)
+        self.step_at_start = int(state.global_step)
+        self.started_at = time.time()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        global _preempted
+        if _agree(_preempt_requested, args):
+            _preempted = True
+            control.should_save = True
+            control.should_training_stop = True
+        return control
+
+    def on_save(self, args, state, control, **kwargs):
+        global _checkpoint_saved
+        _checkpoint_saved = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        return control
+
+
+_CKPT = re.compile(r"^checkpoint-(\d+)$")
+
+
+def _complete(path: str) -> bool:
+    # trainer_state.json is written after the weights and optimizer; without it the checkpoint was cut short.
+    return os.path.isfile(os.path.join(path, "trainer_state.json"))
+
+
+def resume_checkpoint(output_dir: str) -> str | None:
+    """Last complete `checkpoint-N` under output_dir, or None. Skips a newest one that was cut short."""
+    if not os.path.isdir(output_dir):
+        return None
+    from transformers.trainer_utils import get_last_checkpoint
+
+    last = get_last_checkpoint(output_dir)
+    if last is None:
+        return None
+    if _complete(last):
+        return last
+    numbered = sorted(
+        (int(m.group(1)), name)
+        for name in os.listdir(output_dir)
+        if (m := _CKPT.match(name)) and os.path.isdir(os.path.join(output_dir, name))
+    )
+    for _, name in reversed(numbered):
+        if _complete(os.path.join(output_dir, name)):
+            return os.path.join(output_dir, name)
+    return None
+
+
+def is_main_process() -> bool:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank() == 0
+    except ImportError:  # pragma: no cover
+        pass
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def artifact_dir() -> str | None:
+    return os.environ.get("ARTIFACT_DIR") or os.environ.get("SAKURA_ARTIFACT_DIR") or None
+
+
+def copy_artifacts(src: str, dest_root: str, name: str) -> str:
+    """Copy src to DEST_ROOT/<basename of src> through a temporary name + rename (never half-written)."""
+    dest_root_p = Path(dest_root)
+    dest_root_p.mkdir(parents=True, exist_ok=True)
+    final = dest_root_p / (Path(src).name or name)
+    if final.resolve() == Path(src).resolve():
+        return str(final)
+    tmp = dest_root_p / f".{final.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    shutil.copytree(src, tmp, symlinks=True)
+    if final.exists():
+        old = dest_root_p / f".{final.name}.old-{os.getpid()}"
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(final)
+    return str(final)
+
+
+def _find_callback(trainer) -> PreemptionCallback | None:
+    for cb in getattr(getattr(trainer, "callback_handler", None), "callbacks", []):
+        if isinstance(cb, PreemptionCallback):
+            return cb
+    return None
+
+
+def summary(trainer, output_dir: str, started: float, name: str) -> str:
+    """The one-line final summary (also used by tests)."""
+    state = trainer.state
+    wall = max(time.time() - started, 1e-9)
+    cb = _find_callback(trainer)
+    step0 = cb.step_at_start if cb and cb.step_at_start is not None else 0
+    tokens = int(getattr(state, "num_input_tokens_seen", 0) or 0)
+    tokens_run = tokens - ((cb.tokens_at_start or 0) if cb else 0)
+    train_wall = wall
+    if cb and cb.started_at:
+        train_wall = max(time.time() - cb.started_at, 1e-9)
+    parts = [
+        f"[trainbox] {name} {'preempted (checkpoint saved)' if _preempted else 'done'}:",
+        f"steps {state.global_step}/{state.max_steps} (this run {state.global_step - step0})",
+        f"wall {wall:.1f}s",
+    ]
+    if tokens_run > 0:
+        parts.append(f"tokens {tokens_run} ({tokens_run / train_wall:.1f} tokens/s)")
+    parts.append(f"outputs {output_dir}")
+    if _preempted:
+        ck = _checkpoint_saved or resume_checkpoint(output_dir)
+        parts.append(f"checkpoint {ck}; rerun the same command to resume")
+    return " ".join(parts)
+
+
+def finish(trainer, output_dir: str, started: float, name: str) -> None:
+    """Main process only: print the summary line; copy outputs to $ARTIFACT_DIR / $SAKURA_ARTIFACT_DIR if set."""
+    if not is_main_process():
+        return
+    line = summary(trainer, output_dir, started, name)
+    dest = artifact_dir()
+    if dest:
+        copied = copy_artifacts(output_dir, dest, name)
+        line += f" artifacts {copied}"
+    print(line, flush=True)
+    sys.stdout.flush()
