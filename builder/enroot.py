@@ -1,0 +1,395 @@
+"""Docker image -> enroot `.sqsh`, the same file `enroot import dockerd://IMAGE` writes.
+
+Our own path (no enroot needed, the usual build host) repeats enroot's `docker::daemon::import`
+(NVIDIA/enroot src/docker.sh, commit 8ea147d): `docker create` + `docker export` piped into the same tar command,
+`common::fixperms`, then `docker::configure` writes /etc/fstab, /etc/environment, /etc/rc and /etc/rc.local, then
+`mksquashfs rootfs FILE -all-root -processors N $ENROOT_SQUASH_OPTIONS` (default `-comp lzo -noD -exit-on-error`,
+enroot.in line 88). With `use_enroot=True` the real `enroot import` does the work instead.
+
+Differences from enroot, on purpose: SOURCE_DATE_EPOCH adds `-mkfs-time/-all-time` (enroot does that only for
+`docker://`, not `dockerd://`) so rebuilds are byte-identical; the file is written under a temporary name and renamed,
+so an interrupted export never leaves a `.sqsh`; symlinked /etc/{rc,fstab,...} are replaced, never followed out of
+the rootfs.
+
+CLI: `python -m builder.enroot IMAGE DEST.sqsh [--compression lzo|zstd|...] [--block-size 1M] [--enroot]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+try:
+    from builder.errors import UserError
+except ImportError:  # pragma: no cover - only while builder/errors.py is not in the tree yet
+    class UserError(Exception):
+        pass
+
+# mksquashfs compressor options. "lzo" is enroot's default (ENROOT_SQUASH_OPTIONS, enroot.in:88): data blocks are
+# left uncompressed (-noD) so every cluster's kernel/squashfuse reads it and starting is fast.
+COMPRESSION_OPTIONS: dict[str, list[str]] = {
+    "lzo": ["-comp", "lzo", "-noD", "-exit-on-error"],
+    "zstd": ["-comp", "zstd", "-Xcompression-level", "3", "-exit-on-error"],
+    "zstd-max": ["-comp", "zstd", "-Xcompression-level", "19", "-exit-on-error"],
+    "gzip": ["-comp", "gzip", "-exit-on-error"],
+    "lz4": ["-comp", "lz4", "-exit-on-error"],
+    "xz": ["-comp", "xz", "-exit-on-error"],
+}
+_BLOCK_SIZE_RE = re.compile(r"^(\d+)([KM]?)$")
+# enroot accepts only these characters in a dockerd:// reference (src/docker.sh, docker::daemon::import).
+_ENROOT_REF_RE = re.compile(r"^[A-Za-z0-9/._:-]+$")
+TMP_MARK = ".tmp."  # DEST's temporary sibling is ".<name>.tmp.<pid>": never ends in .sqsh
+
+
+def _log(msg: str) -> None:
+    print(f"[enroot] {msg}", file=sys.stderr, flush=True)
+
+
+def docker_cli() -> str:
+    from builder.setup_engine import docker_cli as cli
+
+    return cli()
+
+
+# ---------------------------------------------------------------- bash ${var@Q}, as enroot's /etc/rc uses it
+
+_ANSIC = {"\x1b": "E", "\a": "a", "\v": "v", "\b": "b", "\f": "f", "\n": "n", "\r": "r", "\t": "t",
+          "\\": "\\", "'": "'"}
+
+
+def _printable(ch: str) -> bool:
+    # bash tests isprint()/iswprint() in the user's locale; this is a UTF-8 locale (C.UTF-8, en_US.UTF-8).
+    return ch.isprintable() if ord(ch) > 0x7F else 0x20 <= ord(ch) < 0x7F
+
+
+def bash_quote(s: str) -> str:
+    """bash's `${x@Q}` (sh_quote_reusable in lib/sh/shquote.c): '' for empty, $'..' if anything is unprintable."""
+    if s == "":
+        return "''"
+    if not all(_printable(c) for c in s):
+        out = []
+        for ch in s:
+            if ch in _ANSIC:
+                out.append("\\" + _ANSIC[ch])
+            elif _printable(ch):
+                out.append(ch)
+            else:
+                out.extend(f"\\{b:03o}" for b in ch.encode("utf-8"))
+        return "$'" + "".join(out) + "'"
+    if s == "'":
+        return "\\'"
+    return "'" + s.replace("'", "'\\''") + "'"
+
+
+# ---------------------------------------------------------------- docker::configure (src/docker.sh)
+
+def _jq_lines(values) -> list[str]:
+    """`jq -r '.x[]' | readarray -t arr`: every element printed on its own line, so embedded newlines split it."""
+    lines: list[str] = []
+    for v in values or []:
+        lines.extend(str(v).split("\n"))
+    return lines
+
+
+def configure_files(config: dict, uri: str) -> dict[str, str]:
+    """The texts enroot's docker::configure writes, from `docker inspect` output (one element, any key case).
+
+    Keys are paths inside the rootfs: /etc/fstab, /etc/environment, /etc/rc, /etc/rc.local.
+    """
+    # enroot lower-cases the top-level keys only: `with_entries(.key|=ascii_downcase)`.
+    top = {k.lower(): v for k, v in config.items()}
+    cfg = top.get("config") or {}
+    volumes = cfg.get("Volumes") or {}
+    env = cfg.get("Env") or []
+    labels = cfg.get("Labels") or {}
+
+    # `(.config.Volumes)? // empty | keys[]` -- jq's keys are sorted by code point.
+    fstab = "".join(f"${{ENROOT_ROOTFS}}{v} {v} none x-create=dir,bind,rw,nosuid,nodev\n" for v in sorted(volumes))
+    # `(.config.Env[])? // empty`, raw lines.
+    environ = "".join(f"{e}\n" for e in env)
+
+    rc = f"# enroot-provenance: {uri}\n"
+    # docker inspect prints Labels sorted (Go map order); enroot keeps that order (to_entries) and flattens newlines.
+    for key, value in labels.items():
+        rc += f"# {key} {str(value).replace(chr(10), ' ')}\n"
+    rc += "\n"  # `[ -s "${initrc}" ] && echo >> "${initrc}"`: never empty, it holds the provenance line.
+
+    # `jq -r ... | common::read -r workdir`: read strips leading/trailing IFS whitespace and stops at the first line.
+    workdir_raw = cfg.get("WorkingDir")
+    workdir = str(workdir_raw).split("\n")[0].strip(" \t") if workdir_raw is not None else ""
+    workdir = workdir or "/"
+    entrypoint = _jq_lines(cfg.get("Entrypoint"))
+    cmd = _jq_lines(cfg.get("Cmd"))
+    if not entrypoint and not cmd:
+        cmd = ["/bin/sh"]
+    ep_q = " ".join(bash_quote(a) for a in entrypoint)
+    cmd_q = " ".join(bash_quote(a) for a in cmd)
+    rc += (
+        f'mkdir -p "{workdir}" 2> /dev/null\n'
+        f'cd "{workdir}" && unset OLDPWD || exit 1\n'
+        "\n"
+        "if [ -s /etc/rc.local ]; then\n"
+        "    . /etc/rc.local\n"
+        "fi\n"
+        "\n"
+        "if [ $# -gt 0 ]; then\n"
+        f'    exec {ep_q} "$@"\n'
+        "else\n"
+        f"    exec {ep_q} {cmd_q}\n"
+        "fi\n"
+    )
+    rclocal = (
+        "# This file is sourced by /etc/rc when the container starts.\n"
+        "# It can be used to manipulate the entrypoint or the command of the container.\n"
+    )
+    return {"/etc/fstab": fstab, "/etc/environment": environ, "/etc/rc": rc, "/etc/rc.local": rclocal,
+            "workdir": workdir}
+
+
+def _write_like_shell(path: Path, text: str) -> None:
+    """`cat > path`: truncate an existing file (keeping its mode), else create it 0666 & ~umask."""
+    if path.is_symlink():  # `>` would follow it, possibly out of the rootfs
+        path.unlink()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+        f.write(text)
+
+
+def configure_rootfs(rootfs: Path, config: dict, uri: str) -> None:
+    files = configure_files(config, uri)
+    workdir = files.pop("workdir")
+    (rootfs / "etc").mkdir(parents=True, exist_ok=True)
+    for rel, text in files.items():
+        _write_like_shell(rootfs / rel.lstrip("/"), text)
+    # `mkdir -p "${rootfs}${workdir:-/}"`
+    (rootfs / workdir.lstrip("/")).mkdir(parents=True, exist_ok=True)
+
+
+# ---------------------------------------------------------------- export
+
+def squash_options(compression: str, block_size: str | int | None) -> list[str]:
+    if compression not in COMPRESSION_OPTIONS:
+        raise UserError(f"unknown compression {compression!r}; choose one of {', '.join(COMPRESSION_OPTIONS)} "
+                        "(lzo is enroot's default and readable everywhere)")
+    opts = list(COMPRESSION_OPTIONS[compression])
+    if block_size is not None:
+        raw = str(block_size).upper()
+        m = _BLOCK_SIZE_RE.match(raw)
+        size = int(m.group(1)) * {"": 1, "K": 1024, "M": 1024 * 1024}[m.group(2)] if m else 0
+        if not m or size < 4096 or size > 1024 * 1024 or size & (size - 1):
+            raise UserError(f"block size {block_size!r} is not a power of two between 4K and 1M; "
+                            "give e.g. 128K or 1M")
+        opts += ["-b", raw]
+    return opts
+
+
+def _source_date_epoch() -> int | None:
+    raw = os.environ.get("SOURCE_DATE_EPOCH")
+    if raw is None or raw == "":
+        return None
+    if not raw.isdigit() or int(raw) >= 2**32:
+        raise UserError(f"SOURCE_DATE_EPOCH={raw!r} is not a Unix time in seconds (0..4294967295); "
+                        "set it to e.g. $(git log -1 --format=%ct)")
+    return int(raw)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _clean_stale_temps(dest: Path) -> None:
+    """Remove temporaries left by exports of DEST that were SIGKILLed (their pid is gone)."""
+    for p in dest.parent.glob(f".{dest.name}{TMP_MARK}*"):
+        pid = p.name.rsplit(".", 1)[-1]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+
+
+class _Terminated(BaseException):
+    pass
+
+
+def _raise_terminated(signum, frame):  # noqa: ARG001
+    raise _Terminated(signum)
+
+
+def _run(argv: list[str], what: str, **kw) -> subprocess.CompletedProcess:
+    try:
+        r = subprocess.run(argv, **kw)
+    except FileNotFoundError as e:
+        raise UserError(f"{what}: {argv[0]} not found; install it (squashfs-tools for mksquashfs, docker.io for "
+                        "docker) or put it on PATH") from e
+    if r.returncode != 0:
+        err = (r.stderr or b"").decode(errors="replace").strip() if isinstance(r.stderr, bytes) else (r.stderr or "")
+        raise UserError(f"{what} failed (exit {r.returncode}): {err.strip()[-2000:]}")
+    return r
+
+
+def inspect_image(image_ref: str, docker: str | None = None) -> dict:
+    docker = docker or docker_cli()
+    r = subprocess.run([docker, "image", "inspect", image_ref], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise UserError(f"image {image_ref!r} is not in the local engine ({r.stderr.strip()}); build it first "
+                        f"(python build.py ...) or `docker pull`/`docker load` it")
+    return json.loads(r.stdout)[0]
+
+
+def _export_ours(image_ref: str, tmp_file: Path, workdir: Path, opts: list[str], sde: int | None,
+                 progress: bool, docker: str) -> None:
+    config = inspect_image(image_ref, docker)
+    cfg = config.get("Config") or {}
+    if not cfg.get("Entrypoint") and not cfg.get("Cmd"):
+        # `docker create` refuses it, and so does enroot.
+        raise UserError(f"image {image_ref!r} has neither ENTRYPOINT nor CMD; enroot import cannot read it either. "
+                        "Add a CMD (e.g. CMD [\"/bin/sh\"]) to its Dockerfile")
+    rootfs = workdir / "rootfs"
+    rootfs.mkdir()
+    name = f"trainbox-enroot-{uuid.uuid4().hex[:12]}"
+    if progress:
+        _log(f"Fetching image {image_ref}")
+    _run([docker, "create", "--name", name, image_ref], "docker create", capture_output=True)
+    try:
+        if progress:
+            _log("Extracting image content...")
+        # The exact tar flags of enroot's docker::daemon::import: empty /dev, no /.dockerenv.
+        exp = subprocess.Popen([docker, "export", name], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        tar = subprocess.run(["tar", "-C", str(rootfs), "--warning=no-timestamp", "--anchored", "--exclude=dev/*",
+                              "--exclude=.dockerenv", "-px"], stdin=exp.stdout, capture_output=True)
+        exp.stdout.close()
+        exp_err = exp.stderr.read().decode(errors="replace")
+        if exp.wait() != 0:
+            raise UserError(f"docker export {image_ref} failed: {exp_err.strip()}")
+        if tar.returncode != 0:
+            raise UserError(f"unpacking {image_ref} failed (is there space in {workdir}?): "
+                            f"{tar.stderr.decode(errors='replace').strip()[-2000:]}")
+    finally:
+        subprocess.run([docker, "rm", "-f", "-v", name], capture_output=True)
+    # common::fixperms (src/common.sh): make everything readable/traversable by the owner, directories writable.
+    subprocess.run(["chmod", "-f", "-R", "u+rX", str(rootfs)], capture_output=True)
+    subprocess.run(["find", str(rootfs), "-maxdepth", "15", "-type", "d", "!", "-perm", "-u=w", "-exec", "chmod",
+                    "-f", "u+w", "{}", "+"], capture_output=True)
+    configure_rootfs(rootfs, config, f"dockerd://{image_ref}")
+
+    if progress:
+        _log(f"Creating squashfs filesystem... ({' '.join(opts)})")
+    argv = ["mksquashfs", str(rootfs), str(tmp_file), "-all-root", "-processors", str(os.cpu_count() or 1)]
+    if not progress:
+        argv.append("-no-progress")
+    if sde is not None:
+        argv += ["-mkfs-time", str(sde), "-all-time", str(sde)]
+    argv += opts
+    env = {k: v for k, v in os.environ.items() if k != "SOURCE_DATE_EPOCH"}  # we pass it as flags instead
+    _run(argv, "mksquashfs", env=env, stdout=sys.stderr if progress else subprocess.DEVNULL,
+         stderr=subprocess.PIPE)
+
+
+def _export_enroot(image_ref: str, tmp_file: Path, workdir: Path, opts: list[str], progress: bool) -> None:
+    if not shutil.which("enroot"):
+        raise UserError("use_enroot/--enroot was asked but `enroot` is not on PATH; install enroot "
+                        "(github.com/NVIDIA/enroot releases) or drop --enroot to use the built-in exporter")
+    if not _ENROOT_REF_RE.match(image_ref):
+        raise UserError(f"enroot accepts only [A-Za-z0-9/._:-] in a dockerd:// reference, not {image_ref!r}; "
+                        "tag the image (docker tag ID name:tag) and export the tag")
+    env = dict(os.environ, ENROOT_SQUASH_OPTIONS=" ".join(opts), ENROOT_TEMP_PATH=str(workdir))
+    if not progress:
+        env["TTY_OFF"] = "y"
+    _run(["enroot", "import", "-o", str(tmp_file), f"dockerd://{image_ref}"], "enroot import", env=env,
+         stdout=sys.stderr if progress else subprocess.DEVNULL, stderr=None if progress else subprocess.PIPE)
+
+
+def export_image(image_ref: str, dest_path, *, compression: str = "lzo", block_size=None, use_enroot: bool = False,
+                 progress: bool = True, docker: str | None = None, tmp_dir=None) -> Path:
+    """Write IMAGE's enroot squashfs to DEST_PATH (must end in .sqsh; an existing file is replaced atomically).
+
+    tmp_dir: where the rootfs is unpacked (as big as the image); default: next to DEST.
+    """
+    dest = Path(dest_path).absolute()
+    if dest.suffix != ".sqsh":
+        raise UserError(f"destination {str(dest)!r} must end in .sqsh (pyxis and enroot look for that suffix)")
+    if not dest.parent.is_dir():
+        raise UserError(f"destination directory {str(dest.parent)!r} does not exist; create it first")
+    if not os.access(dest.parent, os.W_OK):
+        raise UserError(f"destination directory {str(dest.parent)!r} is not writable")
+    opts = squash_options(compression, block_size)
+    sde = _source_date_epoch()
+    docker = docker or docker_cli()
+    _clean_stale_temps(dest)
+
+    tmp_file = dest.parent / f".{dest.name}{TMP_MARK}{os.getpid()}"
+    work = Path(tempfile.mkdtemp(prefix=f".{dest.name}{TMP_MARK}", suffix=f".{os.getpid()}",
+                                 dir=tmp_dir or dest.parent))
+    old_handlers = {}
+    if threading_main():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            old_handlers[sig] = signal.signal(sig, _raise_terminated)
+    t0 = time.monotonic()
+    try:
+        if use_enroot:
+            _export_enroot(image_ref, tmp_file, work, opts, progress)
+        else:
+            _export_ours(image_ref, tmp_file, work, opts, sde, progress, docker)
+        os.chmod(tmp_file, 0o644)
+        os.replace(tmp_file, dest)
+    except _Terminated as e:
+        raise UserError(f"export of {image_ref} interrupted by signal {e.args[0]}; nothing written to {dest}") from e
+    finally:
+        for sig, h in old_handlers.items():
+            signal.signal(sig, h)
+        tmp_file.unlink(missing_ok=True)
+        # tar kept the image's modes; a read-only dir would stop rmtree.
+        subprocess.run(["chmod", "-R", "u+rwX", str(work)], capture_output=True)
+        shutil.rmtree(work, ignore_errors=True)
+    if progress:
+        _log(f"{dest} ({dest.stat().st_size / 2**20:.1f} MiB, {time.monotonic() - t0:.1f} s)")
+    return dest
+
+
+def threading_main() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m builder.enroot",
+                                description="Export an already-built image to an enroot .sqsh "
+                                            "(same content as `enroot import dockerd://IMAGE`).")
+    p.add_argument("image", help="local image reference, e.g. trainbox:smoke-cpu")
+    p.add_argument("dest", help="output file, ending in .sqsh")
+    p.add_argument("--compression", default="lzo", choices=list(COMPRESSION_OPTIONS),
+                   help="lzo = enroot's default (-comp lzo -noD), readable everywhere; zstd = smaller")
+    p.add_argument("--block-size", default=None, help="mksquashfs block size, e.g. 1M (default 128K)")
+    p.add_argument("--enroot", action="store_true", help="run the real `enroot import` (must be installed)")
+    p.add_argument("--tmp-dir", default=None, help="where to unpack the rootfs (default: next to DEST)")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    a = p.parse_args(argv)
+    try:
+        export_image(a.image, a.dest, compression=a.compression, block_size=a.block_size, use_enroot=a.enroot,
+                     progress=not a.quiet, tmp_dir=a.tmp_dir)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"error: export of {a.image} interrupted; nothing written to {a.dest}", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
