@@ -1,0 +1,250 @@
+"""The dispatcher: listing without imports, unknown names, pass-through, exec vs PID-1 supervision, signals, reaping."""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+NAMES = ("jupyter", "grpo", "qlora", "sft", "doctor")
+
+# A stand-in entrypoint for the signal tests: logs what it receives, exits 7 on SIGTERM.
+MARKER_ENTRYPOINT = '''"""Test stand-in: logs signals, exits 7 on SIGTERM."""
+import os, signal, sys, time
+
+
+def zombies():
+    n = 0
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = open(f"/proc/{d}/stat").read()
+            except OSError:
+                continue
+            n += stat.rpartition(")")[2].split()[0] == "Z"
+    return n
+
+
+def main(argv):
+    out = argv[0]
+
+    def log(s):
+        with open(out, "a") as f:
+            f.write(s + "\\n")
+
+    signal.signal(signal.SIGUSR1, lambda *a: log("USR1"))
+    signal.signal(signal.SIGHUP, lambda *a: log("HUP"))
+
+    def term(*a):
+        log("TERM")
+        sys.exit(7)
+
+    signal.signal(signal.SIGTERM, term)
+    log(f"pid {os.getpid()} ppid {os.getppid()}")
+    if "--orphan" in argv:  # a grandchild outlives its parent: re-parented to the reaper, which must reap it
+        if os.fork() == 0:
+            if os.fork() == 0:
+                time.sleep(0.2)
+                os._exit(0)
+            os._exit(0)
+        os.wait()
+        time.sleep(2.5)
+        log(f"zombies {zombies()}")
+    if "--die" in argv:
+        os.kill(os.getpid(), signal.SIGKILL)
+    log("ready")
+    while True:
+        time.sleep(0.05)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
+'''
+
+
+def run(args, env=None, cwd=ROOT, **kw):
+    e = dict(os.environ, PYTHONPATH=str(ROOT))
+    e.update(env or {})
+    return subprocess.run([PY, "-m", "entrypoints", *args], cwd=cwd, env=e, capture_output=True, text=True,
+                          timeout=120, **kw)
+
+
+@pytest.fixture
+def pkg(tmp_path):
+    """A copy of the package whose `sft` entrypoint is the marker stand-in (the real dispatcher runs it)."""
+    dst = tmp_path / "pkg" / "entrypoints"
+    shutil.copytree(ROOT / "entrypoints", dst, ignore=shutil.ignore_patterns("__pycache__"))
+    (dst / "sft.py").write_text(MARKER_ENTRYPOINT)
+    return dst.parent
+
+
+def wait_for(path: Path, text: str, proc=None, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text():
+            return path.read_text()
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"exited {proc.returncode} before {text!r}: {proc.stderr.read()}")
+        time.sleep(0.05)
+    raise AssertionError(f"{text!r} never appeared in {path}")
+
+
+def test_help_lists_every_entrypoint_with_its_docstring_line():
+    r = run(["--help"])
+    assert r.returncode == 0, r.stderr
+    listed = {line.split()[0]: line.split(None, 1)[1] for line in r.stdout.splitlines() if line.startswith("  ")}
+    assert set(NAMES) <= set(listed)
+    assert "healthcheck" not in listed  # hidden
+    doctor_doc = ast.get_docstring(ast.parse((ROOT / "entrypoints/doctor.py").read_text())).splitlines()[0]
+    assert listed["doctor"] == doctor_doc
+
+
+def test_help_imports_nothing_heavy():
+    code = ("import sys; from entrypoints.dispatch import usage; t = usage(); "
+            "heavy = {'torch', 'transformers', 'trl', 'jupyter_server'} & set(sys.modules); "
+            "assert not heavy, heavy; assert 'jupyter' in t")
+    r = subprocess.run([PY, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("name", NAMES + ("healthcheck",))
+def test_entrypoint_module_honours_the_contract(name):
+    """Each module: one-line docstring, top-level `main(argv)`, and runnable with `python -m` (a __main__ guard)."""
+    path = ROOT / "entrypoints" / f"{name}.py"
+    assert path.is_file(), f"{path} missing"
+    tree = ast.parse(path.read_text())
+    doc = ast.get_docstring(tree)
+    assert doc and doc.splitlines()[0].strip(), f"{name}: no docstring"
+    mains = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"]
+    assert mains and len(mains[0].args.args) == 1, f"{name}: no top-level main(argv)"
+    guards = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
+    assert guards, f"{name}: no `if __name__ == '__main__'` block"
+
+
+def test_trainbox_command_like_the_image(tmp_path):
+    """/usr/local/bin/trainbox in the image is `exec python -m entrypoints "$@"`: same listing through it."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    shim = bindir / "trainbox"
+    shim.write_text(f'#!/bin/sh\nexec {PY} -m entrypoints "$@"\n')
+    shim.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", PYTHONPATH=str(ROOT))
+    r = subprocess.run(["trainbox", "--help"], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    for name in NAMES:
+        assert f"\n  {name} " in r.stdout
+    r = subprocess.run(["trainbox", "nope"], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 2 and "unknown entrypoint 'nope'" in r.stderr and "usage:" in r.stderr
+
+
+def test_unknown_name_and_no_name_exit_2_with_usage():
+    r = run(["frobnicate"])
+    assert r.returncode == 2
+    assert "unknown entrypoint 'frobnicate'" in r.stderr and "doctor" in r.stderr
+    r = run([])
+    assert r.returncode == 2 and "usage:" in r.stderr
+
+
+def test_name_help_passes_through_to_the_entrypoint():
+    r = run(["doctor", "--help"])
+    assert r.returncode == 0, r.stderr
+    assert "--json" in r.stdout and "exit codes" in r.stdout.lower()
+
+
+def test_missing_or_broken_module_does_not_break_listing(pkg):
+    (pkg / "entrypoints" / "grpo.py").unlink(missing_ok=True)
+    (pkg / "entrypoints" / "qlora.py").write_text("def main(argv:\n")  # a syntax error mid-edit
+    r = run(["--help"], env={"PYTHONPATH": str(pkg)}, cwd=pkg)
+    assert r.returncode == 0, r.stderr
+    assert "grpo      (not installed in this image)" in r.stdout
+    assert "  qlora" in r.stdout and "  doctor" in r.stdout
+    r = run(["grpo"], env={"PYTHONPATH": str(pkg)}, cwd=pkg)
+    assert r.returncode == 2 and "not installed" in r.stderr
+
+
+def start(pkg, args, env=None, prefix=()):
+    e = dict(os.environ, PYTHONPATH=str(pkg))
+    e.pop("TRAINBOX_SUPERVISE", None)
+    e.update(env or {})
+    return subprocess.Popen([*prefix, PY, "-m", "entrypoints", "sft", *args], cwd="/", env=e,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_not_pid1_execs_in_place(pkg, tmp_path):
+    log = tmp_path / "log"
+    p = start(pkg, [str(log)])
+    text = wait_for(log, "ready", p)
+    assert f"pid {p.pid} " in text  # the dispatcher became the entrypoint: no extra process in between
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(30) == 7
+    assert "TERM" in log.read_text()
+
+
+def test_supervisor_forwards_signals_and_passes_exit_code(pkg, tmp_path):
+    log = tmp_path / "log"
+    p = start(pkg, [str(log)], env={"TRAINBOX_SUPERVISE": "1"})
+    text = wait_for(log, "ready", p)
+    assert f"ppid {p.pid}\n" in text  # a child of the dispatcher
+    p.send_signal(signal.SIGUSR1)
+    wait_for(log, "USR1", p)
+    p.send_signal(signal.SIGHUP)
+    wait_for(log, "HUP", p)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(30) == 7
+    assert log.read_text().splitlines()[-1] == "TERM"
+
+
+def test_supervisor_reports_death_by_signal_as_128_plus_n(pkg, tmp_path):
+    p = start(pkg, [str(tmp_path / "log"), "--die"], env={"TRAINBOX_SUPERVISE": "1"})
+    assert p.wait(30) == 128 + signal.SIGKILL
+
+
+def test_supervisor_reaps_orphans(pkg, tmp_path):
+    log = tmp_path / "log"
+    p = start(pkg, [str(log), "--orphan"], env={"TRAINBOX_SUPERVISE": "1"})
+    assert "zombies 0" in wait_for(log, "ready", p)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(30) == 7
+
+
+def _can_unshare() -> bool:
+    if not shutil.which("unshare"):
+        return False
+    return subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True).returncode == 0
+
+
+def _host_pid_of_pid1(unshare_pid: int, timeout=30) -> int:
+    """The dispatcher's pid as seen from here: unshare --fork's only child."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        kids = Path(f"/proc/{unshare_pid}/task/{unshare_pid}/children").read_text().split()
+        if kids:
+            return int(kids[0])
+        time.sleep(0.02)
+    raise AssertionError("unshare started no child")
+
+
+@pytest.mark.skipif(not _can_unshare(), reason="needs root: unshare --pid --fork --mount-proc (a new PID namespace)")
+def test_real_pid1_in_a_pid_namespace(pkg, tmp_path):
+    """Like `docker run`: the dispatcher is PID 1 of its own PID namespace and the SIGTERM comes from outside."""
+    log = tmp_path / "log"
+    p = start(pkg, [str(log), "--orphan"], prefix=("unshare", "--pid", "--fork", "--mount-proc"))
+    pid1 = _host_pid_of_pid1(p.pid)
+    text = wait_for(log, "ready", p)
+    assert "ppid 1\n" in text  # the dispatcher is PID 1 and supervises (no env var)
+    assert "zombies 0" in text  # PID 1 reaped the orphan
+    os.kill(pid1, signal.SIGUSR1)
+    wait_for(log, "USR1", p)
+    os.kill(pid1, signal.SIGTERM)
+    assert p.wait(30) == 7
+    assert log.read_text().splitlines()[-1] == "TERM"
