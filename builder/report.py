@@ -1,0 +1,69 @@
+"""Build report: one row per built cell (tag, digest, size, layers, build time, pushed bytes) as JSON and a table."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+COLUMNS = [  # (header, field, formatter)
+    ("cell", "cell", str),
+    ("tag", "tag", str),
+    ("arch", "arch", str),
+    ("builder", "builder", str),
+    ("digest", "digest", lambda d: d[:19] if d else "-"),
+    ("size MB", "size", lambda b: f"{b / 1e6:.1f}"),
+    ("layers", "layers", str),
+    ("steps (cached)", "steps", None),
+    ("build s", "seconds", lambda s: f"{s:.1f}"),
+    ("pushed layers", "pushed_layers", str),
+    ("pushed MB", "pushed_bytes", lambda b: f"{b / 1e6:.2f}"),
+]
+
+
+def to_dict(results, manifest_lists: dict[str, str]) -> dict:
+    return {"cells": [dataclasses.asdict(r) for r in results],
+            "manifest_lists": [{"ref": ref, "digest": d} for ref, d in manifest_lists.items()]}
+
+
+def table(results, manifest_lists: dict[str, str] | None = None) -> str:
+    rows = [[h for h, _, _ in COLUMNS]]
+    for r in results:
+        row = []
+        for _, name, fmt in COLUMNS:
+            if name == "steps":
+                row.append(f"{r.steps} ({r.cached_steps})")
+            else:
+                row.append(fmt(getattr(r, name)))
+        rows.append(row)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    for ref, digest in (manifest_lists or {}).items():
+        lines.append(f"manifest list {ref} {digest}")
+    return "\n".join(lines)
+
+
+def write_json(path: str | Path, data: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def emit(results, manifest_lists: dict[str, str], json_path: str | None = None, quiet: bool = False) -> dict:
+    """Print the table (and every pushed digest, even with --quiet) and write JSON_PATH if given."""
+    data = to_dict(results, manifest_lists)
+    if json_path:
+        write_json(json_path, data)
+    if quiet:
+        for r in results:
+            if r.digest:
+                print(f"{r.pushed_ref}")
+        for ref, d in manifest_lists.items():
+            print(f"{ref}@{d}")
+    else:
+        print(table(results, manifest_lists), file=sys.stdout, flush=True)
+    return data
