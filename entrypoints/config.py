@@ -160,12 +160,14 @@ def parse_args(
     *,
     prog: str,
     legacy: dict[str, Translator] | None = None,
+    defaults: dict[str, Any] | None = None,
 ) -> tuple:
     """Parse YAML (`--config`) + CLI into one instance of each dataclass, in order.
 
     Raises UsageError for an unknown option (YAML or CLI), a missing config file, a bad value or a rejected
     combination (the dataclasses' own `__post_init__` checks). `--help` prints the help and exits 0 (SystemExit).
     Each returned instance records which of its fields were given explicitly (see `explicit`).
+    `defaults` are the program's own defaults (e.g. qlora's 4-bit settings); YAML and CLI override them.
     """
     legacy = dict(legacy or {})
     parser = _make_parser(tuple(dataclass_types), prog)
@@ -177,6 +179,15 @@ def parse_args(
     if "use_cpu" in known and not _cuda_available():
         # No GPU here: TrainingArguments would reject its bf16 default; say so instead of failing.
         parser.set_defaults(use_cpu=True)
+    if defaults:
+        dests = {a.dest for a in parser._actions}
+        unknown = sorted(set(defaults) - dests)
+        if unknown:  # a programming error in the caller, not user input
+            raise ValueError(f"parse_args defaults name unknown options: {unknown}")
+        for action in parser._actions:
+            if action.dest in defaults:
+                action.required = False
+        parser.set_defaults(**defaults)
 
     if config_path is not None:
         raw = _load_yaml(config_path)

@@ -1,0 +1,228 @@
+"""Datasets for the training entrypoints: load a local file/directory or a hub id, check columns, convert formats.
+
+Formats understood (detected from the columns, or named with `dataset_format`):
+- `messages`: a chat list `[{"role", "content"}, ...]` per row (TRL's conversational format).
+- `dolly`: instruction + optional context/input + response/output (databricks-dolly-15k, alpaca).
+- `verl`: verl's gsm8k parquet: `prompt` (chat list), `reward_model.ground_truth`, `extra_info{question, answer}`;
+  SFT uses `extra_info.question` -> `extra_info.answer` like verl's own SFT recipe (prompt_key/response_key).
+- `prompt_completion`: `prompt` + `completion` columns (strings or chat lists), TRL's format.
+- `keys`: any `prompt_key` / `response_key` pair, dotted for dict columns (`extra_info.question`).
+All SFT conversions produce TRL's conversational prompt/completion (loss on the completion only) or `messages`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from .errors import UsageError
+
+LOCAL_SUFFIXES = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
+FORMATS = ("auto", "messages", "dolly", "verl", "prompt_completion", "keys")
+
+
+def _looks_local(spec: str) -> bool:
+    return (
+        spec.startswith(("/", "./", "../", "~"))
+        or Path(spec).suffix.lower() in LOCAL_SUFFIXES
+        or os.sep in spec.strip("/") and spec.count("/") > 1
+    )
+
+
+def _files_in(directory: Path, split: str) -> list[Path]:
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.suffix.lower() in LOCAL_SUFFIXES)
+    if not files:
+        raise UsageError(
+            f"dataset directory {directory} has no .parquet/.jsonl/.json/.csv files; point to a file or a directory with some"
+        )
+    # `train.parquet`, `train-00000-of-00001.parquet`, `data/train-*.parquet`: the split's files if named so.
+    named = [p for p in files if p.stem == split or p.stem.startswith(f"{split}-") or p.stem.startswith(f"{split}_")]
+    return named or files
+
+
+def load_table(spec: str, *, split: str = "train"):
+    """A `datasets.Dataset` from a local .parquet/.jsonl/.json/.csv file or directory, or a hub id `name[:config]`.
+
+    A spec that exists locally, or looks like a path (absolute, ./, a data-file suffix), is never sent to the hub:
+    a missing local path is a UsageError.
+    """
+    import datasets
+
+    if not spec:
+        raise UsageError("no dataset given: pass --dataset PATH (a .parquet/.jsonl/.json/.csv file or directory) or a hub id")
+    path = Path(os.path.expanduser(spec))
+    if path.exists():
+        files = [path] if path.is_file() else _files_in(path, split)
+        kinds = {LOCAL_SUFFIXES.get(p.suffix.lower()) for p in files}
+        if None in kinds:
+            raise UsageError(f"dataset file {path} has an unsupported suffix; use .parquet, .jsonl, .json or .csv")
+        if len(kinds) > 1:
+            raise UsageError(f"dataset directory {path} mixes file types {sorted(kinds)}; keep one format per directory")
+        try:
+            return datasets.load_dataset(kinds.pop(), data_files=[str(p) for p in files], split="train")
+        except Exception as e:  # a corrupt or malformed file: say which
+            raise UsageError(f"cannot read dataset {path}: {type(e).__name__}: {e}".replace("\n", " ")) from None
+    if _looks_local(spec):
+        raise UsageError(f"dataset path {spec} does not exist; check the path (and the container's mounts)")
+    name, _, config = spec.partition(":")
+    return datasets.load_dataset(name, config or None, split=split)
+
+
+def require_columns(ds, cols, where: str) -> None:
+    missing = [c for c in cols if c not in ds.column_names]
+    if missing:
+        raise UsageError(
+            f"{where}: missing column(s) {', '.join(missing)}; the dataset has {', '.join(ds.column_names) or 'no columns'}"
+        )
+
+
+def get_key(row: dict, dotted: str) -> Any:
+    """`row["extra_info"]["question"]` for `extra_info.question` (verl's prompt_key + dict keys)."""
+    value: Any = row
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise KeyError(dotted)
+        value = value[part]
+    return value
+
+
+def require_key(ds, dotted: str, where: str) -> None:
+    """Check a (possibly dotted) key on the first row, listing what is there when it is not."""
+    head = dotted.split(".")[0]
+    require_columns(ds, [head], where)
+    if len(ds) == 0:
+        raise UsageError(f"{where}: the dataset is empty")
+    try:
+        get_key(ds[0], dotted)
+    except KeyError:
+        value: Any = ds[0]
+        for part in dotted.split(".")[:-1]:
+            value = value.get(part, {}) if isinstance(value, dict) else {}
+        have = ", ".join(sorted(value)) if isinstance(value, dict) and value else "nothing"
+        raise UsageError(f"{where}: key {dotted} not found in the first row; at that level it has {have}") from None
+
+
+def _is_chat(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+
+
+def detect_format(ds, messages_key: str = "messages") -> str:
+    cols = set(ds.column_names)
+    if messages_key in cols:
+        return "messages"
+    if "instruction" in cols and cols & {"response", "output"}:
+        return "dolly"
+    if "prompt" in cols and "extra_info" in cols:
+        return "verl"
+    if {"prompt", "completion"} <= cols:
+        return "prompt_completion"
+    raise UsageError(
+        f"cannot tell the dataset format from its columns ({', '.join(sorted(cols))}); expected `{messages_key}`, "
+        "instruction+response/output (dolly), prompt+extra_info (verl gsm8k), prompt+completion, or set "
+        "--prompt_key/--response_key"
+    )
+
+
+def _user(text: str, system_prompt: str | None) -> list[dict]:
+    msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return msgs + [{"role": "user", "content": str(text)}]
+
+
+def _as_prompt(value: Any, system_prompt: str | None) -> list[dict]:
+    if _is_chat(value):
+        return ([{"role": "system", "content": system_prompt}] if system_prompt else []) + list(value)
+    return _user(value, system_prompt)
+
+
+def _as_completion(value: Any) -> list[dict]:
+    return list(value) if _is_chat(value) else [{"role": "assistant", "content": str(value)}]
+
+
+def _dolly_prompt(row: dict) -> str:
+    context = row.get("context") or row.get("input") or ""
+    return f"{row['instruction']}\n\n{context}".strip() if context else str(row["instruction"])
+
+
+def to_sft(
+    ds,
+    *,
+    fmt: str = "auto",
+    prompt_key: str | None = None,
+    response_key: str | None = None,
+    messages_key: str = "messages",
+    system_prompt: str | None = None,
+    where: str = "dataset",
+):
+    """Convert to TRL's conversational SFT format. Validates the needed columns first (UsageError)."""
+    if fmt not in FORMATS:
+        raise UsageError(f"--dataset_format {fmt!r} is not one of {', '.join(FORMATS)}")
+    if fmt == "auto":
+        fmt = "keys" if (prompt_key or response_key) else detect_format(ds, messages_key)
+
+    if fmt == "messages":
+        require_columns(ds, [messages_key], where)
+        if len(ds) and not _is_chat(ds[0][messages_key]):
+            raise UsageError(f"{where}: column {messages_key} must hold lists of {{role, content}} messages")
+
+        def conv(row):
+            msgs = list(row[messages_key])
+            if system_prompt and (not msgs or msgs[0]["role"] != "system"):
+                msgs = [{"role": "system", "content": system_prompt}] + msgs
+            return {"messages": [{"role": m["role"], "content": m["content"]} for m in msgs]}
+
+        return ds.map(conv, remove_columns=ds.column_names)
+
+    if fmt == "dolly":
+        require_columns(ds, ["instruction"], where)
+        resp = "response" if "response" in ds.column_names else "output"
+        require_columns(ds, [resp], where)
+
+        def conv(row):
+            return {"prompt": _user(_dolly_prompt(row), system_prompt), "completion": _as_completion(row[resp])}
+
+        return ds.map(conv, remove_columns=ds.column_names)
+
+    if fmt == "verl":
+        prompt_key = prompt_key or "extra_info.question"
+        response_key = response_key or "extra_info.answer"
+    elif fmt == "prompt_completion":
+        prompt_key = prompt_key or "prompt"
+        response_key = response_key or "completion"
+    elif not (prompt_key and response_key):
+        raise UsageError("--prompt_key and --response_key go together: set both (dotted for dict columns)")
+    require_key(ds, prompt_key, where)
+    require_key(ds, response_key, where)
+
+    def conv(row):
+        return {
+            "prompt": _as_prompt(get_key(row, prompt_key), system_prompt),
+            "completion": _as_completion(get_key(row, response_key)),
+        }
+
+    return ds.map(conv, remove_columns=ds.column_names)
+
+
+def to_prompt_answer(ds, *, where: str = "dataset", system_prompt: str | None = None):
+    """For RL: `prompt` (chat list) + `answer` (ground truth) from verl gsm8k parquet or HF gsm8k (question/answer).
+
+    HF gsm8k answers end with `#### N`; the ground truth kept is N.
+    """
+    cols = set(ds.column_names)
+    if "prompt" in cols and "reward_model" in cols:
+        require_key(ds, "reward_model.ground_truth", where)
+
+        def conv(row):
+            return {"prompt": _as_prompt(row["prompt"], system_prompt), "answer": str(row["reward_model"]["ground_truth"])}
+
+    elif {"question", "answer"} <= cols:
+
+        def conv(row):
+            return {"prompt": _user(row["question"], system_prompt), "answer": str(row["answer"]).split("####")[-1].strip()}
+
+    else:
+        raise UsageError(
+            f"{where}: need verl gsm8k columns (prompt, reward_model.ground_truth) or question+answer; "
+            f"the dataset has {', '.join(sorted(cols))}"
+        )
+    return ds.map(conv, remove_columns=ds.column_names)

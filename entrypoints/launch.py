@@ -1,0 +1,291 @@
+"""How a training entrypoint gets its processes: train here, or start torchrun (c10d rendezvous) from Slurm or flags.
+
+`plan(launch_args, env)` decides, in this order:
+1. under torchrun (TORCHELASTIC_RUN_ID set) -> train in this process;
+2. explicit `--nnodes/--nproc-per-node/--master-addr/--master-port/--node-rank` -> torchrun with those
+   (missing ones from Slurm when inside an srun step, else nnodes 1, GPUs visible or 1, 127.0.0.1:29500);
+3. inside an srun step (SLURM_JOB_ID + SLURM_STEP_ID): one task per node -> torchrun per node with
+   nnodes = SLURM_NNODES, nproc = GPUs visible / SLURM_GPUS_ON_NODE / 1 on CPU, master = first host of
+   SLURM_JOB_NODELIST, port from the job id, rdzv id = job id; several tasks per node -> each task is one rank
+   (RANK/LOCAL_RANK/WORLD_SIZE/MASTER_* from SLURM_PROCID/LOCALID/NTASKS) and trains here;
+4. RANK/WORLD_SIZE/MASTER_ADDR already set by another launcher -> train here;
+5. more than one GPU visible -> torchrun on this host; else a single process.
+torchrun runs as a child, not exec'd: SIGTERM/SIGUSR1 (Slurm preemption, `docker stop`) are forwarded to the
+workers, which checkpoint and exit 0; torchrun itself ignores both so it does not kill them mid-save.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+from .errors import UsageError
+
+DEFAULT_PORT = 29500
+LAUNCH_FIELDS = ("nnodes", "nproc_per_node", "node_rank", "master_addr", "master_port")
+
+
+@dataclass
+class Plan:
+    mode: str  # "train" (in this process) or "torchrun"
+    reason: str
+    nnodes: int = 1
+    nproc_per_node: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = DEFAULT_PORT
+    rdzv_id: str = "trainbox"
+    env: dict = field(default_factory=dict)  # variables to set before training (one Slurm task per rank)
+
+
+_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+
+def expand_hostlist(nodelist: str) -> list[str]:
+    """Slurm's compressed host list (`node[01-03,07],gpu-a[1-2]`) -> host names, in order."""
+    parts, depth, cur = [], 0, ""
+    for ch in nodelist.strip():
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise UsageError(f"SLURM_JOB_NODELIST {nodelist!r}: unbalanced ']'")
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if depth != 0:
+        raise UsageError(f"SLURM_JOB_NODELIST {nodelist!r}: unbalanced '['")
+    parts.append(cur)
+    hosts: list[str] = []
+    for part in filter(None, (p.strip() for p in parts)):
+        hosts += _expand_one(part, nodelist)
+    return hosts
+
+
+def _expand_one(part: str, whole: str) -> list[str]:
+    start = part.find("[")
+    if start < 0:
+        return [part]
+    end = part.index("]", start)
+    prefix, body, rest = part[:start], part[start + 1 : end], part[end + 1 :]
+    out = []
+    for item in body.split(","):
+        m = _RANGE.match(item.strip())
+        if not m:
+            raise UsageError(f"SLURM_JOB_NODELIST {whole!r}: cannot read range {item!r}")
+        lo, hi = m.group(1), m.group(2) or m.group(1)
+        width = len(lo)  # zero padding as written: node[01-03] -> node01..node03
+        for n in range(int(lo), int(hi) + 1):
+            for tail in _expand_one(rest, whole):
+                out.append(f"{prefix}{n:0{width}d}{tail}")
+    return out
+
+
+def slurm_hosts(env) -> list[str]:
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+    if not nodelist:
+        raise UsageError("inside Slurm but SLURM_JOB_NODELIST is empty; pass --master-addr HOST")
+    if shutil.which("scontrol"):
+        try:
+            out = subprocess.run(
+                ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30, check=True
+            ).stdout.split()
+            if out:
+                return out
+        except (subprocess.SubprocessError, OSError):
+            pass  # fall back to our own parser
+    return expand_hostlist(nodelist)
+
+
+def local_procs(env) -> int:
+    """Processes per node: visible GPUs, else SLURM_GPUS_ON_NODE, else 1 (CPU)."""
+    try:
+        import torch
+
+        n = torch.cuda.device_count()
+        if n > 0:
+            return n
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        return max(1, int(env.get("SLURM_GPUS_ON_NODE", "") or 0))
+    except ValueError:
+        return 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _int_env(env, *names) -> int | None:
+    for n in names:
+        v = env.get(n)
+        if v not in (None, ""):
+            try:
+                return int(str(v).split("(")[0].split(",")[0])
+            except ValueError:
+                raise UsageError(f"environment variable {n}={v!r} is not a number") from None
+    return None
+
+
+def _in_srun(env) -> bool:
+    return bool(env.get("SLURM_JOB_ID")) and env.get("SLURM_STEP_ID") not in (None, "")
+
+
+def _slurm_port(env) -> int:
+    # Same on every node of the job, distinct between jobs sharing a node.
+    return 20000 + int(env["SLURM_JOB_ID"]) % 20000
+
+
+def plan(launch_args, env) -> Plan:
+    env = dict(env)
+    if env.get("TORCHELASTIC_RUN_ID"):
+        return Plan("train", "under torchrun")
+    flags = {f: getattr(launch_args, f, None) for f in LAUNCH_FIELDS}
+    for f in ("nnodes", "nproc_per_node"):
+        if flags[f] is not None and flags[f] < 1:
+            raise UsageError(f"--{f.replace('_', '-')} must be at least 1, got {flags[f]}")
+    in_srun = _in_srun(env)
+
+    if any(v is not None for v in flags.values()):
+        nnodes = flags["nnodes"] or (_int_env(env, "SLURM_NNODES", "SLURM_JOB_NUM_NODES") if in_srun else None) or 1
+        node_rank = flags["node_rank"]
+        if node_rank is None:
+            node_rank = (_int_env(env, "SLURM_NODEID") if in_srun else None) or 0
+        if not 0 <= node_rank < nnodes:
+            raise UsageError(f"--node-rank {node_rank} is outside 0..{nnodes - 1} (--nnodes {nnodes})")
+        master = flags["master_addr"] or (slurm_hosts(env)[0] if in_srun else "127.0.0.1")
+        if nnodes > 1 and not flags["master_addr"] and not in_srun:
+            raise UsageError(f"--nnodes {nnodes} needs --master-addr HOST (the node every rank can reach)")
+        port = flags["master_port"] or (_slurm_port(env) if in_srun else DEFAULT_PORT)
+        return Plan(
+            "torchrun",
+            "launcher flags",
+            nnodes=nnodes,
+            nproc_per_node=flags["nproc_per_node"] or local_procs(env),
+            node_rank=node_rank,
+            master_addr=master,
+            master_port=port,
+            rdzv_id=env.get("SLURM_JOB_ID") or f"trainbox-{master}-{port}",
+        )
+
+    if in_srun:
+        nnodes = _int_env(env, "SLURM_NNODES", "SLURM_JOB_NUM_NODES", "SLURM_STEP_NUM_NODES") or 1
+        ntasks = _int_env(env, "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS") or nnodes
+        master = slurm_hosts(env)[0]
+        port = _slurm_port(env)
+        if ntasks > nnodes:
+            local_world = _int_env(env, "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE")
+            run_env = {
+                "RANK": str(_int_env(env, "SLURM_PROCID") or 0),
+                "LOCAL_RANK": str(_int_env(env, "SLURM_LOCALID") or 0),
+                "WORLD_SIZE": str(ntasks),
+                "LOCAL_WORLD_SIZE": str(local_world or max(1, ntasks // nnodes)),
+                "MASTER_ADDR": master,
+                "MASTER_PORT": str(port),
+            }
+            return Plan("train", f"Slurm, one task per rank ({ntasks} tasks)", nnodes=nnodes, master_addr=master,
+                        master_port=port, env=run_env)
+        return Plan(
+            "torchrun",
+            f"Slurm, one task per node ({nnodes} nodes)",
+            nnodes=nnodes,
+            nproc_per_node=local_procs(env),
+            node_rank=_int_env(env, "SLURM_NODEID") or 0,
+            master_addr=master,
+            master_port=port,
+            rdzv_id=env["SLURM_JOB_ID"],
+        )
+
+    if env.get("WORLD_SIZE") and env.get("RANK") and env.get("MASTER_ADDR"):
+        return Plan("train", "RANK/WORLD_SIZE set by another launcher")
+    n = local_procs(env)
+    if n > 1:
+        port = _free_port()
+        return Plan("torchrun", f"{n} GPUs on this host", nproc_per_node=n, master_port=port,
+                    rdzv_id=f"trainbox-local-{port}")
+    return Plan("train", "single process")
+
+
+def apply_env(p: Plan, environ) -> None:
+    for k, v in p.env.items():
+        environ[k] = v
+
+
+def torchrun_command(p: Plan, module: str, argv: list[str]) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", str(p.nnodes),
+        "--nproc-per-node", str(p.nproc_per_node),
+        "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"{p.master_addr}:{p.master_port}",
+        "--rdzv-id", p.rdzv_id,
+        # A failed rank fails the job; restarts come from rerunning (resume from the last checkpoint).
+        "--max-restarts", "0",
+        "-m", module, *argv,
+    ]  # fmt: skip
+
+
+def _children(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    return children.get(pid, [])
+
+
+def _ignore_preempt_signals():
+    # In torchrun (before exec): ignore SIGTERM/SIGUSR1 so it waits for the workers' checkpoint instead of
+    # killing them; the workers install their own handlers at start-up.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
+def run_torchrun(p: Plan, module: str, argv: list[str]) -> int:
+    cmd = torchrun_command(p, module, argv)
+    print(
+        f"[trainbox] launch ({p.reason}): torchrun nnodes={p.nnodes} nproc_per_node={p.nproc_per_node} "
+        f"node_rank={p.node_rank} rdzv=c10d {p.master_addr}:{p.master_port} id={p.rdzv_id}",
+        flush=True,
+    )
+    env = dict(os.environ)
+    # torchrun must not re-register SIGTERM (its handler kills the workers); keep its other signals.
+    env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGINT,SIGHUP,SIGQUIT"
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=_ignore_preempt_signals)
+
+    def forward(signum, frame):
+        # Only torchrun's direct children are the ranks; their own helpers must not get a stray SIGUSR1.
+        for pid in _children(proc.pid):
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        while True:
+            try:
+                return proc.wait()
+            except KeyboardInterrupt:
+                continue  # torchrun got the same SIGINT from the terminal and stops its workers
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)

@@ -1,0 +1,234 @@
+"""Full-parameter SFT from 1 process to many nodes (torchrun c10d, FSDP2 on GPUs; chat messages, dolly, verl gsm8k).
+
+Usage: `python -m entrypoints.sft --model_name_or_path M --dataset D [--config X.yaml] [--option value ...]`.
+Options: TRL's SFTConfig (transformers' TrainingArguments included), TRL's ModelConfig (model loading), and the
+script options below (dataset, format, keys, resume, launcher flags). Outside torchrun, under Slurm or with
+`--nnodes/--nproc-per-node/--master-addr/--master-port/--node-rank`, this starts torchrun itself (launch.py).
+On GPUs with more than one process it shards with FSDP2; on CPU the Trainer runs DDP over gloo (it ignores FSDP there).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import config as cfg
+from . import data, launch, lifecycle
+from .errors import UsageError
+
+
+@dataclass
+class DataArguments:
+    dataset: str | None = field(
+        default=None, metadata={"help": "local .parquet/.jsonl/.json/.csv file or directory, or a hub id name[:config]"}
+    )
+    dataset_split: str = field(default="train", metadata={"help": "split to train on"})
+    dataset_format: str = field(default="auto", metadata={"help": f"one of {', '.join(data.FORMATS)}"})
+    prompt_key: str | None = field(default=None, metadata={"help": "prompt column; dotted for dicts (extra_info.question)"})
+    response_key: str | None = field(default=None, metadata={"help": "response column; dotted (extra_info.answer)"})
+    messages_key: str = field(default="messages", metadata={"help": "column with chat messages"})
+    system_prompt: str | None = field(default=None, metadata={"help": "system message prepended to every example"})
+    max_samples: int | None = field(default=None, metadata={"help": "use only the first N rows"})
+    resume: str = field(
+        default="auto", metadata={"help": "auto: last complete checkpoint in output_dir if any; never; or a checkpoint path"}
+    )
+
+
+@dataclass
+class LaunchArguments:
+    nnodes: int | None = field(default=None, metadata={"help": "launcher: number of nodes (else from Slurm, else 1)"})
+    nproc_per_node: int | None = field(default=None, metadata={"help": "launcher: processes per node (GPUs, or 1 on CPU)"})
+    node_rank: int | None = field(default=None, metadata={"help": "launcher: this node's rank (else SLURM_NODEID)"})
+    master_addr: str | None = field(default=None, metadata={"help": "launcher: rendezvous host (else first Slurm node)"})
+    master_port: int | None = field(default=None, metadata={"help": "launcher: rendezvous port"})
+
+
+REPORT_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "comet_ml": "comet_ml"}
+
+
+def check_model_path(spec: str | None, option: str = "--model_name_or_path") -> None:
+    if not spec:
+        raise UsageError(f"no model given: pass {option} PATH (a directory with config.json) or a hub id")
+    p = Path(os.path.expanduser(spec))
+    if p.exists():
+        if not (p / "config.json").is_file():
+            raise UsageError(f"model path {spec} has no config.json; point {option} at a saved model directory")
+        return
+    if spec.startswith(("/", "./", "../", "~")) or spec.count("/") > 1:
+        raise UsageError(f"model path {spec} does not exist; check {option} (and the container's mounts)")
+
+
+def check_report_to(report_to) -> None:
+    names = [report_to] if isinstance(report_to, str) else list(report_to or [])
+    for name in names:
+        pkg = REPORT_PACKAGES.get(name)
+        if pkg and importlib.util.find_spec(pkg) is None:
+            raise UsageError(f"--report_to {name} needs the {pkg} package, which this image lacks; use tensorboard or none")
+
+
+def load_tokenizer(model_path: str, training_args):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    if tok.chat_template is None and getattr(training_args, "chat_template_path", None) is None:
+        raise UsageError(
+            f"the tokenizer in {model_path} has no chat template; conversational data needs one "
+            "(use an instruct model or --chat_template_path FILE)"
+        )
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def prepare_dataset(data_args: DataArguments, training_args):
+    ds = data.load_table(data_args.dataset, split=data_args.dataset_split)
+    if data_args.max_samples:
+        ds = ds.select(range(min(data_args.max_samples, len(ds))))
+    return data.to_sft(
+        ds,
+        fmt=data_args.dataset_format,
+        prompt_key=data_args.prompt_key,
+        response_key=data_args.response_key,
+        messages_key=data_args.messages_key,
+        system_prompt=data_args.system_prompt,
+        where=f"dataset {data_args.dataset}",
+    )
+
+
+def resolve_resume(resume: str, out: str) -> str | None:
+    if resume == "never":
+        return None
+    if resume == "auto":
+        return lifecycle.resume_checkpoint(out)
+    if not (Path(resume) / "trainer_state.json").is_file():
+        raise UsageError(f"--resume {resume}: not a complete checkpoint (no trainer_state.json); use auto, never or a checkpoint-N dir")
+    return resume
+
+
+def distributed_strategy(training_args) -> str:
+    """Pick FSDP2 on GPUs with >1 process; on CPU the Trainer runs DDP (gloo). Returns a label for the log."""
+    import torch
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    on_gpu = torch.cuda.is_available() and not training_args.use_cpu
+    if world <= 1:
+        return "single process" + (" (GPU)" if on_gpu else " (CPU)")
+    if not on_gpu:
+        if training_args.fsdp:
+            print("warning: --fsdp is ignored by the Trainer on CPU; running DDP over gloo", file=sys.stderr)
+        return f"DDP over gloo, {world} processes (CPU)"
+    return f"FSDP2, {world} processes (GPU)"
+
+
+FSDP2_GPU = {
+    "fsdp": "full_shard auto_wrap",
+    "fsdp_config": {
+        "version": 2,
+        "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "reshard_after_forward": True,
+        # Sharded checkpoints: every rank writes its shard to the shared output dir; fast and resumable.
+        "state_dict_type": "SHARDED_STATE_DICT",
+    },
+}
+
+
+def sft_defaults() -> dict:
+    import torch
+
+    d = {"include_num_input_tokens_seen": True, "logging_steps": 10, "save_steps": 200}
+    if torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        d.update(FSDP2_GPU)
+    return d
+
+
+def parse(argv: list[str], prog: str = "trainbox sft"):
+    from trl import ModelConfig, SFTConfig
+
+    return cfg.parse_args(
+        (DataArguments, LaunchArguments, ModelConfig, SFTConfig),
+        argv,
+        prog=prog,
+        legacy={**cfg.LEGACY_TRAINING, **cfg.LEGACY_SFT},
+        defaults=sft_defaults(),
+    )
+
+
+def validate(data_args, model_args, training_args):
+    """Everything checkable without loading the model: model path, report_to, dataset and its columns."""
+    check_model_path(model_args.model_name_or_path)
+    check_report_to(training_args.report_to)
+    if not data_args.dataset:
+        raise UsageError("no dataset given: pass --dataset PATH (.parquet/.jsonl/.json/.csv file or directory) or a hub id")
+    if data_args.resume not in ("auto", "never"):
+        resolve_resume(data_args.resume, training_args.output_dir)
+
+
+def train(data_args, model_args, training_args, name: str = "sft") -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+    from trl import SFTTrainer
+
+    started = time.time()
+    training_args.output_dir = lifecycle.output_dir(cfg.configured_output_dir(training_args))
+    validate(data_args, model_args, training_args)
+    tokenizer = load_tokenizer(model_args.model_name_or_path, training_args)
+    with training_args.main_process_first(desc="dataset"):
+        train_ds = prepare_dataset(data_args, training_args)
+    ckpt = resolve_resume(data_args.resume, training_args.output_dir)
+    strategy = distributed_strategy(training_args)
+    if lifecycle.is_main_process():
+        print(
+            f"[trainbox] {name}: model {model_args.model_name_or_path}, {len(train_ds)} examples, {strategy}, "
+            f"outputs {training_args.output_dir}" + (f", resuming from {ckpt}" if ckpt else ""),
+            flush=True,
+        )
+
+    dtype = model_args.dtype if model_args.dtype in ("auto", None) else getattr(torch, model_args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_args.model_name_or_path,
+        dtype=dtype,
+        attn_implementation=model_args.attn_implementation,
+        revision=model_args.model_revision,
+    )
+    trainer = SFTTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_ds,
+        processing_class=tokenizer,
+        callbacks=[lifecycle.PreemptionCallback()],
+    )
+    trainer.train(resume_from_checkpoint=ckpt)
+    if not lifecycle.was_preempted():
+        if trainer.is_fsdp_enabled:
+            # The final model is one loadable safetensors set, not shards.
+            trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
+        trainer.save_model(training_args.output_dir)
+    lifecycle.finish(trainer, training_args.output_dir, started, name)
+    return lifecycle.exit_code()
+
+
+def main(argv: list[str]) -> int:
+    try:
+        lifecycle.install_signal_handlers()
+        data_args, launch_args, model_args, training_args = parse(argv)
+        plan = launch.plan(launch_args, os.environ)
+        if plan.mode == "torchrun":
+            validate(data_args, model_args, training_args)
+            return launch.run_torchrun(plan, "entrypoints.sft", argv)
+        if plan.env:
+            # One Slurm task per rank: set RANK/WORLD_SIZE/... first, then parse again so the
+            # distributed defaults (FSDP2 on GPUs) and the Trainer's device setup see them.
+            launch.apply_env(plan, os.environ)
+            data_args, launch_args, model_args, training_args = parse(argv)
+        return train(data_args, model_args, training_args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
