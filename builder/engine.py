@@ -191,6 +191,13 @@ def failed_step(lines: list[str]) -> tuple[str, str]:
     final = next((ln for ln in reversed(lines) if re.match(r"(ERROR|error|failed to solve)", ln.strip())), "")
     if err_id is not None:
         step = headers.get(err_id, f"#{err_id}")
+        # The step's own last error line (pip's "No matching distribution ...") says more than "exit code: 1".
+        own = [re.sub(r"^#\d+ [\d.]+ ", "", ln).strip() for ln in lines
+               if ln.startswith(f"#{err_id} ") and not ln.startswith(f"#{err_id} ERROR")
+               and re.search(r"error|not found|denied|refused|no such", ln, re.I)]
+        if own:
+            reason = f"{own[-1]} ({reason})"
+
         m = re.match(r"\[internal\] load metadata for (\S+)", step)
         if m:
             step = f"FROM {m.group(1)}"
@@ -336,48 +343,50 @@ def registry_manifest(ref: str) -> tuple[dict, str] | None:
     return json.loads(r.stdout), "sha256:" + hashlib.sha256(r.stdout.encode()).hexdigest()
 
 
-def _repo_blobs(repo: str, limit: int = 64) -> set[str]:
-    """Every blob referenced by the (up to LIMIT) tags of REPO: what a push will not have to send again."""
-    r = _skopeo("list-tags", ref=repo)
-    if r.returncode != 0:
-        return set()
-    blobs: set[str] = set()
-    for tag in json.loads(r.stdout).get("Tags", [])[:limit]:
-        got = registry_manifest(f"{repo}:{tag}")
-        if not got:
-            continue
-        man = got[0]
-        for sub in man.get("manifests", []):
-            inner = registry_manifest(f"{repo}@{sub['digest']}")
-            if inner:
-                blobs |= {layer["digest"] for layer in inner[0].get("layers", [])}
-        blobs |= {layer["digest"] for layer in man.get("layers", [])}
-    return blobs
+def _push(client: DockerClient, ref: str, label: str, quiet: bool) -> set[str]:
+    """Push REF through the engine, streaming its progress; returns the short diff ids it reported as `Pushed`
+    (layers the registry had, or mounted from another repository, cost no upload)."""
+    pushed: set[str] = set()
+    tail: deque[str] = deque(maxlen=20)
+    try:
+        for _source, raw in client.push(ref, stream_logs=True):
+            line = raw.decode(errors="replace").rstrip()
+            tail.append(line)
+            m = re.match(r"([0-9a-f]{12}): Pushed$", line.strip())
+            if m:
+                pushed.add(m.group(1))
+            if not quiet and not line.strip().endswith(("Preparing", "Waiting")):
+                print(f"[{label}] {line}", flush=True)
+    except DockerException as e:
+        msg = [ln for ln in [*tail, *(e.stderr or "").splitlines()] if ln.strip()]
+        raise UserError(f"push of cell {label} to {ref} failed: {msg[-1] if msg else e}; is the registry up and are "
+                        "you logged in (`docker login HOST`)?") from None
+    return pushed
 
 
 def push_result(res: BuildResult, builder: Builder, quiet: bool = False) -> None:
-    """Push RES's refs; fill digest (read back from the registry), pushed layers and bytes."""
+    """Push RES's refs; fill digest (read back from the registry), layers and bytes actually uploaded."""
     client = builder.client()
     ref = res.refs[0]
     repo = ref.rsplit(":", 1)[0]
-    before = _repo_blobs(repo)
     t0 = time.monotonic()
+    pushed: set[str] = set()
     for r in res.refs:
-        try:
-            client.image.push(r, quiet=True)
-        except DockerException as e:
-            msg = (e.stderr or str(e)).strip().splitlines()
-            raise UserError(f"push of cell {res.tag} to {r} failed: {msg[-1] if msg else e}; is the registry up and "
-                            "are you logged in (`docker login HOST`)?") from None
+        pushed |= _push(client, r, res.tag, quiet)
     res.push_seconds = round(time.monotonic() - t0, 1)
     got = registry_manifest(ref)
     if not got:
         raise UserError(f"push of cell {res.tag}: the registry does not show {ref} after the push")
     man, digest = got
     res.digest, res.pushed_ref = digest, f"{repo}@{digest}"
-    new = [layer for layer in man.get("layers", []) if layer["digest"] not in before]
-    res.pushed_layers = len(new)
-    res.pushed_bytes = sum(int(layer["size"]) for layer in new)
+    # The manifest's layers are the image's diff ids in order, compressed: map the pushed ids to blob sizes.
+    diff_ids = [str(d) for d in client.image.inspect(res.image_id).root_fs.layers or []]
+    sizes = [int(layer["size"]) for layer in man.get("layers", [])]
+    if len(diff_ids) == len(sizes):
+        sent = [size for d, size in zip(diff_ids, sizes) if d.split(":")[-1][:12] in pushed]
+        res.pushed_layers, res.pushed_bytes = len(sent), sum(sent)
+    else:  # cannot map: count every reported upload at its manifest size unknown -> layers only
+        res.pushed_layers, res.pushed_bytes = len(pushed), 0
     if not quiet:
         print(f"[{res.tag}] pushed {ref} {digest} ({res.pushed_layers} layers, {res.pushed_bytes} bytes sent)")
 
