@@ -251,8 +251,9 @@ def inspect_image(image_ref: str, docker: str | None = None) -> dict:
 
 
 def _export_ours(image_ref: str, tmp_file: Path, workdir: Path, opts: list[str], sde: int | None,
-                 progress: bool, docker: str) -> None:
+                 progress: bool, docker: str, arch: str | None) -> None:
     config = inspect_image(image_ref, docker)
+    _check_arch(image_ref, config, arch)
     cfg = config.get("Config") or {}
     if not cfg.get("Entrypoint") and not cfg.get("Cmd"):
         # `docker create` refuses it, and so does enroot.
@@ -299,13 +300,23 @@ def _export_ours(image_ref: str, tmp_file: Path, workdir: Path, opts: list[str],
          stderr=subprocess.PIPE)
 
 
-def _export_enroot(image_ref: str, tmp_file: Path, workdir: Path, opts: list[str], progress: bool) -> None:
+def _check_arch(image_ref: str, config: dict, arch: str | None) -> None:
+    # enroot only warns (docker::configure); a build host exporting the wrong arch is a bug worth stopping for.
+    have = config.get("Architecture") or config.get("architecture")
+    if arch and have != arch:
+        raise UserError(f"image {image_ref!r} is {have}, not {arch}; build it with --platform linux/{arch} "
+                        "or export the matching tag")
+
+
+def _export_enroot(image_ref: str, tmp_file: Path, workdir: Path, opts: list[str], progress: bool,
+                   docker: str, arch: str | None) -> None:
     if not shutil.which("enroot"):
         raise UserError("use_enroot/--enroot was asked but `enroot` is not on PATH; install enroot "
                         "(github.com/NVIDIA/enroot releases) or drop --enroot to use the built-in exporter")
     if not _ENROOT_REF_RE.match(image_ref):
         raise UserError(f"enroot accepts only [A-Za-z0-9/._:-] in a dockerd:// reference, not {image_ref!r}; "
                         "tag the image (docker tag ID name:tag) and export the tag")
+    _check_arch(image_ref, inspect_image(image_ref, docker), arch)
     env = dict(os.environ, ENROOT_SQUASH_OPTIONS=" ".join(opts), ENROOT_TEMP_PATH=str(workdir))
     if not progress:
         env["TTY_OFF"] = "y"
@@ -314,8 +325,10 @@ def _export_enroot(image_ref: str, tmp_file: Path, workdir: Path, opts: list[str
 
 
 def export_image(image_ref: str, dest_path, *, compression: str = "lzo", block_size=None, use_enroot: bool = False,
-                 progress: bool = True, docker: str | None = None, tmp_dir=None) -> Path:
+                 progress: bool = True, docker: str | None = None, tmp_dir=None, arch: str | None = None) -> Path:
     """Write IMAGE's enroot squashfs to DEST_PATH (must end in .sqsh; an existing file is replaced atomically).
+
+    arch: if given (amd64, arm64), the image's config must say that architecture.
 
     tmp_dir: where the rootfs is unpacked (as big as the image); default: next to DEST.
     """
@@ -341,9 +354,9 @@ def export_image(image_ref: str, dest_path, *, compression: str = "lzo", block_s
     t0 = time.monotonic()
     try:
         if use_enroot:
-            _export_enroot(image_ref, tmp_file, work, opts, progress)
+            _export_enroot(image_ref, tmp_file, work, opts, progress, docker, arch)
         else:
-            _export_ours(image_ref, tmp_file, work, opts, sde, progress, docker)
+            _export_ours(image_ref, tmp_file, work, opts, sde, progress, docker, arch)
         os.chmod(tmp_file, 0o644)
         os.replace(tmp_file, dest)
     except _Terminated as e:
@@ -352,12 +365,22 @@ def export_image(image_ref: str, dest_path, *, compression: str = "lzo", block_s
         for sig, h in old_handlers.items():
             signal.signal(sig, h)
         tmp_file.unlink(missing_ok=True)
-        # tar kept the image's modes; a read-only dir would stop rmtree.
-        subprocess.run(["chmod", "-R", "u+rwX", str(work)], capture_output=True)
-        shutil.rmtree(work, ignore_errors=True)
+        _rmtree(work)
     if progress:
         _log(f"{dest} ({dest.stat().st_size / 2**20:.1f} MiB, {time.monotonic() - t0:.1f} s)")
     return dest
+
+
+def _rmtree(path: Path) -> None:
+    """rmtree that also works as non-root on dirs the image made read-only (tar -p kept their modes)."""
+    def fix(func, p, exc):  # noqa: ARG001
+        try:
+            os.chmod(os.path.dirname(p), 0o700)
+            func(p)
+        except OSError:
+            pass
+
+    shutil.rmtree(path, onerror=fix)
 
 
 def threading_main() -> bool:
@@ -376,12 +399,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="lzo = enroot's default (-comp lzo -noD), readable everywhere; zstd = smaller")
     p.add_argument("--block-size", default=None, help="mksquashfs block size, e.g. 1M (default 128K)")
     p.add_argument("--enroot", action="store_true", help="run the real `enroot import` (must be installed)")
+    p.add_argument("--arch", default=None, help="fail unless the image is this architecture (amd64, arm64)")
     p.add_argument("--tmp-dir", default=None, help="where to unpack the rootfs (default: next to DEST)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     a = p.parse_args(argv)
     try:
         export_image(a.image, a.dest, compression=a.compression, block_size=a.block_size, use_enroot=a.enroot,
-                     progress=not a.quiet, tmp_dir=a.tmp_dir)
+                     progress=not a.quiet, tmp_dir=a.tmp_dir, arch=a.arch)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

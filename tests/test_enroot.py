@@ -1,0 +1,418 @@
+"""builder.enroot: the .sqsh must be what `enroot import dockerd://IMAGE` writes.
+
+Expected texts are pinned from NVIDIA/enroot src/docker.sh at commit 8ea147d, function docker::configure
+(lines 338-398): fstab line per VOLUME (l.354), Env verbatim (l.357), provenance + labels as comments + one empty
+line (l.360-364), the rc body heredoc (l.377-389, `${arr[@]@Q}` quoting), rc.local (l.393-396); and from
+docker::daemon::import (l.559-618): tar excludes `dev/*` and `.dockerenv`, `mksquashfs -all-root` with
+ENROOT_SQUASH_OPTIONS, default `-comp lzo -noD -exit-on-error` (enroot.in l.88).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from builder import enroot
+from builder.enroot import UserError, bash_quote, configure_files, export_image, squash_options
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+# ------------------------------------------------------------------ quoting: bash's own ${a[@]@Q} is the oracle
+
+def _bash_q(args: list[str]) -> str:
+    # The same expansion enroot's rc heredoc does: ${entrypoint[@]+${entrypoint[@]@Q}} (docker.sh l.386).
+    script = 'a=("$@"); cat <<EOF\n${a[@]+${a[@]@Q}}\nEOF'
+    r = subprocess.run(["bash", "-c", script, "_", *args], capture_output=True,
+                       env={"LC_ALL": "C.UTF-8", "PATH": os.environ["PATH"]})
+    assert r.returncode == 0, r.stderr
+    return r.stdout.decode("utf-8")[:-1]
+
+
+@pytest.mark.parametrize("s", ["", "'", "''", "a", "it's", "a b", "$HOME", 'x"y', "tab\there", "new\nline",
+                               "\x1b[0m", "\x7f", "back\\slash", "é", "日本", "--flag=a b"])
+def test_bash_quote_matches_bash(s):
+    assert bash_quote(s) == _bash_q([s])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.text(alphabet=st.characters(min_codepoint=1, max_codepoint=0x7F)), min_size=1, max_size=4))
+def test_bash_quote_matches_bash_on_any_ascii(args):
+    assert " ".join(bash_quote(a) for a in args) == _bash_q(args)
+
+
+# ------------------------------------------------------------------ docker::configure texts
+
+SAMPLE = {  # docker inspect shape; enroot lower-cases only the top-level keys
+    "Architecture": "amd64",
+    "Config": {
+        "Env": ["PATH=/opt/venv/bin:/usr/bin:/bin", "QUOTED=a b 'c' $HOME"],
+        "Volumes": {"/workspace/outputs": {}, "/data": {}},
+        "WorkingDir": "/workspace",
+        "Entrypoint": ["/usr/local/bin/trainbox"],
+        "Cmd": ["jupyter", "--ip=0.0.0.0 x"],
+        "Labels": {"io.trainbox.cell": "smoke", "multi": "one\ntwo"},
+    },
+}
+
+SAMPLE_RC = """\
+# enroot-provenance: dockerd://trainbox:smoke
+# io.trainbox.cell smoke
+# multi one two
+
+mkdir -p "/workspace" 2> /dev/null
+cd "/workspace" && unset OLDPWD || exit 1
+
+if [ -s /etc/rc.local ]; then
+    . /etc/rc.local
+fi
+
+if [ $# -gt 0 ]; then
+    exec '/usr/local/bin/trainbox' "$@"
+else
+    exec '/usr/local/bin/trainbox' 'jupyter' '--ip=0.0.0.0 x'
+fi
+"""
+
+RC_LOCAL = ("# This file is sourced by /etc/rc when the container starts.\n"
+            "# It can be used to manipulate the entrypoint or the command of the container.\n")
+
+
+def test_configure_texts_pinned_from_enroot_source():
+    f = configure_files(SAMPLE, "dockerd://trainbox:smoke")
+    assert f["/etc/rc"] == SAMPLE_RC
+    # keys[] sorts; ${ENROOT_ROOTFS} stays literal (single-quoted jq program).
+    assert f["/etc/fstab"] == ("${ENROOT_ROOTFS}/data /data none x-create=dir,bind,rw,nosuid,nodev\n"
+                               "${ENROOT_ROOTFS}/workspace/outputs /workspace/outputs none "
+                               "x-create=dir,bind,rw,nosuid,nodev\n")
+    assert f["/etc/environment"] == "PATH=/opt/venv/bin:/usr/bin:/bin\nQUOTED=a b 'c' $HOME\n"
+    assert f["/etc/rc.local"] == RC_LOCAL
+    assert f["workdir"] == "/workspace"
+
+
+def test_configure_defaults_without_cmd_workdir_labels_volumes():
+    f = configure_files({"config": {"Env": None, "Cmd": None, "Entrypoint": None, "WorkingDir": "",
+                                    "Labels": None, "Volumes": None}}, "dockerd://x")
+    # No labels: provenance + the empty line; no entrypoint: two spaces after exec; default cmd /bin/sh; cd /.
+    assert f["/etc/rc"].startswith('# enroot-provenance: dockerd://x\n\nmkdir -p "/" 2> /dev/null\n'
+                                   'cd "/" && unset OLDPWD || exit 1\n')
+    assert "    exec  \"$@\"\n" in f["/etc/rc"]
+    assert "    exec  '/bin/sh'\n" in f["/etc/rc"]
+    assert f["/etc/fstab"] == "" and f["/etc/environment"] == ""
+
+
+def test_configure_cmd_only_and_newline_splits_like_readarray():
+    f = configure_files({"Config": {"Cmd": ["sh", "-c", "echo a\necho b"]}}, "dockerd://x")
+    # jq -r prints the element over two lines; readarray -t makes them two words.
+    assert "    exec  'sh' '-c' 'echo a' 'echo b'\n" in f["/etc/rc"]
+
+
+def test_rc_runs_under_sh_with_args_and_default(tmp_path):
+    """The generated /etc/rc is valid sh: run it with a fake entrypoint."""
+    cfg = {"Config": {"Entrypoint": ["printf", "[%s]"], "Cmd": ["a b", "it's"], "WorkingDir": str(tmp_path)}}
+    rc = tmp_path / "rc"
+    rc.write_text(configure_files(cfg, "dockerd://x")["/etc/rc"])
+    out = subprocess.run(["sh", str(rc)], capture_output=True, text=True, cwd="/")
+    assert out.stdout == "[a b][it's]"
+    out = subprocess.run(["sh", str(rc), "x y"], capture_output=True, text=True, cwd="/")
+    assert out.stdout == "[x y]"
+
+
+# ------------------------------------------------------------------ options and bad input
+
+def test_squash_options():
+    assert squash_options("lzo", None) == ["-comp", "lzo", "-noD", "-exit-on-error"]
+    assert squash_options("zstd", "1M")[-2:] == ["-b", "1M"]
+    for bad in ("3M", "100K", "abc", "0", "1000"):
+        with pytest.raises(UserError, match="power of two"):
+            squash_options("zstd", bad)
+    with pytest.raises(UserError, match="unknown compression"):
+        squash_options("brotli", None)
+
+
+def test_bad_destination_and_epoch(tmp_path, monkeypatch):
+    with pytest.raises(UserError, match=r"must end in \.sqsh"):
+        export_image("x", tmp_path / "out.tar")
+    with pytest.raises(UserError, match="does not exist"):
+        export_image("x", tmp_path / "nope" / "out.sqsh")
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "yesterday")
+    with pytest.raises(UserError, match="SOURCE_DATE_EPOCH"):
+        export_image("x", tmp_path / "out.sqsh")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_bad_input_exit_2(tmp_path):
+    r = subprocess.run([PY, "-m", "builder.enroot", "img", str(tmp_path / "x.img")], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and "must end in .sqsh" in r.stderr
+
+
+def test_use_enroot_without_enroot(tmp_path, monkeypatch):
+    monkeypatch.setattr(enroot.shutil, "which", lambda name: None)
+    with pytest.raises(UserError, match="enroot` is not on PATH"):
+        export_image("x:1", tmp_path / "o.sqsh", use_enroot=True, docker="/bin/true")
+    assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------ real images (engine)
+
+def _docker() -> str:
+    from builder.setup_engine import docker_cli
+
+    return docker_cli()
+
+
+@pytest.fixture(scope="session")
+def engine():
+    from builder import setup_engine
+
+    if not setup_engine.engine_answers():
+        setup_engine.up(tools=False)
+    return _docker()
+
+
+def _mini_base(docker: str, tmp: Path) -> str:
+    """A few host binaries (dash, rm, mkdir, cat) and their libraries as a base: seconds, no network."""
+    root = tmp / "root"
+    for d in ("bin", "etc", "tmp"):
+        (root / d).mkdir(parents=True, exist_ok=True)
+    for b in ("dash", "rm", "mkdir", "cat"):
+        src = shutil.which(b)
+        shutil.copy2(src, root / "bin" / b)
+        ldd = subprocess.run(["ldd", src], capture_output=True, text=True).stdout
+        for lib in [w for w in ldd.split() if w.startswith("/")]:
+            dst = root / lib.lstrip("/")
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(os.path.realpath(lib), dst)
+    (root / "bin" / "sh").symlink_to("dash")
+    (root / "etc" / "environment").write_text("OLD=1\n")
+    tar = subprocess.Popen(["tar", "-C", str(root), "-c", "."], stdout=subprocess.PIPE)
+    subprocess.run([docker, "import", "-", "trainbox-test/minibase:1"], stdin=tar.stdout, check=True,
+                   capture_output=True)
+    tar.wait()
+    return "trainbox-test/minibase:1"
+
+
+TEST_DOCKERFILE = """\
+FROM {base}
+RUN mkdir -p /opt/gone /etc/keep && : > /opt/gone/file && : > /etc/keep/a
+RUN rm -rf /opt/gone
+COPY --chown=1000:1000 Dockerfile /home/trainer/Dockerfile
+ENV PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \\
+    NVIDIA_VISIBLE_DEVICES=all NVIDIA_DRIVER_CAPABILITIES=compute,utility PYTORCH_VERSION=2.13.0
+ENV QUOTED="a b 'c' \\$HOME"
+LABEL io.trainbox.cell=test a.first=1
+VOLUME ["/workspace/outputs", "/data"]
+WORKDIR /workspace
+ENTRYPOINT ["/bin/sh", "-c", "echo \\"it's\\" \\"$0\\" \\"$@\\"", "x"]
+CMD ["jupyter", "--flag=a b"]
+"""
+
+
+@pytest.fixture(scope="session")
+def test_image(engine, tmp_path_factory):
+    """An image with ENV/VOLUME/WORKDIR/ENTRYPOINT/CMD/labels (one with a newline) and a whiteout layer."""
+    tmp = tmp_path_factory.mktemp("img")
+    base = _mini_base(engine, tmp)
+    (tmp / "Dockerfile").write_text(TEST_DOCKERFILE.format(base=base))
+    ref = "trainbox-test/enroot:1"
+    subprocess.run([engine, "build", "-q", "--label", "nl=line one\nline two", "-t", ref, str(tmp)], check=True,
+                   capture_output=True, env=dict(os.environ, DOCKER_BUILDKIT="0"))
+    return ref
+
+
+def _unsquash(sqsh: Path, dest: Path) -> Path:
+    subprocess.run(["unsquashfs", "-q", "-n", "-d", str(dest), str(sqsh)], check=True, capture_output=True)
+    return dest
+
+
+@pytest.mark.engine
+def test_export_matches_enroot_layout(test_image, engine, tmp_path):
+    out = export_image(test_image, tmp_path / "t.sqsh", progress=False)
+    listing = subprocess.run(["unsquashfs", "-lln", str(out)], capture_output=True, text=True, check=True).stdout
+    # "MODE root/root SIZE DATE TIME PATH[ -> TARGET]"
+    paths = {line.split(maxsplit=5)[5].split(" -> ")[0] for line in listing.splitlines() if line[:1] in "d-l"}
+    assert {"squashfs-root/bin/sh", "squashfs-root/etc/rc", "squashfs-root/etc/keep/a",
+            "squashfs-root/workspace"} <= paths
+    assert "squashfs-root/opt/gone" not in paths  # the rm layer's whiteout is honoured
+    assert "squashfs-root/.dockerenv" not in paths
+    assert not [p for p in paths if p.startswith("squashfs-root/dev/")]  # empty /dev
+    assert "squashfs-root/home/trainer/Dockerfile" in paths  # owned by 1000 in the image...
+    assert all(line.split()[1] == "0/0" for line in listing.splitlines() if line[:1] in "d-l")  # ...-all-root
+    root = _unsquash(out, tmp_path / "u")
+    inspect = json.loads(subprocess.run([engine, "image", "inspect", test_image], capture_output=True,
+                                        check=True).stdout)[0]
+    want = configure_files(inspect, f"dockerd://{test_image}")
+    for rel in ("/etc/rc", "/etc/rc.local", "/etc/environment", "/etc/fstab"):
+        assert (root / rel.lstrip("/")).read_text() == want[rel], rel
+    rc = (root / "etc/rc").read_text()
+    # Pinned, independent of configure_files: labels sorted, the newline flattened, Go's sort order.
+    assert rc.startswith(f"# enroot-provenance: dockerd://{test_image}\n# a.first 1\n# io.trainbox.cell test\n"
+                         "# nl line one line two\n\n")
+    assert "    exec '/bin/sh' '-c' 'echo \"it'\\''s\" \"$0\" \"$@\"' 'x' 'jupyter' '--flag=a b'\n" in rc
+    assert (root / "etc/environment").read_text().endswith("PYTORCH_VERSION=2.13.0\nQUOTED=a b 'c' $HOME\n")
+    assert (root / "etc/fstab").read_text().splitlines()[0] == \
+        "${ENROOT_ROOTFS}/data /data none x-create=dir,bind,rw,nosuid,nodev"
+    assert oct((root / "etc/rc").stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+
+
+def _umask() -> int:
+    m = os.umask(0)
+    os.umask(m)
+    return m
+
+
+@pytest.mark.engine
+def test_rc_runs_the_entrypoint_inside_the_rootfs(test_image, tmp_path):
+    """What enroot start does last: sh /etc/rc [ARGS] inside the rootfs (chroot here)."""
+    if os.geteuid() != 0:
+        pytest.skip("chroot needs root")
+    root = _unsquash(export_image(test_image, tmp_path / "t.sqsh", progress=False), tmp_path / "u")
+    r = subprocess.run(["chroot", str(root), "/bin/sh", "/etc/rc"], capture_output=True, text=True)
+    assert r.stdout == "it's x jupyter --flag=a b\n", r.stderr
+    r = subprocess.run(["chroot", str(root), "/bin/sh", "/etc/rc", "sft", "--config", "c.yaml"],
+                       capture_output=True, text=True)
+    assert r.stdout == "it's x sft --config c.yaml\n", r.stderr
+
+
+@pytest.mark.engine
+def test_same_source_date_epoch_is_byte_identical(test_image, tmp_path, monkeypatch):
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    a = export_image(test_image, tmp_path / "a.sqsh", progress=False)
+    time.sleep(1.1)  # a different wall-clock second would show up in any timestamp we failed to pin
+    b = export_image(test_image, tmp_path / "b.sqsh", progress=False)
+    assert a.read_bytes() == b.read_bytes()
+    z1 = export_image(test_image, tmp_path / "z1.sqsh", compression="zstd", block_size="1M", progress=False)
+    z2 = export_image(test_image, tmp_path / "z2.sqsh", compression="zstd", block_size="1M", progress=False)
+    assert z1.read_bytes() == z2.read_bytes() != a.read_bytes()
+    sb = subprocess.run(["unsquashfs", "-s", str(z1)], capture_output=True, text=True, check=True).stdout
+    assert "zstd" in sb and "Block size 1048576" in sb
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.sqsh", "b.sqsh", "z1.sqsh", "z2.sqsh"]
+
+
+@pytest.mark.engine
+def test_export_replaces_existing_and_cli_works(test_image, tmp_path):
+    dest = tmp_path / "t.sqsh"
+    dest.write_text("old")
+    r = subprocess.run([PY, "-m", "builder.enroot", test_image, str(dest), "--compression", "zstd", "--quiet"],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert dest.read_bytes()[:4] == b"hsqs"
+    assert [p.name for p in tmp_path.iterdir()] == ["t.sqsh"]
+
+
+@pytest.mark.engine
+def test_missing_image_is_a_user_error(engine, tmp_path):
+    with pytest.raises(UserError, match="not in the local engine"):
+        export_image("trainbox-test/does-not-exist:0", tmp_path / "x.sqsh", progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def _wait_for(pred, timeout=60):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+def test_killed_export_leaves_no_sqsh(test_image, tmp_path, sig):
+    dest = tmp_path / "k.sqsh"
+    # A slow compressor and tiny blocks keep mksquashfs busy long enough to be caught writing.
+    p = subprocess.Popen([PY, "-m", "builder.enroot", test_image, str(dest), "--compression", "xz",
+                          "--block-size", "4K", "--quiet"], cwd=ROOT, stderr=subprocess.PIPE)
+    tmp_file = tmp_path / f".k.sqsh.tmp.{p.pid}"
+    assert _wait_for(tmp_file.exists), "export never started writing"
+    p.send_signal(sig)
+    p.wait(timeout=60)
+    assert p.returncode != 0
+    assert not dest.exists()
+    assert not list(tmp_path.glob("*.sqsh"))
+    if sig != signal.SIGKILL:
+        assert list(tmp_path.iterdir()) == [], "interrupted export left files behind"
+    else:
+        # SIGKILL can't be caught: the next export of the same DEST removes the dead process's leftovers.
+        export_image(test_image, dest, progress=False)
+        assert [p.name for p in tmp_path.iterdir()] == ["k.sqsh"]
+
+
+@pytest.mark.engine
+def test_arm64_image(engine, test_image, tmp_path):
+    """An image whose config says arm64 exports the same way (nothing in it runs on the host)."""
+    arm = _retag_arch(engine, test_image, "arm64", tmp_path)
+    out = export_image(arm, tmp_path / "arm.sqsh", progress=False, arch="arm64")
+    assert (_unsquash(out, tmp_path / "u") / "etc/rc").read_text().startswith(f"# enroot-provenance: dockerd://{arm}")
+    with pytest.raises(UserError, match="arm64.*not amd64|amd64"):
+        export_image(arm, tmp_path / "wrong.sqsh", progress=False, arch="amd64")
+    assert not (tmp_path / "wrong.sqsh").exists()
+
+
+def _retag_arch(docker: str, ref: str, arch: str, tmp: Path) -> str:
+    """docker save -> rewrite the config's architecture -> docker load (a `docker import` would say amd64)."""
+    import hashlib
+    import tarfile
+
+    src, out_dir = tmp / "img.tar", tmp / "x"
+    subprocess.run([docker, "save", "-o", str(src), ref], check=True)
+    with tarfile.open(src) as t:
+        t.extractall(out_dir, filter="tar")
+    manifest = json.loads((out_dir / "manifest.json").read_text())
+    cfg_path = out_dir / manifest[0]["Config"]
+    cfg = json.loads(cfg_path.read_text())
+    cfg["architecture"] = arch
+    data = json.dumps(cfg).encode()
+    new_name = hashlib.sha256(data).hexdigest() + ".json"
+    cfg_path.unlink()
+    (out_dir / new_name).write_bytes(data)
+    new_ref = f"trainbox-test/enroot-{arch}:1"
+    manifest[0]["Config"] = new_name
+    manifest[0]["RepoTags"] = [new_ref]
+    (out_dir / "manifest.json").write_text(json.dumps(manifest))
+    (out_dir / "repositories").unlink(missing_ok=True)
+    dst = tmp / "arm.tar"
+    with tarfile.open(dst, "w") as t:
+        for p in sorted(out_dir.iterdir()):
+            t.add(p, arcname=p.name)
+    subprocess.run([docker, "load", "-i", str(dst)], check=True, capture_output=True)
+    shutil.rmtree(out_dir)
+    return new_ref
+
+
+@pytest.mark.engine
+@pytest.mark.skipif(not shutil.which("enroot"), reason="real enroot not installed (optional cross-check)")
+def test_byte_identical_to_real_enroot(test_image, tmp_path):
+    """With the real enroot on PATH: same mksquashfs times -> the very same bytes."""
+    ours = _with_epoch(lambda: export_image(test_image, tmp_path / "ours.sqsh", progress=False))
+    env = dict(os.environ, TTY_OFF="y",
+               ENROOT_SQUASH_OPTIONS="-comp lzo -noD -exit-on-error -mkfs-time 1700000000 -all-time 1700000000")
+    env.pop("SOURCE_DATE_EPOCH", None)
+    subprocess.run(["enroot", "import", "-o", str(tmp_path / "real.sqsh"), f"dockerd://{test_image}"], env=env,
+                   check=True, capture_output=True)
+    assert ours.read_bytes() == (tmp_path / "real.sqsh").read_bytes()
+
+
+def _with_epoch(fn):
+    old = os.environ.get("SOURCE_DATE_EPOCH")
+    os.environ["SOURCE_DATE_EPOCH"] = "1700000000"
+    try:
+        return fn()
+    finally:
+        if old is None:
+            del os.environ["SOURCE_DATE_EPOCH"]
+        else:
+            os.environ["SOURCE_DATE_EPOCH"] = old
