@@ -1,0 +1,363 @@
+"""GRPO training (TRL GRPOTrainer): YAML + CLI options named as in TRL, gsm8k preset, full/LoRA/QLoRA, vLLM if present.
+
+Usage: `trainbox grpo --model_name_or_path MODEL --dataset_name DATA [--preset gsm8k] [--mode full|lora|qlora]
+[--reward_funcs rewards:correctness,my_mod:fn] [--config grpo.yaml] [any GRPOConfig / ModelConfig option]`.
+
+Everything that can be wrong with the options, the model reference, the dataset or the reward functions is checked
+before a model loads, and reported as one `error: ...` line with exit code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from entrypoints import config, lifecycle, rewards
+from entrypoints.errors import UsageError
+
+PROG = "trainbox grpo"
+MODES = ("full", "lora", "qlora")
+PRESETS = ("gsm8k",)
+GSM8K_HUB = "openai/gsm8k:main"  # data.load_table's `name:config`; used when --preset gsm8k names no dataset
+
+
+@dataclass
+class GRPOScriptArgs:
+    """Options of this entrypoint that are not TRL's (TRL's own are GRPOConfig's and ModelConfig's)."""
+
+    dataset_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "Training data: a local .parquet/.jsonl file or directory, or a hub dataset id (name:config). "
+            f"Default with --preset gsm8k: {GSM8K_HUB}."
+        },
+    )
+    dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
+    preset: str | None = field(
+        default=None,
+        metadata={
+            "help": "gsm8k: system prompt asking for <reasoning>/<answer>, answers parsed after ####, and the "
+            "notebook's reward set (correctness 2.0, integer 0.5, strict/soft format 0.5, xml tag count).",
+            "choices": PRESETS,
+        },
+    )
+    mode: str | None = field(
+        default=None,
+        metadata={
+            "help": "full: train all weights; lora: LoRA adapters; qlora: LoRA on a 4-bit nf4 (bitsandbytes) base. "
+            "Default: from use_peft/load_in_4bit, else full.",
+            "choices": MODES,
+        },
+    )
+    reward_funcs: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Reward functions, comma- or space-separated: rewards:NAME (built-ins: correctness, int_format, "
+            "strict_format, soft_format, xmlcount), a.module:fn or path/to/file.py:fn. Weights: --reward_weights."
+        },
+    )
+    max_prompt_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "Drop training prompts longer than this many tokens (TRL 1.16 no longer truncates prompts; the "
+            "old max_prompt_length is translated to this)."
+        },
+    )
+
+
+def _grpo_config_class():
+    """TRL's GRPOConfig, with the batch/num_generations check run (and explained) before TRL's own."""
+    from trl import GRPOConfig
+
+    @dataclass
+    class GRPOConfigChecked(GRPOConfig):
+        __doc__ = GRPOConfig.__doc__
+
+        def __post_init__(self):
+            check_generation_batch(self, world_size())
+            super().__post_init__()
+
+    return GRPOConfigChecked
+
+
+def world_size() -> int:
+    # torchrun/accelerate export WORLD_SIZE; a plain `python -m entrypoints grpo` is one process.
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def check_generation_batch(args, processes: int) -> None:
+    """GRPO scores groups of num_generations completions per prompt: each generation batch must hold whole groups."""
+    bs, ng = args.per_device_train_batch_size, args.num_generations
+    if ng is None or ng < 2:
+        raise UsageError(
+            f"num_generations={ng}: GRPO compares completions of the same prompt, so it needs at least 2; "
+            f"set --num_generations 2 or more"
+        )
+    if args.generation_batch_size is not None and args.steps_per_generation is not None:
+        raise UsageError(
+            "generation_batch_size and steps_per_generation are two ways to say the same thing; set only one"
+        )
+    if args.generation_batch_size is not None:
+        gen = args.generation_batch_size
+        if gen % (bs * processes):
+            raise UsageError(
+                f"generation_batch_size={gen} must be a multiple of per_device_train_batch_size {bs} x {processes} "
+                f"process(es) = {bs * processes}"
+            )
+        how = f"generation_batch_size {gen}"
+        spg = gen // (bs * processes)
+    else:
+        spg = args.steps_per_generation or args.gradient_accumulation_steps
+        gen = bs * processes * spg
+        src = "steps_per_generation" if args.steps_per_generation else "gradient_accumulation_steps"
+        how = (
+            f"per_device_train_batch_size {bs} x {processes} process(es) x steps_per_generation {spg} "
+            f"(= {src}) = {gen}"
+        )
+    if gen % ng == 0:
+        return
+    per_step = processes * spg
+    good_bs = next(b for b in range(bs, bs * ng + 1) if (b * per_step) % ng == 0)
+    divisors = [d for d in range(2, gen + 1) if gen % d == 0]
+    fixes = [f"per_device_train_batch_size {good_bs}"]
+    if divisors:
+        fixes.append(f"num_generations {' or '.join(map(str, divisors[-3:]))}")
+    raise UsageError(
+        f"GRPO samples num_generations={ng} completions per prompt and needs whole groups in each generation "
+        f"batch, but {how} completions is not a multiple of {ng}. Fix: set {' or '.join(fixes)}"
+    )
+
+
+def grpo_legacy() -> dict:
+    """Removed options from Unsloth / TRL 0.x GRPO recipes, each translated (config.parse_args prints a warning)."""
+    legacy = dict(config.LEGACY_TRAINING)
+    # TRL 1.16 removed max_prompt_length and no longer truncates prompts at all; cutting prompts from the left
+    # (the old behaviour) loses the system prompt, so overlong prompts are dropped from the data instead.
+    legacy["max_prompt_length"] = lambda v: {"max_prompt_tokens": int(v)}
+    legacy["vllm_max_model_len"] = lambda v: {"vllm_max_model_length": int(v)}
+    # TRL places colocated vLLM on each process's own device now; a separate generation GPU is `vllm_mode server`.
+    legacy["vllm_device"] = lambda v: {}
+    return legacy
+
+
+def parse(argv: list[str]):
+    from trl import ModelConfig
+
+    from trl import GRPOConfig
+
+    script, args, model_args = config.parse_args(
+        (GRPOScriptArgs, _grpo_config_class(), ModelConfig), argv, prog=PROG, legacy=grpo_legacy()
+    )
+    # Same fields, checks done: back to TRL's class so checkpoints pickle it as trl's own (a local class can't be).
+    args.__class__ = GRPOConfig
+    return script, args, model_args
+
+
+# ---------------------------------------------------------------- checks that run before any model loads
+
+
+def check_model_ref(ref: str | None) -> str:
+    """'local' or 'hub'; a path that doesn't exist or isn't a model directory is a UsageError."""
+    if not ref:
+        raise UsageError("no model: give --model_name_or_path (a local model directory or a hub id like org/name)")
+    p = Path(ref).expanduser()
+    if p.exists():
+        if not p.is_dir() or not (p / "config.json").is_file():
+            raise UsageError(
+                f"model {ref}: not a model directory (no config.json); give the directory that save_pretrained wrote"
+            )
+        return "local"
+    if ref.startswith(("/", "./", "../", "~")) or ref.count("/") > 1 or ref.endswith("/"):
+        raise UsageError(f"model {ref}: no such directory; check the path (or mount it into the container)")
+    return "hub"
+
+
+def resolve_mode(script, model_args) -> str:
+    given = script.mode
+    flags = config.explicit(model_args)
+    if given is None:
+        if model_args.load_in_4bit and not model_args.use_peft:
+            raise UsageError("load_in_4bit=true needs LoRA on top (a 4-bit base can't be trained): use --mode qlora")
+        mode = "qlora" if model_args.load_in_4bit else "lora" if model_args.use_peft else "full"
+    else:
+        mode = given
+        wants_peft = mode in ("lora", "qlora")
+        if "use_peft" in flags and model_args.use_peft != wants_peft:
+            raise UsageError(f"--mode {mode} contradicts use_peft={model_args.use_peft}; drop one of them")
+        if "load_in_4bit" in flags and model_args.load_in_4bit != (mode == "qlora"):
+            raise UsageError(f"--mode {mode} contradicts load_in_4bit={model_args.load_in_4bit}; drop one of them")
+        if model_args.load_in_8bit:
+            raise UsageError("load_in_8bit isn't one of the supported modes; use --mode qlora (4-bit nf4)")
+        model_args.use_peft = wants_peft
+        model_args.load_in_4bit = mode == "qlora"
+    if mode == "qlora":
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise UsageError("--mode qlora needs bitsandbytes, which this image lacks; use --mode lora")
+    return mode
+
+
+def resolve_rollouts(args) -> str:
+    """Pick vLLM when it's installed and a GPU is there (unless use_vllm was set); return the line to report."""
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    if "use_vllm" in config.explicit(args):
+        if args.use_vllm and not has_vllm:
+            raise UsageError("use_vllm=true but vllm is not installed here; drop use_vllm to generate with transformers")
+        why = "use_vllm set"
+    else:
+        import torch
+
+        args.use_vllm = has_vllm and torch.cuda.is_available()
+        why = "auto: " + ("vllm installed, GPU present" if args.use_vllm
+                          else "vllm not installed" if not has_vllm else "no GPU")
+    if not args.use_vllm:
+        return f"rollouts: transformers generate ({why})"
+    if args.vllm_mode == "server":
+        where = args.vllm_server_base_url or f"{args.vllm_server_host}:{args.vllm_server_port}"
+        return f"rollouts: vLLM server at {where} ({why}; start it with `trl vllm-serve --model MODEL`)"
+    return f"rollouts: vLLM colocate, gpu_memory_utilization {args.vllm_gpu_memory_utilization} ({why})"
+
+
+def reward_refs(script) -> list[str]:
+    refs = [r.strip() for item in (script.reward_funcs or []) for r in str(item).split(",") if r.strip()]
+    if not refs:
+        if script.preset == "gsm8k":
+            return list(rewards.GSM8K)
+        raise UsageError(
+            "no reward functions: give --reward_funcs (e.g. rewards:correctness,rewards:xmlcount or my_mod:fn), "
+            "or --preset gsm8k for the notebook's set"
+        )
+    return refs
+
+
+def prepare_dataset(script, refs, funcs):
+    from entrypoints import data
+
+    if not script.dataset_name:
+        if script.preset != "gsm8k":
+            raise UsageError("no training data: give --dataset_name (a .parquet/.jsonl file or directory, or a hub id)")
+        script.dataset_name = GSM8K_HUB
+    ds = data.load_table(script.dataset_name, split=script.dataset_train_split)
+    if script.preset == "gsm8k":
+        # gsm8k question/answer (answer after ####) or verl's gsm8k parquet -> prompt with the notebook's system
+        # prompt + answer column for rewards:correctness.
+        ds = data.to_prompt_answer(
+            ds, where=f"dataset {script.dataset_name} (--preset gsm8k)", system_prompt=rewards.SYSTEM_PROMPT
+        )
+    data.require_columns(ds, ["prompt"], f"dataset {script.dataset_name} (GRPO needs a prompt per row)")
+    for ref, func in zip(refs, funcs):
+        need = rewards.required_columns(func)
+        if need:
+            data.require_columns(ds, need, f"dataset {script.dataset_name} (reward function {ref})")
+    if len(ds) == 0:
+        raise UsageError(f"dataset {script.dataset_name} split {script.dataset_train_split} has no rows")
+    return ds
+
+
+def drop_long_prompts(ds, model_ref: str, limit: int, revision=None):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_ref, revision=revision)
+
+    def n_tokens(row):
+        p = row["prompt"]
+        if isinstance(p, list):
+            return len(tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False))
+        return len(tok(p)["input_ids"])
+
+    before = len(ds)
+    ds = ds.filter(lambda row: n_tokens(row) <= limit)
+    print(f"[trainbox] grpo: max_prompt_tokens {limit}: dropped {before - len(ds)} of {before} prompts", flush=True)
+    if len(ds) == 0:
+        raise UsageError(f"every prompt is longer than max_prompt_tokens={limit}; raise it or shorten the prompts")
+    return ds
+
+
+# ---------------------------------------------------------------- run
+
+
+def main(argv: list[str]) -> int:
+    try:
+        return run(argv)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(argv: list[str]) -> int:
+    started = time.time()
+    script, args, model_args = parse(argv)
+    check_model_ref(model_args.model_name_or_path)
+    mode = resolve_mode(script, model_args)
+    refs = reward_refs(script)
+    funcs = [rewards.load(r) for r in refs]
+    if args.reward_weights is not None and len(args.reward_weights) != len(funcs):
+        raise UsageError(
+            f"reward_weights has {len(args.reward_weights)} values for {len(funcs)} reward functions ({', '.join(refs)})"
+        )
+    rollout_line = resolve_rollouts(args)
+    out = lifecycle.output_dir(config.configured_output_dir(args))
+    args.output_dir = out
+    ds = prepare_dataset(script, refs, funcs)
+    if script.max_prompt_tokens is not None:
+        ds = drop_long_prompts(ds, model_args.model_name_or_path, script.max_prompt_tokens, model_args.model_revision)
+        if args.use_vllm and args.vllm_max_model_length is None:
+            args.vllm_max_model_length = script.max_prompt_tokens + args.max_completion_length
+
+    preemption = lifecycle.PreemptionCallback()  # handlers before the slow model load, so a SIGTERM there is seen
+    resume = args.resume_from_checkpoint or lifecycle.resume_checkpoint(out)
+    if lifecycle.is_main_process():
+        print(
+            f"[trainbox] grpo: model {model_args.model_name_or_path} mode {mode}; data {script.dataset_name} "
+            f"({len(ds)} rows); rewards {', '.join(refs)}; {rollout_line}; outputs {out}"
+            + (f"; resuming from {resume}" if resume else ""),
+            flush=True,
+        )
+    trainer = build_trainer(args, model_args, mode, funcs, ds, preemption)
+    if lifecycle.preempt_requested():
+        print("[trainbox] grpo: stopped by a signal before training started; nothing to save", file=sys.stderr)
+        return lifecycle.exit_code()
+    trainer.train(resume_from_checkpoint=resume)
+    if not lifecycle.was_preempted():
+        trainer.save_model(out)
+    lifecycle.finish(trainer, out, started, "grpo")
+    return lifecycle.exit_code()
+
+
+def build_trainer(args, model_args, mode, funcs, ds, preemption):
+    from trl import GRPOTrainer, get_peft_config, get_quantization_config
+
+    init = dict(args.model_init_kwargs or {})
+    init.setdefault("revision", model_args.model_revision)
+    init.setdefault("dtype", model_args.dtype)
+    if model_args.attn_implementation:
+        init.setdefault("attn_implementation", model_args.attn_implementation)
+    quant = get_quantization_config(model_args) if mode == "qlora" else None
+    if quant is not None:
+        import torch
+
+        if torch.cuda.is_available():
+            # 4-bit weights can't be moved after loading: put each process's copy on its own GPU (TRL's default,
+            # device_map=None under DDP, would quantize onto no device).
+            init.setdefault("device_map", {"": int(os.environ.get("LOCAL_RANK", "0"))})
+    args.model_init_kwargs = init
+    return GRPOTrainer(
+        model=model_args.model_name_or_path,
+        reward_funcs=funcs,
+        args=args,
+        train_dataset=ds,
+        peft_config=get_peft_config(model_args) if mode != "full" else None,
+        quantization_config=quant,
+        callbacks=[preemption],
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
