@@ -82,11 +82,12 @@ def _isolate_child(mask: set) -> None:  # runs in the child between fork and exe
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
-def supervise(cmd: list[str], env: dict[str, str] | None = None) -> int:
+def supervise(cmd: list[str], env: dict[str, str] | None = None, on_start=None) -> int:
     """Run `cmd` as a child like an init: forward FORWARDED signals, reap every child, return the main child's code.
 
     Signals are blocked and collected with sigtimedwait (never lost between spawn and wait; and a blocked signal is
-    delivered even to a PID 1, which drops signals whose disposition is the default).
+    delivered even to a PID 1, which drops signals whose disposition is the default). `on_start(pid)`, if given, runs
+    in a daemon thread once the child exists (it inherits the blocked mask, so signals still come here).
     """
     wanted = set(FORWARDED) | {signal.SIGCHLD}
     _become_subreaper()
@@ -98,6 +99,10 @@ def supervise(cmd: list[str], env: dict[str, str] | None = None) -> int:
         except OSError as e:
             print(f"{PROG}: can't start {cmd[0]}: {e.strerror}", file=sys.stderr)
             return 127
+        if on_start is not None:
+            import threading
+
+            threading.Thread(target=on_start, args=(child.pid,), daemon=True).start()
         code = None
         while code is None:
             info = signal.sigtimedwait(wanted, 1.0)  # the timeout also catches a coalesced SIGCHLD

@@ -1,0 +1,253 @@
+"""JupyterLab on 0.0.0.0:$JUPYTER_PORT (8888) in /workspace, always behind a token or a hashed password.
+
+Auth, first that is set: JUPYTER_TOKEN, JUPYTER_TOKEN_FILE (a file holding the token), JUPYTER_PASSWORD_HASH (a
+jupyter_server hash: python -c "from jupyter_server.auth import passwd; print(passwd())"); with none, a random
+token is generated and the URL with it is printed. It never starts unauthenticated: once the server answers, this
+checks that /api/status refuses a request without credentials and stops the server if not (e.g. a config file that
+empties the token). The secret goes to the server through its environment, never its command line (which other users
+of a shared Slurm node can read with ps).
+
+Root: refused unless --allow-root (or JUPYTER_ALLOW_ROOT=1): the image's user is `trainer`, and root with a
+browser-reachable shell is rarely what anyone meant. Exception: uid 0 inside a user namespace (enroot --root, rootless
+podman) is an unprivileged user outside, so it is allowed.
+
+Healthcheck: `trainbox healthcheck` reads the state file this writes (port, pid) and asks /api (no token needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import secrets
+import socket
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from entrypoints.errors import UsageError
+
+DEFAULT_PORT = 8888
+DEFAULT_ROOT = "/workspace"
+READY_TIMEOUT_S = 180  # a cold start on a network filesystem can be slow; the healthcheck's start_period covers it
+
+
+@dataclass(frozen=True)
+class Auth:
+    token: str  # "" when only a password is used
+    hashed_password: str
+    source: str  # where it came from, for the banner
+
+
+def resolve_auth(env: dict[str, str]) -> Auth:
+    """The credentials from the environment (see the module doc); raises UsageError for unusable ones."""
+    token_set, file_set = "JUPYTER_TOKEN" in env, bool(env.get("JUPYTER_TOKEN_FILE"))
+    hashed = env.get("JUPYTER_PASSWORD_HASH", "").strip()
+    if token_set and file_set:
+        raise UsageError("both JUPYTER_TOKEN and JUPYTER_TOKEN_FILE are set; keep one")
+    if token_set:
+        token = env["JUPYTER_TOKEN"].strip()
+        if not token:
+            raise UsageError("JUPYTER_TOKEN is set but empty: this image never runs Jupyter without auth; "
+                             "unset it (a token is generated) or give a token")
+        source = "JUPYTER_TOKEN"
+    elif file_set:
+        path = Path(env["JUPYTER_TOKEN_FILE"])
+        try:
+            token = path.read_text(encoding="utf-8").strip()  # a trailing newline would become part of the token
+        except OSError as e:
+            raise UsageError(f"JUPYTER_TOKEN_FILE={path}: can't read it ({e.strerror}); "
+                             "mount the file or fix the path") from None
+        if not token:
+            raise UsageError(f"JUPYTER_TOKEN_FILE={path} is empty; put the token in it")
+        source = f"JUPYTER_TOKEN_FILE ({path})"
+    else:
+        token, source = "", ""
+    if hashed:
+        check_password_hash(hashed)
+        if not token:
+            source = "JUPYTER_PASSWORD_HASH"
+    if not token and not hashed:
+        token, source = secrets.token_hex(24), "generated"
+    return Auth(token=token, hashed_password=hashed, source=source)
+
+
+def check_password_hash(hashed: str) -> None:
+    """jupyter_server's formats: 'argon2:$argon2id$...' or 'ALGO:SALT:HEXDIGEST' with a hashlib algorithm."""
+    if re.fullmatch(r"argon2:\$argon2(id|i|d)\$\S+", hashed):
+        return
+    algo, _, rest = hashed.partition(":")
+    salt, _, digest = rest.partition(":")
+    if algo in hashlib.algorithms_available and salt and re.fullmatch(r"[0-9a-f]+", digest or "-"):
+        return
+    raise UsageError("JUPYTER_PASSWORD_HASH is not a jupyter_server password hash (expected 'argon2:$argon2id$...' "
+                     "or 'sha1:SALT:HEX'); make one with: python -c \"from jupyter_server.auth import passwd; "
+                     "print(passwd())\"")
+
+
+def port_from(value: str | None, where: str) -> int:
+    if value is None or value == "":
+        return DEFAULT_PORT
+    if not value.isdigit() or not 1 <= int(value) <= 65535:
+        raise UsageError(f"{where}={value!r}: a port must be a number from 1 to 65535")
+    return int(value)
+
+
+def in_user_namespace() -> bool:
+    """True when uid 0 here is someone else outside (enroot, rootless podman, docker userns-remap)."""
+    try:
+        lines = Path("/proc/self/uid_map").read_text().split("\n")
+    except OSError:
+        return False
+    return [ln.split() for ln in lines if ln.strip()] != [["0", "0", "4294967295"]]
+
+
+def root_allowed(flag: bool, env: dict[str, str]) -> bool:
+    """Whether to pass allow_root; raises UsageError for a real root that didn't opt in."""
+    if os.geteuid() != 0:
+        return False
+    if in_user_namespace():
+        return True
+    if flag or env.get("JUPYTER_ALLOW_ROOT", "").lower() in ("1", "true", "yes"):
+        print("jupyter: warning: running as root (you asked for it with --allow-root/JUPYTER_ALLOW_ROOT)",
+              file=sys.stderr)
+        return True
+    raise UsageError("refusing to run Jupyter as root (uid 0): notebooks get a shell with root's powers. The image's "
+                     "user is 'trainer' — drop `--user root`/`-u 0`; or pass --allow-root (JUPYTER_ALLOW_ROOT=1) if "
+                     "you mean it")
+
+
+def state_file(env: dict[str, str] | None = None) -> Path:
+    """Where a running `trainbox jupyter` records its port (per user: /tmp is shared on a Slurm node)."""
+    env = os.environ if env is None else env
+    base = env.get("TRAINBOX_STATE_DIR") or os.path.join(tempfile.gettempdir(), f"trainbox-{os.getuid()}")
+    return Path(base) / "jupyter.json"
+
+
+def write_state(path: Path, state: dict) -> None:
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.parent.stat().st_uid != os.getuid():  # someone else's dir in a shared /tmp: don't trust it
+        raise UsageError(f"{path.parent} belongs to another user; set TRAINBOX_STATE_DIR to a directory of yours")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".jupyter.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(state, f)
+    os.replace(tmp, path)
+
+
+def build_command(port: int, ip: str, root_dir: Path, auth: Auth, allow_root: bool, extra: list[str]) -> list[str]:
+    cmd = [sys.executable, "-m", "jupyterlab",
+           f"--ServerApp.ip={ip}", f"--ServerApp.port={port}",
+           "--ServerApp.port_retries=0",  # the published port is fixed: fail loudly rather than move silently
+           f"--ServerApp.root_dir={root_dir}", "--ServerApp.open_browser=False"]
+    if auth.hashed_password:
+        cmd.append(f"--PasswordIdentityProvider.hashed_password={auth.hashed_password}")
+    if allow_root:
+        cmd.append("--ServerApp.allow_root=True")
+    return cmd + extra
+
+
+def child_env(auth: Auth) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("JUPYTER_TOKEN_FILE", None)  # resolved above (stripped); the server takes the value from JUPYTER_TOKEN
+    if auth.token:
+        env["JUPYTER_TOKEN"] = auth.token
+    else:
+        env.pop("JUPYTER_TOKEN", None)
+    return env
+
+
+def http_status(url: str, timeout: float = 5.0) -> int | None:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url), timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def banner(port: int, auth: Auth) -> str:
+    hosts = ["127.0.0.1", socket.gethostname()]
+    if auth.source == "generated":
+        urls = [f"http://{h}:{port}/lab?token={auth.token}" for h in hosts]
+        how = "token generated for this run"
+    else:
+        urls = [f"http://{h}:{port}/lab" for h in hosts]
+        how = f"log in with the {'password' if auth.source == 'JUPYTER_PASSWORD_HASH' else 'token'} from {auth.source}"
+    return "\n".join(["", f"JupyterLab is up ({how}); open one of:", *[f"    {u}" for u in urls],
+                      "(from another machine: the port you published/forwarded instead of " f"{port})", ""])
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="trainbox jupyter", description=__doc__.split("\n\n")[0],
+                                epilog="Anything after `--` goes to `jupyter lab` as is.")
+    p.add_argument("--port", default=None, help=f"port (default: $JUPYTER_PORT or {DEFAULT_PORT})")
+    p.add_argument("--ip", default="0.0.0.0", help="address to listen on (default: 0.0.0.0)")
+    p.add_argument("--root-dir", default=os.environ.get("JUPYTER_ROOT_DIR", DEFAULT_ROOT),
+                   help=f"notebook root (default: $JUPYTER_ROOT_DIR or {DEFAULT_ROOT})")
+    p.add_argument("--allow-root", action="store_true", help="run even as real root (also JUPYTER_ALLOW_ROOT=1)")
+    argv, extra = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    args = p.parse_args(argv)
+
+    env = dict(os.environ)
+    port = port_from(args.port, "--port") if args.port is not None else port_from(env.get("JUPYTER_PORT"),
+                                                                                   "JUPYTER_PORT")
+    root_dir = Path(args.root_dir)
+    if not root_dir.is_dir():
+        raise UsageError(f"notebook root {root_dir} is not a directory; mount one there (-v DIR:{root_dir}) or "
+                         "pass --root-dir / JUPYTER_ROOT_DIR")
+    auth = resolve_auth(env)
+    allow_root = root_allowed(args.allow_root, env)
+    cmd = build_command(port, args.ip, root_dir.resolve(), auth, allow_root, extra)
+    state = state_file()
+    refused = []
+
+    def watch(pid: int) -> None:
+        base = f"http://127.0.0.1:{port}"
+        write_state(state, {"pid": pid, "port": port, "url": base + "/"})
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while http_status(base + "/api", timeout=2) != 200:
+            if time.monotonic() > deadline or not _alive(pid):
+                return  # the healthcheck will say it's down; the server's own log says why
+            time.sleep(0.2)
+        status = http_status(base + "/api/status")
+        if status != 403:
+            refused.append(status)
+            print(f"jupyter: error: the server answered /api/status without credentials (HTTP {status}): something "
+                  "(a jupyter_server_config file?) disabled authentication; stopping it", file=sys.stderr, flush=True)
+            os.kill(pid, 15)
+            return
+        print(banner(port, auth), file=sys.stderr, flush=True)
+
+    from entrypoints.dispatch import supervise
+
+    try:
+        code = supervise(cmd, child_env(auth), on_start=watch)
+    finally:
+        try:
+            state.unlink()
+        except OSError:
+            pass
+    return 1 if refused else code
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+if __name__ == "__main__":
+    from entrypoints.dispatch import run_main
+
+    sys.exit(run_main(main, prog="trainbox jupyter"))
