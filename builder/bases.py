@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from builder import setup_engine
-from builder.setup_engine import UserError
+from builder.errors import UserError
 
 SUITE = "bookworm"
 # python3 + venv + certificates up front: saves the Dockerfile's apt step, which is slow under QEMU.

@@ -26,7 +26,7 @@ from python_on_whales import DockerClient
 from python_on_whales.exceptions import DockerException
 
 from builder import setup_engine
-from builder.setup_engine import UserError
+from builder.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 WHEELHOUSE = "wheelhouse"

@@ -21,11 +21,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-try:
-    from builder.errors import UserError
-except ImportError:  # pragma: no cover - only while builder/errors.py is not in the tree yet
-    class UserError(Exception):
-        pass
+from builder.errors import UserError
 
 DEFAULT_PORT = 5555
 # Debian's engine here has no iptables rights; the default bridge still works without NAT rules.
@@ -253,6 +249,7 @@ def _ensure_binfmt(state: dict) -> None:
 
 def up(tools: bool = True) -> dict:
     """Bring everything up; returns {"registry": "127.0.0.1:PORT", "docker": CLI path, ...}."""
+    registry_address()  # bad settings fail before anything is started
     state = load_state()
     # Forget pids of processes that are gone (a previous session's machine).
     for key in ("dockerd_pid", "registry_pid"):

@@ -1,0 +1,150 @@
+"""Shared pytest fixtures for the real-image tests: engine + registry, the debootstrapped test base, the smoke images.
+
+Everything is built once per session (memoised here too, so a fixture imported into several modules still builds
+once) and cached between runs (debootstrap layers under $TRAINBOX_CACHE, the engine's build cache).
+Use: `from enginefix import engine, registry, test_base, smoke_image, smoke_build, smoke_arm64  # noqa: F401`
+(or `pytest_plugins = ["enginefix"]` in conftest.py).
+
+- `engine`      {"registry": "127.0.0.1:PORT", "docker": CLI} after `python -m builder.setup_engine up`.
+- `test_base`   REGISTRY/trainbox/base:bookworm-KEY, amd64+arm64; `--base debian:bookworm=<it>` for the smoke cell.
+- `smoke_build` BuildResult of the smoke cell for x86_64 (full stack, CPU torch from a wheelhouse); `smoke_image`
+                its local ref (str), e.g. `trainbox:smoke-x86_64`.
+- `smoke_arm64` BuildResult of the smoke cell for aarch64 (light profile) built under QEMU.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from builder import bases, engine as eng, setup_engine  # noqa: E402
+
+# A known fake build-time credential: every smoke build gets it as a BuildKit secret; test_secrets proves it never
+# lands in a layer, a history entry or a label.
+FAKE_TOKEN = "hf_trainboxFAKEtoken0123456789abcdefXYZ"
+SECRET_ID = "hf_token"
+HOST_CERTS = Path("/usr/local/share/ca-certificates")
+
+
+@functools.cache
+def engine_info() -> dict:
+    return setup_engine.up()
+
+
+@functools.cache
+def base_ref() -> str:
+    return bases.publish(engine_info()["registry"])
+
+
+def install_certs() -> None:
+    """The host's extra CA certificates into images/certs/ (git-ignored): this machine's package traffic goes
+    through a TLS-intercepting proxy, and the images must trust it at build time."""
+    dest = ROOT / "images" / "certs"
+    dest.mkdir(parents=True, exist_ok=True)
+    for crt in sorted(HOST_CERTS.glob("*.crt")):
+        target = dest / crt.name
+        if not target.exists() or target.read_bytes() != crt.read_bytes():
+            tmp = target.with_suffix(".tmp")
+            shutil.copyfile(crt, tmp)
+            tmp.replace(target)
+
+
+def smoke_cells() -> dict:
+    from builder.matrix import load_matrix
+
+    return {c.arch: c for c in load_matrix(ROOT / "matrix.toml").cells if c.name == "smoke"}
+
+
+@functools.cache
+def torch_wheelhouse(requirement: str) -> str:
+    """A folder holding the smoke cell's torch wheel (cp311, manylinux x86_64): pip's own configuration finds it
+    (find-links on the dev/CI machines, else $TORCH_INDEX_URL/cpu)."""
+    dest = setup_engine.cache_dir() / "wheelhouse" / requirement.replace("==", "-")
+    if dest.is_dir() and any(dest.glob("torch-*.whl")):
+        return str(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.11",
+           "--implementation", "cp", "--platform", "manylinux_2_28_x86_64", "-d", str(dest), requirement]
+    if os.environ.get("TORCH_INDEX_URL"):
+        cmd += ["--extra-index-url", os.environ["TORCH_INDEX_URL"].rstrip("/") + "/cpu"]
+    subprocess.run(cmd, check=True)
+    return str(dest)
+
+
+def secret_file() -> Path:
+    path = setup_engine.cache_dir() / "fake-secret" / SECRET_ID
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(FAKE_TOKEN)
+    return path
+
+
+def build_args(cell, **over) -> SimpleNamespace:
+    """An argparse-like namespace for builder.engine.build_cells, as the CLI would pass it."""
+    args = dict(push=False, registry=None, wheelhouse=None, builder="auto", no_cache=False, report=None,
+                secret=[f"id={SECRET_ID},src={secret_file()}"], base=[f"{cell.base_image}={base_ref()}"], sqsh=None,
+                sqsh_compression=None, use_enroot=False, quiet=False)
+    if "torch" in cell.pins:
+        args["wheelhouse"] = torch_wheelhouse(cell.requirement("torch"))
+    args.update(over)
+    return SimpleNamespace(**args)
+
+
+@functools.cache
+def build_smoke(arch: str):
+    engine_info()
+    install_certs()
+    cell = smoke_cells()[arch]
+    args = build_args(cell)
+    builder = eng.choose_builder(args.builder)
+    return eng.build_cell(cell, builder=builder, bases=eng.parse_bases(args.base), wheelhouse=args.wheelhouse,
+                          secrets=eng.parse_secrets(args.secret))
+
+
+@pytest.fixture(scope="session")
+def engine():
+    return engine_info()
+
+
+@pytest.fixture(scope="session")
+def registry(engine):
+    return engine["registry"]
+
+
+@pytest.fixture(scope="session")
+def test_base(engine):
+    return base_ref()
+
+
+@pytest.fixture(scope="session")
+def smoke_build(engine):
+    return build_smoke("x86_64")
+
+
+@pytest.fixture(scope="session")
+def smoke_image(smoke_build):
+    return smoke_build.refs[0]
+
+
+@pytest.fixture(scope="session")
+def smoke_arm64(engine):
+    return build_smoke("aarch64")
+
+
+def docker(*args: str, check: bool = True, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
+    """The engine's CLI (the one setup_engine talks to), output captured as text."""
+    r = subprocess.run([setup_engine.docker_cli(), *args], capture_output=True, text=True, timeout=timeout, **kw)
+    if check and r.returncode != 0:
+        raise AssertionError(f"docker {' '.join(args)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n"
+                             f"{r.stderr[-3000:]}")
+    return r
