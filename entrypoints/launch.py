@@ -168,7 +168,8 @@ def plan(launch_args, env) -> Plan:
         master = flags["master_addr"] or (slurm_hosts(env)[0] if in_srun else "127.0.0.1")
         if nnodes > 1 and not flags["master_addr"] and not in_srun:
             raise UsageError(f"--nnodes {nnodes} needs --master-addr HOST (the node every rank can reach)")
-        port = flags["master_port"] or (_slurm_port(env) if in_srun else DEFAULT_PORT)
+        # One node and no port given: any free local port (two runs on one host must not collide).
+        port = flags["master_port"] or (_slurm_port(env) if in_srun else DEFAULT_PORT if nnodes > 1 else _free_port())
         return Plan(
             "torchrun",
             "launcher flags",

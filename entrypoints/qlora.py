@@ -1,0 +1,192 @@
+"""QLoRA SFT: 4-bit nf4 base (double quant, bf16 compute), LoRA on all linear layers; saves the adapter (+ merged).
+
+Usage: `python -m entrypoints.qlora --model_name_or_path M --dataset D [--merge] [--config X.yaml] [--option value]`.
+Options: TRL's SFTConfig (TrainingArguments included), TRL's ModelConfig (4-bit and LoRA settings) and the dataset
+options of `sft`. Defaults: load_in_4bit, nf4, nested (double) quant, bf16 compute, LoRA r=16 alpha=32 on
+all-linear, gradient checkpointing, learning rate 2e-4, paged 8-bit AdamW on GPU (plain AdamW on CPU, where paged
+optimizers do not exist). Data: chat `messages`, dolly-style instruction/context|input/response|output, verl gsm8k.
+The adapter goes to OUTPUT_DIR; with --merge, the base in bf16 + adapter merged goes to OUTPUT_DIR/merged.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+from . import config as cfg
+from . import launch, lifecycle, sft
+from .errors import UsageError
+
+
+@dataclass
+class QLoRAArguments:
+    merge: bool = field(default=False, metadata={"help": "also save base+adapter merged (bf16) to OUTPUT_DIR/merged"})
+
+
+def qlora_defaults() -> dict:
+    import torch
+
+    gpu = torch.cuda.is_available()
+    return {
+        "load_in_4bit": True,
+        "bnb_4bit_quant_type": "nf4",
+        "use_bnb_nested_quant": True,
+        "dtype": "bfloat16",
+        "use_peft": True,
+        "lora_r": 16,
+        "lora_alpha": 32,
+        "lora_dropout": 0.05,
+        "lora_target_modules": ["all-linear"],
+        "gradient_checkpointing": True,
+        "learning_rate": 2e-4,
+        # bitsandbytes' paged optimizers need CUDA unified memory.
+        "optim": "paged_adamw_8bit" if gpu else "adamw_torch",
+        "include_num_input_tokens_seen": True,
+        "logging_steps": 10,
+        "save_steps": 200,
+    }
+
+
+def parse(argv: list[str], prog: str = "trainbox qlora"):
+    from trl import ModelConfig, SFTConfig
+
+    return cfg.parse_args(
+        (sft.DataArguments, QLoRAArguments, sft.LaunchArguments, ModelConfig, SFTConfig),
+        argv,
+        prog=prog,
+        legacy={**cfg.LEGACY_TRAINING, **cfg.LEGACY_SFT},
+        defaults=qlora_defaults(),
+    )
+
+
+def validate(data_args, model_args, training_args):
+    sft.validate(data_args, model_args, training_args)
+    if model_args.load_in_4bit and model_args.load_in_8bit:
+        raise UsageError("--load_in_4bit and --load_in_8bit exclude each other; pick one")
+    if not model_args.use_peft:
+        raise UsageError("qlora trains LoRA adapters: --use_peft must stay true (use `sft` for full fine-tuning)")
+    if model_args.dtype not in ("bfloat16", "float16", "float32"):
+        raise UsageError(f"--dtype {model_args.dtype}: qlora needs bfloat16, float16 or float32 (the compute dtype)")
+
+
+def _peft_config(model_args):
+    from trl import get_peft_config
+
+    targets = model_args.lora_target_modules
+    if isinstance(targets, list) and len(targets) == 1:
+        # peft recognises the `all-linear` shortcut only as a plain string.
+        model_args.lora_target_modules = targets[0]
+    return get_peft_config(model_args)
+
+
+def load_quantized(model_args):
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    dtype = getattr(torch, model_args.dtype)
+    quant = None
+    if model_args.load_in_4bit:
+        quant = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=model_args.bnb_4bit_quant_type,
+            bnb_4bit_use_double_quant=model_args.use_bnb_nested_quant,
+            bnb_4bit_compute_dtype=dtype,
+            bnb_4bit_quant_storage=model_args.bnb_4bit_quant_storage or "uint8",
+        )
+    elif model_args.load_in_8bit:
+        quant = BitsAndBytesConfig(load_in_8bit=True)
+    # Each rank holds a whole (quantized) copy on its own device: DDP, not sharding.
+    device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
+    return AutoModelForCausalLM.from_pretrained(
+        model_args.model_name_or_path,
+        dtype=dtype,
+        quantization_config=quant,
+        device_map={"": device},
+        attn_implementation=model_args.attn_implementation,
+        revision=model_args.model_revision,
+    )
+
+
+def save_merged(model_args, adapter_dir: str, tokenizer) -> str:
+    """Base in the compute dtype (not quantized) + adapter, merged, written through a temp dir + rename."""
+    import shutil
+
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    final = os.path.join(adapter_dir, "merged")
+    tmp = f"{final}.tmp-{os.getpid()}"
+    base = AutoModelForCausalLM.from_pretrained(
+        model_args.model_name_or_path, dtype=getattr(torch, model_args.dtype), revision=model_args.model_revision
+    )
+    merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+    merged.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    return final
+
+
+def train(data_args, q_args, model_args, training_args, name: str = "qlora") -> int:
+    from trl import SFTTrainer
+
+    started = time.time()
+    training_args.output_dir = lifecycle.output_dir(cfg.configured_output_dir(training_args))
+    validate(data_args, model_args, training_args)
+    tokenizer = sft.load_tokenizer(model_args.model_name_or_path, training_args)
+    with training_args.main_process_first(desc="dataset"):
+        train_ds = sft.prepare_dataset(data_args, training_args)
+    ckpt = sft.resolve_resume(data_args.resume, training_args.output_dir)
+    peft_config = _peft_config(model_args)
+    if lifecycle.is_main_process():
+        bits = "4-bit " + model_args.bnb_4bit_quant_type if model_args.load_in_4bit else ("8-bit" if model_args.load_in_8bit else "unquantized")
+        print(
+            f"[trainbox] {name}: model {model_args.model_name_or_path} ({bits}, LoRA r={model_args.lora_r} on "
+            f"{model_args.lora_target_modules}, optim {getattr(training_args.optim, 'value', training_args.optim)}), {len(train_ds)} examples, "
+            f"outputs {training_args.output_dir}" + (f", resuming from {ckpt}" if ckpt else ""),
+            flush=True,
+        )
+    model = load_quantized(model_args)
+    trainer = SFTTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_ds,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        callbacks=[lifecycle.PreemptionCallback()],
+    )
+    trainer.train(resume_from_checkpoint=ckpt)
+    if not lifecycle.was_preempted():
+        trainer.save_model(training_args.output_dir)  # the adapter (adapter_config.json + weights)
+        if q_args.merge:
+            trainer.accelerator.wait_for_everyone()
+            if lifecycle.is_main_process():
+                merged = save_merged(model_args, training_args.output_dir, tokenizer)
+                print(f"[trainbox] {name}: merged model in {merged}", flush=True)
+    lifecycle.finish(trainer, training_args.output_dir, started, name)
+    return lifecycle.exit_code()
+
+
+def main(argv: list[str]) -> int:
+    try:
+        lifecycle.install_signal_handlers()
+        data_args, q_args, launch_args, model_args, training_args = parse(argv)
+        plan = launch.plan(launch_args, os.environ)
+        if plan.mode == "torchrun":
+            validate(data_args, model_args, training_args)
+            return launch.run_torchrun(plan, "entrypoints.qlora", argv)
+        if plan.env:
+            launch.apply_env(plan, os.environ)
+            data_args, q_args, launch_args, model_args, training_args = parse(argv)
+        return train(data_args, q_args, model_args, training_args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
