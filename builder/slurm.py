@@ -1,0 +1,248 @@
+"""Slurm job scripts per cell: multinode sft/grpo through pyxis, bare enroot, or bare processes (no container).
+
+`python -m builder.slurm --tag TAG --entrypoint sft --config /data/sft.yaml --sqsh /abs/TAG.sqsh --nodes 2
+ --gpus-per-node 8 [--partition P] [--time 04:00:00] [--data DIR] [--outputs DIR] [--hf-cache DIR]
+ [--mount SRC:DST[:ro]] [--mode pyxis|enroot|bare] [-o job.sh]` writes the script (stdout without -o).
+Every mode runs one task per node; each task runs the dispatcher (`trainbox ENTRYPOINT ...`), whose launcher
+starts torchrun with explicit --nnodes/--nproc-per-node/--node-rank/--master-addr/--master-port (the same values
+on every node, so nothing depends on hooks that may or may not set RANK/LOCAL_RANK in the container).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jinja2
+
+try:
+    from builder.errors import UserError
+except ImportError:  # pragma: no cover - only while builder/errors.py is not in the tree yet
+    class UserError(Exception):
+        pass
+
+TEMPLATES = Path(__file__).resolve().parent / "templates" / "slurm"
+ENTRYPOINTS = ("sft", "grpo")
+MODES = ("pyxis", "enroot", "bare")
+# Where the convenience mounts land in the image (CONTRIBUTING.md: outputs default /workspace/outputs).
+DATA_DST, OUTPUTS_DST, HF_DST = "/data", "/workspace/outputs", "/cache/huggingface"
+_TIME_RE = re.compile(r"^(\d+-)?\d+(:\d{2}){0,2}$|^\d+-\d+$|^UNLIMITED$|^INFINITE$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9._-]+$")
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def sqsh_name(tag: str, arch: str) -> str:
+    """File name of a cell's squashfs for one arch: `<tag>-<arch>.sqsh` (amd64, arm64)."""
+    return f"{tag}-{arch}.sqsh"
+
+
+@dataclass(frozen=True)
+class Mount:
+    src: str
+    dst: str
+    ro: bool = False
+
+    @property
+    def pyxis(self) -> str:
+        return f"{self.src}:{self.dst}" + (":ro" if self.ro else "")
+
+    @property
+    def enroot(self) -> str:
+        # enroot start --mount takes fstab fields separated by ':' (src/runtime.sh: `tr ':' ' '`).
+        return f"{self.src}:{self.dst}:none:x-create=auto,rbind,ro" if self.ro else f"{self.src}:{self.dst}"
+
+
+def parse_mount(spec: str) -> Mount:
+    parts = spec.split(":")
+    if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ("ro", "rw")):
+        raise UserError(f"mount {spec!r} must be SRC:DST or SRC:DST:ro (absolute paths, no ':' or ',' in them)")
+    src, dst = parts[0], parts[1]
+    for what, p in (("source", src), ("destination", dst)):
+        # Mount specs are embedded in single-quoted shell text: only characters that never need quoting.
+        if not p.startswith("/") or "," in p or shlex.quote(p) != p:
+            raise UserError(f"mount {spec!r}: {what} {p!r} must be an absolute path of letters, digits and "
+                            "._/+@%=- only (no ',', spaces or quotes)")
+    return Mount(src, dst, len(parts) == 3 and parts[2] == "ro")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    tag: str
+    entrypoint: str = "sft"
+    mode: str = "pyxis"
+    config: str | None = None  # YAML path as the training process sees it (inside the image unless bare)
+    sqsh: str | None = None
+    nodes: int = 1
+    gpus_per_node: int = 8
+    nproc_per_node: int | None = None  # default: gpus_per_node, or 1 without GPUs
+    partition: str | None = None
+    account: str | None = None
+    time: str = "04:00:00"
+    cpus_per_task: int | None = None
+    mounts: tuple[Mount, ...] = ()
+    data: str | None = None
+    outputs: str | None = None
+    hf_cache: str | None = None
+    log_dir: str = "."
+    grace: int = 300
+    python: str = "python3"  # bare mode
+    workdir: str | None = None  # bare mode: dir holding entrypoints/ (the repo root)
+    env: tuple[tuple[str, str], ...] = ()
+    args: tuple[str, ...] = field(default=())  # extra entrypoint options
+
+
+def _check(spec: JobSpec) -> None:
+    if spec.entrypoint not in ENTRYPOINTS:
+        raise UserError(f"entrypoint {spec.entrypoint!r} has no job script; choose {' or '.join(ENTRYPOINTS)}")
+    if spec.mode not in MODES:
+        raise UserError(f"mode {spec.mode!r} unknown; choose one of {', '.join(MODES)}")
+    if not _NAME_RE.match(spec.tag):
+        raise UserError(f"tag {spec.tag!r} may only use letters, digits, '.', '_' and '-' (it names the job)")
+    if spec.nodes < 1:
+        raise UserError(f"--nodes must be at least 1, got {spec.nodes}")
+    if spec.gpus_per_node < 0:
+        raise UserError(f"--gpus-per-node must be 0 or more, got {spec.gpus_per_node}")
+    if spec.nproc_per_node is not None and spec.nproc_per_node < 1:
+        raise UserError(f"--nproc-per-node must be at least 1, got {spec.nproc_per_node}")
+    if spec.cpus_per_task is not None and spec.cpus_per_task < 1:
+        raise UserError(f"--cpus-per-task must be at least 1, got {spec.cpus_per_task}")
+    if not _TIME_RE.match(spec.time):
+        raise UserError(f"--time {spec.time!r} is not a Slurm time; use MM, HH:MM:SS or D-HH:MM:SS")
+    for what, v in (("partition", spec.partition), ("account", spec.account)):
+        if v is not None and not _NAME_RE.match(v):
+            raise UserError(f"--{what} {v!r} may only use letters, digits, '.', '_' and '-'")
+    if spec.grace < 0:
+        raise UserError(f"--grace must be 0 or more seconds, got {spec.grace}")
+    if not spec.config:
+        raise UserError(f"no --config given: pass the {spec.entrypoint} YAML path "
+                        + ("on the nodes" if spec.mode == "bare" else "as seen inside the image (e.g. /data/x.yaml)"))
+    for k, _ in spec.env:
+        if not _ENV_NAME_RE.match(k):
+            raise UserError(f"--env {k!r} is not a variable name")
+    if spec.mode == "bare":
+        if spec.sqsh or spec.mounts or spec.data or spec.outputs or spec.hf_cache:
+            raise UserError("bare mode runs on the nodes without a container: drop --sqsh/--mount/--data/--outputs/"
+                            "--hf-cache and give host paths in the config")
+        if not spec.workdir or not spec.workdir.startswith("/"):
+            raise UserError("bare mode needs --workdir ABS_DIR (the directory that holds entrypoints/)")
+    else:
+        # pyxis takes a path only if it starts with / or ./ (else it pulls from a registry); be strict: absolute.
+        if not spec.sqsh or not spec.sqsh.startswith("/") or not spec.sqsh.endswith(".sqsh"):
+            raise UserError(f"--sqsh {spec.sqsh!r} must be an absolute path to a .sqsh file (pyxis would otherwise "
+                            "try to pull it from a registry); export one with `python -m builder.enroot`")
+        if "," in spec.sqsh or shlex.quote(spec.sqsh) != spec.sqsh:
+            raise UserError(f"--sqsh {spec.sqsh!r} must not contain spaces, commas, quotes or shell characters")
+
+
+def _all_mounts(spec: JobSpec) -> list[Mount]:
+    mounts = list(spec.mounts)
+    for src, dst in ((spec.data, DATA_DST), (spec.outputs, OUTPUTS_DST), (spec.hf_cache, HF_DST)):
+        if src:
+            mounts.append(parse_mount(f"{src}:{dst}"))
+    dsts = [m.dst for m in mounts]
+    dup = sorted({d for d in dsts if dsts.count(d) > 1})
+    if dup:
+        raise UserError(f"two mounts share the destination {dup[0]}; give each destination once")
+    return mounts
+
+
+def render(spec: JobSpec) -> str:
+    _check(spec)
+    mounts = _all_mounts(spec)
+    env = list(spec.env)
+    if spec.hf_cache:
+        env.append(("HF_HOME", HF_DST))
+    if spec.outputs:
+        env.append(("OUTPUT_DIR", OUTPUTS_DST))
+    nproc = spec.nproc_per_node or (spec.gpus_per_node or 1)
+    jenv = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined,
+                              keep_trailing_newline=True, autoescape=False)
+    jenv.filters["q"] = lambda v: shlex.quote(str(v))
+    # Names whose values the job (not the image) decides; pyxis lets the image env win for everything else.
+    container_env = ["MASTER_ADDR", "MASTER_PORT"] + [k for k, _ in env]
+    return jenv.get_template("job.sh.j2").render(
+        entrypoint=spec.entrypoint, tag=spec.tag, mode=spec.mode, nodes=spec.nodes, nproc=nproc,
+        job_name=f"{spec.entrypoint}-{spec.tag}", gpus_per_node=spec.gpus_per_node, cpus_per_task=spec.cpus_per_task,
+        partition=spec.partition, account=spec.account, time=spec.time, log_dir=spec.log_dir.rstrip("/") or "/",
+        grace=spec.grace, sqsh=spec.sqsh, python=spec.python, workdir=spec.workdir, env=env,
+        args=["--config", spec.config, *spec.args], mounts=mounts, container_workdir="/workspace",
+        container_env=container_env,
+    )
+
+
+def write(spec: JobSpec, dest) -> Path:
+    """Render and write atomically (temp name + rename), executable."""
+    text = render(spec)
+    dest = Path(dest)
+    if not dest.parent.is_dir():
+        raise UserError(f"output directory {str(dest.parent)!r} does not exist; create it first")
+    tmp = dest.with_name(f".{dest.name}.tmp.{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        tmp.chmod(0o755)
+        tmp.replace(dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return dest
+
+
+def _env_pair(s: str) -> tuple[str, str]:
+    if "=" not in s:
+        raise UserError(f"--env {s!r} must be NAME=VALUE")
+    k, v = s.split("=", 1)
+    return k, v
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m builder.slurm", description=__doc__.split("\n")[0])
+    p.add_argument("--tag", required=True, help="the cell's image tag (names the job)")
+    p.add_argument("--entrypoint", default="sft", choices=ENTRYPOINTS)
+    p.add_argument("--mode", default="pyxis", choices=MODES,
+                   help="pyxis: srun --container-image; enroot: enroot create/start per node; bare: no container")
+    p.add_argument("--config", help="entrypoint YAML, as the training process sees it")
+    p.add_argument("--sqsh", help="absolute path of the image's .sqsh on the cluster (pyxis/enroot)")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--nproc-per-node", type=int, default=None, help="default: GPUs per node, or 1 without GPUs")
+    p.add_argument("--cpus-per-task", type=int, default=None)
+    p.add_argument("--partition")
+    p.add_argument("--account")
+    p.add_argument("--time", default="04:00:00", help="Slurm time limit (HH:MM:SS, D-HH:MM:SS, minutes)")
+    p.add_argument("--data", help=f"host dir mounted at {DATA_DST}")
+    p.add_argument("--outputs", help=f"host dir mounted at {OUTPUTS_DST} (OUTPUT_DIR)")
+    p.add_argument("--hf-cache", help=f"host dir mounted at {HF_DST} (HF_HOME)")
+    p.add_argument("--mount", action="append", default=[], help="extra SRC:DST[:ro], repeatable")
+    p.add_argument("--env", action="append", default=[], help="NAME=VALUE exported to the job, repeatable")
+    p.add_argument("--log-dir", default=".", help="where Slurm writes JOBNAME-JOBID.out (default: submit dir)")
+    p.add_argument("--grace", type=int, default=300, help="seconds before the time limit to send SIGUSR1")
+    p.add_argument("--python", default="python3", help="bare mode: the Python with the training stack")
+    p.add_argument("--workdir", help="bare mode: directory holding entrypoints/ (e.g. the repo root)")
+    p.add_argument("-o", "--output", help="write here (else stdout)")
+    p.add_argument("extra", nargs="*", help="more entrypoint options, after --")
+    a = p.parse_args(argv)
+    try:
+        spec = JobSpec(
+            tag=a.tag, entrypoint=a.entrypoint, mode=a.mode, config=a.config, sqsh=a.sqsh, nodes=a.nodes,
+            gpus_per_node=a.gpus_per_node, nproc_per_node=a.nproc_per_node, partition=a.partition,
+            account=a.account, time=a.time, cpus_per_task=a.cpus_per_task,
+            mounts=tuple(parse_mount(m) for m in a.mount), data=a.data, outputs=a.outputs, hf_cache=a.hf_cache,
+            log_dir=a.log_dir, grace=a.grace, python=a.python, workdir=a.workdir,
+            env=tuple(_env_pair(e) for e in a.env), args=tuple(a.extra),
+        )
+        if a.output:
+            write(spec, a.output)
+        else:
+            sys.stdout.write(render(spec))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
