@@ -476,3 +476,50 @@ def build_cells(cells, args) -> int:
                 print(f"manifest list {ref} {lists[ref]}")
     report.emit(results, lists, getattr(args, "report", None), quiet=quiet)
     return 0
+
+
+# ------------------------------------------------------------------------------------- `python -m builder.engine`
+def join_pushed(cell_names: list[str], registry: str, matrix_path: str | None = None) -> dict[str, str]:
+    """Manifest lists for cells whose arches were pushed by separate runs (one CI job per arch): each arch's image
+    is read back from REGISTRY; a missing arch refuses the list. Returns {list ref: digest}."""
+    from builder.matrix import load_matrix
+
+    matrix = load_matrix(matrix_path) if matrix_path else load_matrix()
+    builder = choose_builder("auto")
+    out = {}
+    for name in cell_names:
+        cells = matrix.select([name])
+        results = []
+        for c in cells:
+            ref = cell_refs(c, registry)[0]
+            got = registry_manifest(ref)
+            if got is None:
+                continue
+            results.append(BuildResult(cell=c.name, tag=c.tag, arch=c.arch, platform=c.platform, builder="-",
+                                       digest=got[1], pushed_ref=f"{registry}@{got[1]}"))
+        ref = manifest_list_ref(cells[0], registry)
+        out[ref] = publish_manifest_list(ref, results, [_platform_arch(c.platform) for c in cells], builder)
+        print(f"{ref}@{out[ref]}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m builder.engine")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("manifest", help="join the pushed arches of cells into manifest lists")
+    m.add_argument("--registry", required=True, help="HOST:PORT/REPO the cells were pushed to")
+    m.add_argument("--matrix", default=None)
+    m.add_argument("cells", nargs="+", help="cell names, e.g. smoke")
+    a = p.parse_args(argv)
+    try:
+        join_pushed(a.cells, a.registry, a.matrix)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
