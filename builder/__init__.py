@@ -1,0 +1,1 @@
+"""trainbox host side: matrix -> cells -> Dockerfiles -> locks -> images (see CONTRIBUTING.md)."""

@@ -1,0 +1,149 @@
+"""argparse front-end: select cells, then list / explain / render (dry run) / lock / build."""
+from __future__ import annotations
+
+import argparse
+import sys
+import tomllib
+from pathlib import Path
+
+from builder.errors import UserError
+from builder.matrix import DEFAULT_MATRIX, ROOT, Cell, Matrix, load_matrix
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="build.py", description="Build trainbox images from matrix.toml.")
+    sel = p.add_argument_group("selection (all filters combine; none = every cell)")
+    sel.add_argument("names", nargs="*", metavar="CELL", help="cell names (smoke, cu129-hopper) or tags")
+    sel.add_argument("--cell", action="append", default=[], metavar="CELL", help="same as a positional CELL")
+    sel.add_argument("--arch", action="append", metavar="ARCH", help="x86_64 or aarch64 (repeatable)")
+    sel.add_argument("--cuda", action="append", metavar="VER", help="CUDA version, e.g. 12.9 (repeatable)")
+    sel.add_argument("--gpu", action="append", metavar="GEN", help="ampere, hopper or blackwell (repeatable)")
+    mode = p.add_argument_group("modes (default: render the selected cells, then build them)")
+    mode.add_argument("--list", action="store_true", help="print the valid cells")
+    mode.add_argument("--explain", action="store_true", help="print every excluded combination and why")
+    mode.add_argument("--dry-run", action="store_true", help="render Dockerfiles and print the build plan")
+    mode.add_argument("--lock", action="store_true", help="re-lock the selected cells' requirements")
+    inp = p.add_argument_group("inputs")
+    inp.add_argument("--matrix", type=Path, default=DEFAULT_MATRIX, metavar="FILE", help="matrix file")
+    inp.add_argument("--config", type=Path, metavar="FILE", help="TOML with a [bases] table of OLD = NEW images")
+    inp.add_argument("--base", action="append", default=[], metavar="OLD=NEW",
+                     help="build FROM NEW where the cell's base is OLD (repeatable; a BASE_IMAGE build arg)")
+    inp.add_argument("--output-dir", type=Path, default=ROOT, metavar="DIR",
+                     help="where images/<tag>/Dockerfile and locks/ live (default: the repository)")
+    p.add_argument("--quiet", "-q", action="store_true", help="print only what was asked for")
+    b = p.add_argument_group("build (builder/engine.py)")
+    b.add_argument("--push", action="store_true", help="push the images and per-cell manifest lists")
+    b.add_argument("--registry", metavar="HOST:PORT/REPO", help="repository to tag and push to")
+    b.add_argument("--wheelhouse", metavar="DIR", help="wheels to offer pip before any index (torch, FA3...)")
+    b.add_argument("--builder", choices=["auto", "buildx", "buildkit", "legacy"], default="auto")
+    b.add_argument("--no-cache", action="store_true", help="build without the layer cache")
+    b.add_argument("--report", metavar="FILE", help="write the build report (JSON) here")
+    b.add_argument("--secret", action="append", default=[], metavar="id=ID,src=PATH", help="BuildKit secret")
+    b.add_argument("--sqsh", nargs="?", const="out", metavar="DIR", help="also export .sqsh files (enroot)")
+    b.add_argument("--sqsh-compression", choices=["lzo", "zstd", "gzip", "xz"], help="mksquashfs compressor")
+    b.add_argument("--use-enroot", action="store_true", help="export with the real `enroot import`")
+    return p
+
+
+def parse_bases(pairs: list[str], config: Path | None) -> dict[str, str]:
+    out: dict[str, str] = {}
+    if config is not None:
+        try:
+            data = tomllib.loads(config.read_text(encoding="utf-8"))
+        except OSError as e:
+            raise UserError(f"cannot read the config: {e.strerror or e}", where=str(config)) from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise UserError(f"not valid TOML: {e}", where=str(config)) from None
+        unknown = set(data) - {"bases"}
+        if unknown:
+            raise UserError(f"unknown key {sorted(unknown)[0]!r}", where=str(config), fix="only [bases] is read")
+        bases = data.get("bases", {})
+        if not isinstance(bases, dict) or not all(isinstance(v, str) and v for v in bases.values()):
+            raise UserError("[bases] must map image names to image names", where=f"{config}: bases")
+        out.update(bases)
+    for pair in pairs:
+        old, sep, new = pair.partition("=")
+        if not sep or not old.strip() or not new.strip():
+            raise UserError(f"--base {pair!r}: expected OLD=NEW", fix="e.g. --base debian:bookworm=local/bookworm:base")
+        out[old.strip()] = new.strip()
+    return out
+
+
+def _fmt_cell(c: Cell) -> str:
+    keys = ("torch", "vllm", "transformers", "trl", "jupyterlab")
+    pins = " ".join(f"{k}={c.pins[k]}" for k in keys if k in c.pins)
+    torch = f"+{c.torch_variant}" if c.torch_variant else ""
+    return (f"{c.tag:<26} {c.arch:<8} cuda={c.cuda or '-':<5} gpu={c.gpu or '-':<9} attn={c.attention_backend:<4} "
+            f"python={c.python} {pins}{' torch-variant=' + torch[1:] if torch else ''}")
+
+
+def cmd_list(m: Matrix, cells: list[Cell]) -> None:
+    for c in cells:
+        print(_fmt_cell(c))
+
+
+def cmd_explain(m: Matrix, quiet: bool) -> None:
+    if not quiet:
+        print(f"{len(m.exclusions)} excluded combinations in {m.path}:")
+    for e in m.exclusions:
+        print(f"{e.describe():<44} rule={e.rule}: {e.reason}")
+
+
+def plan_lines(cells: list[Cell], bases: dict[str, str], paths: dict) -> list[str]:
+    lines = [f"build plan: {len(cells)} image(s), context = repository root"]
+    for i, c in enumerate(cells, 1):
+        base = bases.get(c.base_image, c.base_image)
+        lines.append(f"{i}. {c.tag} ({c.platform})")
+        lines.append(f"   dockerfile: {paths[c.tag]}")
+        sub = f" (substituted for {c.base_image})" if base != c.base_image else ""
+        lines.append(f"   base: {base}{sub}")
+        args = {"BASE_IMAGE": base} if base != c.base_image else {}
+        lines.append(f"   build args: {' '.join(f'{k}={v}' for k, v in args.items()) or '(defaults)'}"
+                     + (" + TORCH_INDEX_URL (required)" if c.torch_variant not in (None, "cpu") else ""))
+        lines.append(f"   tags: {' '.join(f'{c.repository}:{t}' for t in c.tags)}")
+        lines.append(f"   lock: {c.lock}")
+    return lines
+
+
+def run(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    m = load_matrix(args.matrix)
+    bases = parse_bases(args.base, args.config)
+    # The engine reads args.base as OLD=NEW strings; fold the config's table in so both sources reach it.
+    args.base = [f"{k}={v}" for k, v in bases.items()]
+    if args.explain:
+        cmd_explain(m, args.quiet)
+        return 0
+    cells = m.select(names=list(args.names) + list(args.cell), arch=args.arch, cuda=args.cuda, gpu=args.gpu)
+    if not cells:
+        raise UserError("the selection matches no cell", where=str(args.matrix),
+                        fix="see `python build.py --list`; filters combine with AND")
+    if args.list:
+        cmd_list(m, cells)
+        return 0
+    if args.lock:
+        from builder import lock
+        return lock.lock_cells(cells, root=args.output_dir, quiet=args.quiet)
+    from builder import render
+    paths = render.write_cells(cells, root=args.output_dir)
+    if args.dry_run:
+        if not args.quiet:
+            print("\n".join(plan_lines(cells, bases, paths)))
+        return 0
+    try:
+        from builder import engine
+    except ImportError as e:
+        print(f"error: the build engine (builder/engine.py) is not available: {e}", file=sys.stderr)
+        return 1
+    return engine.build_cells(cells, args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return run(argv)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130

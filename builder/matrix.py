@@ -1,0 +1,432 @@
+"""Load and validate matrix.toml, expand it into frozen Cell objects (plus the combinations the rules exclude)."""
+from __future__ import annotations
+
+import itertools
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from builder import rules as rules_mod
+from builder.errors import UserError
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MATRIX = ROOT / "matrix.toml"
+
+# The schema: every table's allowed keys and their types. Unknown keys are errors (typos must not pass silently).
+_TOP = {"schema": int, "naming": dict, "arch": dict, "cuda": dict, "gpu": dict, "torch_variant": dict,
+        "attention": dict, "stack": dict, "facts": dict, "expand": dict, "cell": list, "rule": list}
+_REQUIRED_TOP = ("schema", "naming", "arch", "gpu", "torch_variant", "attention", "stack", "rule")
+_NAMING = {"repository": str, "tag": str, "cell_name": str, "version_tags": list, "version": str, "source": str}
+_ARCH = {"platform": str, "uv_platform": str}
+_CUDA = {"base_image": str, "python": str, "min_driver": str}
+_GPU = {"sm": list, "cuda_arch_list": str, "attention": str, "min_cuda": str}
+_VARIANT = {"cuda": str, "arch_list": dict}
+_ATTN = {"package": str, "version": str, "source": str, "source_subdir": str, "build_env": dict, "max_jobs": int,
+         "gpus": list}
+_STACK = {"packages": dict, "extends": str}
+_FACTS = {"vllm_torch": dict, "trl_vllm_extra": dict, "vllm_transformers": dict}
+_EXPAND = {"arch": list, "cuda": list, "gpu": list, "stack": str}
+_CELL = {"name": str, "arch": (str, list), "cuda": str, "gpu": str, "torch_variant": str, "base_image": str,
+         "python": str, "attention": str, "stack": (str, dict)}
+_RULE = {"id": str, "reason": str}
+_TYPE_NAMES = {str: "a string", int: "an integer", list: "an array", dict: "a table", bool: "a boolean"}
+
+
+@dataclass(frozen=True)
+class Exclusion:
+    """A combination the rules leave out, and why."""
+    arch: str | None
+    cuda: str | None
+    gpu: str | None
+    attention: str | None
+    rule: str
+    reason: str
+
+    def describe(self) -> str:
+        parts = [f"arch={self.arch or '*'}", f"cuda={self.cuda or '*'}", f"gpu={self.gpu or '*'}"]
+        if self.attention:
+            parts.append(f"attention={self.attention}")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One image: a (cell name, arch) pair with everything the renderer, locker and engine need."""
+    name: str
+    tag: str
+    arch: str
+    platform: str
+    uv_platform: str
+    cuda: str | None
+    gpu: str | None
+    base_image: str
+    python: str
+    stack: str
+    pins: dict = field(hash=False, compare=True)
+    torch_variant: str | None
+    cuda_arch_list: str
+    torch_arch_list: str
+    attention_backend: str
+    attention: dict = field(hash=False, compare=True)   # the backend's table: package, source, build_env...
+    min_driver: str | None
+    repository: str
+    version: str
+    source: str
+    version_tags: tuple[str, ...]
+
+    @property
+    def dockerfile(self) -> Path:
+        return Path("images") / self.tag / "Dockerfile"
+
+    @property
+    def lock(self) -> Path:
+        return Path("locks") / f"{self.tag}.txt"
+
+    @property
+    def tags(self) -> list[str]:
+        return [self.tag, *self.version_tags]
+
+    @property
+    def image(self) -> str:
+        return f"{self.repository}:{self.tag}"
+
+    def requirement(self, package: str) -> str:
+        """`name==version` with the torch wheel variant as the local version (torch==2.13.0+cu129)."""
+        version = self.pins[package]
+        # CUDA-12 cells need the variant builds of torch and vLLM (the default index has CUDA 13 builds only).
+        if self.torch_variant and (package == "torch" or (package == "vllm" and self.cuda)):
+            version = f"{version}+{self.torch_variant}"
+        return f"{package}=={version}"
+
+    def requirements(self) -> list[str]:
+        return [self.requirement(p) for p in sorted(self.pins)]
+
+
+@dataclass(frozen=True)
+class Matrix:
+    path: Path
+    cells: tuple[Cell, ...]
+    exclusions: tuple[Exclusion, ...]
+    rules: dict
+    data: dict = field(hash=False, compare=False, repr=False)
+
+    def names(self) -> list[str]:
+        return sorted({c.name for c in self.cells})
+
+    def select(self, names=(), arch=None, cuda=None, gpu=None) -> list[Cell]:
+        """Cells matching every given filter; names may be cell names or tags. Unknown values are errors."""
+        names = list(names or ())
+        known = {c.name for c in self.cells} | {c.tag for c in self.cells}
+        for n in names:
+            if n not in known:
+                raise UserError(f"no cell named {n!r}", where=str(self.path),
+                                fix="see `python build.py --list` for cell names and tags")
+        for flag, value, pool in (("--arch", arch, self.data["arch"]), ("--gpu", gpu, self.data["gpu"]),
+                                  ("--cuda", cuda, self.data.get("cuda", {}))):
+            for v in value or ():
+                if v not in pool:
+                    raise UserError(f"{flag} {v!r} is not in the matrix", where=str(self.path),
+                                    fix=f"choose one of {', '.join(sorted(pool))}")
+        out = []
+        for c in self.cells:
+            if names and c.name not in names and c.tag not in names:
+                continue
+            if arch and c.arch not in arch:
+                continue
+            if cuda and c.cuda not in cuda:
+                continue
+            if gpu and c.gpu not in gpu:
+                continue
+            out.append(c)
+        return out
+
+
+# ------------------------------------------------------------------------------------------------------ loading
+def load_matrix(path: str | Path = DEFAULT_MATRIX) -> Matrix:
+    path = Path(path)
+    where = str(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise UserError(f"cannot read the matrix: {e.strerror or e}", where=where,
+                        fix="pass an existing file with --matrix") from None
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise UserError(f"not UTF-8 text at byte {e.start}", where=where, fix="save the file as UTF-8") from None
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"TOML syntax error: {e}", where=where, fix="fix the syntax at that line") from None
+    return _build(path, data)
+
+
+def _check_table(where: str, table: Any, schema: dict, required: tuple = ()) -> dict:
+    if not isinstance(table, dict):
+        raise UserError("must be a table", where=where)
+    for key, value in table.items():
+        if key not in schema:
+            raise UserError(f"unknown key {key!r}", where=where,
+                            fix=f"allowed keys: {', '.join(sorted(schema))}")
+        want = schema[key]
+        if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+            names = " or ".join(_TYPE_NAMES[t] for t in (want if isinstance(want, tuple) else (want,)))
+            raise UserError(f"{key} must be {names}, got {type(value).__name__}", where=where)
+    for key in required:
+        if key not in table:
+            raise UserError(f"missing required key {key!r}", where=where)
+    return table
+
+
+def _str_list(where: str, value: list, allowed=None) -> list[str]:
+    if not value:
+        raise UserError("must not be empty", where=where)
+    for v in value:
+        if not isinstance(v, str):
+            raise UserError(f"entries must be strings, got {type(v).__name__}", where=where)
+        if allowed is not None and v not in allowed:
+            raise UserError(f"unknown value {v!r}", where=where, fix=f"choose one of {', '.join(sorted(allowed))}")
+    if len(set(value)) != len(value):
+        raise UserError("duplicate entries", where=where)
+    return list(value)
+
+
+def _str_table(where: str, value: dict) -> dict[str, str]:
+    for k, v in value.items():
+        if not isinstance(v, str):
+            raise UserError(f"{k} must be a string, got {type(v).__name__}", where=where)
+    return dict(value)
+
+
+def _version(where: str, text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(p) for p in text.split("."))
+    except ValueError:
+        raise UserError(f"{text!r} is not a version like 12.9", where=where) from None
+
+
+def _format(where: str, template: str, **values) -> str:
+    try:
+        return template.format(**values)
+    except (KeyError, IndexError, ValueError) as e:
+        raise UserError(f"bad template {template!r}: {e!r}", where=where,
+                        fix=f"use only the fields {{{'}, {'.join(sorted(values))}}}") from None
+
+
+def _build(path: Path, data: dict) -> Matrix:
+    f = str(path)
+    _check_table(f, data, _TOP, _REQUIRED_TOP)
+    if data["schema"] != 1:
+        raise UserError(f"schema {data['schema']} is not supported", where=f"{f}: schema", fix="use schema = 1")
+
+    naming = _check_table(f"{f}: naming", data["naming"], _NAMING, tuple(_NAMING))
+    vtags = _str_list(f"{f}: naming.version_tags", naming["version_tags"]) if naming["version_tags"] else []
+
+    arches = data["arch"]
+    if not arches:
+        raise UserError("no arch defined", where=f"{f}: arch")
+    for name, t in arches.items():
+        _check_table(f"{f}: arch.{name}", t, _ARCH, tuple(_ARCH))
+    cudas = data.get("cuda", {})
+    for name, t in cudas.items():
+        _check_table(f"{f}: cuda.{name!r}", t, _CUDA, tuple(_CUDA))
+        _version(f"{f}: cuda.{name!r}", name)
+    gpus = data["gpu"]
+    for name, t in gpus.items():
+        w = f"{f}: gpu.{name}"
+        _check_table(w, t, _GPU, tuple(_GPU))
+        for sm in _str_list(f"{w}.sm", t["sm"]):
+            _version(f"{w}.sm", sm)
+        _version(f"{w}.min_cuda", t["min_cuda"])
+        if t["attention"] not in data["attention"]:
+            raise UserError(f"unknown attention backend {t['attention']!r}", where=f"{w}.attention",
+                            fix=f"define [attention.{t['attention']}] or choose one of "
+                                f"{', '.join(sorted(data['attention']))}")
+    variants = data["torch_variant"]
+    for name, t in variants.items():
+        w = f"{f}: torch_variant.{name}"
+        _check_table(w, t, _VARIANT, ("arch_list",))
+        _str_table(f"{w}.arch_list", t["arch_list"])
+        for a in t["arch_list"]:
+            if a not in arches:
+                raise UserError(f"unknown arch {a!r}", where=f"{w}.arch_list", fix=f"choose one of {', '.join(arches)}")
+        if "cuda" in t and t["cuda"] not in cudas:
+            raise UserError(f"unknown CUDA version {t['cuda']!r}", where=f"{w}.cuda",
+                            fix=f"define [cuda.{t['cuda']!r}] or choose one of {', '.join(cudas)}")
+    for name, t in data["attention"].items():
+        w = f"{f}: attention.{name}"
+        _check_table(w, t, _ATTN, ("gpus",))
+        _str_list(f"{w}.gpus", t["gpus"], gpus)
+        _str_table(f"{w}.build_env", t.get("build_env", {}))
+        if "max_jobs" in t and t["max_jobs"] < 1:
+            raise UserError("max_jobs must be >= 1", where=f"{w}.max_jobs")
+    stacks = _resolve_stacks(f, data["stack"])
+    facts = data.get("facts", {})
+    _check_table(f"{f}: facts", facts, _FACTS)
+    for k, v in facts.items():
+        _str_table(f"{f}: facts.{k}", v)
+
+    rule_table: dict[str, str] = {}
+    for i, r in enumerate(data["rule"]):
+        w = f"{f}: rule[{i}]"
+        _check_table(w, r, _RULE, ("id", "reason"))
+        if r["id"] not in rules_mod.CHECKS:
+            raise UserError(f"unknown rule id {r['id']!r}", where=f"{w}.id",
+                            fix=f"known rules: {', '.join(rules_mod.CHECKS)}")
+        if r["id"] in rule_table:
+            raise UserError(f"rule {r['id']!r} is defined twice", where=f"{w}.id")
+        rule_table[r["id"]] = r["reason"]
+
+    ctx = rules_mod.Context(data=data, stacks=stacks, facts=facts, rules=rule_table)
+    # Stack-level consistency (conflicting pins) is an error, not an exclusion: the file contradicts itself.
+    for sname, pins in stacks.items():
+        hit = rules_mod.check_stack(ctx, pins)
+        if hit:
+            rule_id, detail = hit
+            raise UserError(f"stack {sname!r} violates rule {rule_id!r}: {detail} — {rule_table[rule_id]}",
+                            where=f"{f}: stack.{sname}", fix="make the pins agree")
+
+    cells: list[Cell] = []
+    exclusions: list[Exclusion] = []
+    expand = data.get("expand")
+    if expand is not None:
+        w = f"{f}: expand"
+        _check_table(w, expand, _EXPAND, tuple(_EXPAND))
+        e_arch = _str_list(f"{w}.arch", expand["arch"], arches)
+        e_cuda = _str_list(f"{w}.cuda", expand["cuda"], cudas)
+        e_gpu = _str_list(f"{w}.gpu", expand["gpu"], gpus)
+        if expand["stack"] not in stacks:
+            raise UserError(f"unknown stack {expand['stack']!r}", where=f"{w}.stack",
+                            fix=f"choose one of {', '.join(stacks)}")
+        for arch, cuda, gpu in itertools.product(e_arch, e_cuda, e_gpu):
+            attention = gpus[gpu]["attention"]
+            variant = rules_mod.variant_for_cuda(ctx, cuda)
+            hit = rules_mod.check_cell(ctx, arch=arch, cuda=cuda, gpu=gpu, attention=attention, variant=variant)
+            if hit:
+                exclusions.append(Exclusion(arch, cuda, gpu, None, hit[0], f"{rule_table[hit[0]]} ({hit[1]})"))
+                continue
+            name = _format(f"{f}: naming.cell_name", naming["cell_name"], cuda=cuda,
+                           cuda_nodot=cuda.replace(".", ""), gpu=gpu, arch=arch)
+            cells.append(_make_cell(f, data, naming, vtags, name=name, arch=arch, cuda=cuda, gpu=gpu,
+                                    variant=variant, stack=expand["stack"], pins=stacks[expand["stack"]],
+                                    attention=attention, base_image=cudas[cuda]["base_image"],
+                                    python=cudas[cuda]["python"]))
+        # Non-default attention backends per GPU: what an explicit cell may not ask for, and why.
+        for gpu in e_gpu:
+            for attention in sorted(data["attention"]):
+                if attention == gpus[gpu]["attention"]:
+                    continue
+                hit = rules_mod.check_attention(ctx, gpu=gpu, attention=attention)
+                if hit:
+                    exclusions.append(Exclusion(None, None, gpu, attention, hit[0],
+                                                f"{rule_table[hit[0]]} ({hit[1]})"))
+
+    for i, c in enumerate(data.get("cell", [])):
+        cells.extend(_explicit_cells(f"{f}: cell[{i}]", f, data, ctx, naming, vtags, stacks, c))
+
+    seen: dict[str, str] = {}
+    for c in cells:
+        if c.tag in seen:
+            raise UserError(f"two cells have the tag {c.tag!r}", where=f"{f}: naming.tag",
+                            fix="give explicit cells distinct names")
+        seen[c.tag] = c.name
+    if not cells:
+        raise UserError("the matrix yields no cells", where=f, fix="see `python build.py --explain`")
+    return Matrix(path=path, cells=tuple(cells), exclusions=tuple(exclusions), rules=rule_table, data=data)
+
+
+def _resolve_stacks(f: str, table: dict) -> dict[str, dict[str, str]]:
+    for name, t in table.items():
+        _check_table(f"{f}: stack.{name}", t, _STACK, ("packages",))
+        _str_table(f"{f}: stack.{name}.packages", t["packages"])
+    out: dict[str, dict[str, str]] = {}
+
+    def resolve(name: str, chain: tuple) -> dict[str, str]:
+        if name in out:
+            return out[name]
+        if name in chain:
+            raise UserError(f"stack {name!r} extends itself ({' -> '.join(chain + (name,))})",
+                            where=f"{f}: stack.{name}.extends")
+        t = table[name]
+        pins: dict[str, str] = {}
+        if "extends" in t:
+            if t["extends"] not in table:
+                raise UserError(f"unknown stack {t['extends']!r}", where=f"{f}: stack.{name}.extends",
+                                fix=f"choose one of {', '.join(table)}")
+            pins.update(resolve(t["extends"], chain + (name,)))
+        for pkg, ver in t["packages"].items():
+            if not ver or any(ch in ver for ch in " =<>!~;,"):
+                raise UserError(f"pin {pkg} = {ver!r} must be one exact version like \"1.2.3\"",
+                                where=f"{f}: stack.{name}.packages.{pkg}")
+            pins[pkg.lower()] = ver
+        out[name] = pins
+        return pins
+
+    for name in table:
+        resolve(name, ())
+    return out
+
+
+def _explicit_cells(w, f, data, ctx, naming, vtags, stacks, c) -> list[Cell]:
+    _check_table(w, c, _CELL, ("name", "arch", "base_image", "python", "stack"))
+    name = c["name"]
+    if not name or not all(ch.isalnum() or ch in "-_." for ch in name) or not name[0].isalnum():
+        raise UserError(f"cell name {name!r} must be letters, digits, '-', '_' or '.'", where=f"{w}.name")
+    arches = _str_list(f"{w}.arch", [c["arch"]] if isinstance(c["arch"], str) else c["arch"], data["arch"])
+    cuda, gpu = c.get("cuda"), c.get("gpu")
+    if cuda is not None and cuda not in data.get("cuda", {}):
+        raise UserError(f"unknown CUDA version {cuda!r}", where=f"{w}.cuda")
+    if gpu is not None and gpu not in data["gpu"]:
+        raise UserError(f"unknown GPU generation {gpu!r}", where=f"{w}.gpu",
+                        fix=f"choose one of {', '.join(data['gpu'])}")
+    attention = c.get("attention") or (data["gpu"][gpu]["attention"] if gpu else "sdpa")
+    if attention not in data["attention"]:
+        raise UserError(f"unknown attention backend {attention!r}", where=f"{w}.attention")
+    variant = c.get("torch_variant")
+    if variant is not None and variant not in data["torch_variant"]:
+        raise UserError(f"unknown torch variant {variant!r}", where=f"{w}.torch_variant",
+                        fix=f"choose one of {', '.join(data['torch_variant'])}")
+    if variant is None and cuda is not None:
+        variant = rules_mod.variant_for_cuda(ctx, cuda)
+    stack_spec = c["stack"]
+    out = []
+    for arch in arches:
+        sname = stack_spec if isinstance(stack_spec, str) else stack_spec.get(arch)
+        if not isinstance(sname, str) or sname not in stacks:
+            raise UserError(f"no known stack for arch {arch} (got {sname!r})", where=f"{w}.stack",
+                            fix=f"choose one of {', '.join(stacks)}")
+        if isinstance(stack_spec, dict):
+            extra = set(stack_spec) - set(arches)
+            if extra:
+                raise UserError(f"stack names arches the cell doesn't have: {', '.join(sorted(extra))}",
+                                where=f"{w}.stack")
+        hit = rules_mod.check_cell(ctx, arch=arch, cuda=cuda, gpu=gpu, attention=attention, variant=variant,
+                                   explicit=True)
+        if hit:
+            raise UserError(f"cell {name!r} ({arch}) breaks rule {hit[0]!r}: {hit[1]} — {ctx.rules[hit[0]]}",
+                            where=w, fix="change the cell or drop it")
+        out.append(_make_cell(f, data, naming, vtags, name=name, arch=arch, cuda=cuda, gpu=gpu, variant=variant,
+                              stack=sname, pins=stacks[sname], attention=attention, base_image=c["base_image"],
+                              python=c["python"]))
+    return out
+
+
+def _make_cell(f, data, naming, vtags, *, name, arch, cuda, gpu, variant, stack, pins, attention, base_image,
+               python) -> Cell:
+    tag = _format(f"{f}: naming.tag", naming["tag"], name=name, arch=arch)
+    if not tag or not all(ch.isalnum() or ch in "-_." for ch in tag) or len(tag) > 128:
+        raise UserError(f"tag {tag!r} is not a valid image tag", where=f"{f}: naming.tag")
+    fields = dict(tag=tag, name=name, arch=arch, version=naming["version"], torch=pins.get("torch", ""))
+    # A cell without torch (smoke-aarch64) gets no torch{torch} tag rather than a meaningless one.
+    version_tags = tuple(_format(f"{f}: naming.version_tags", t, **fields) for t in vtags
+                         if "torch" in pins or "{torch}" not in t)
+    arch_list = ""
+    if variant:
+        arch_list = data["torch_variant"][variant]["arch_list"].get(arch, "")
+    return Cell(
+        name=name, tag=tag, arch=arch, platform=data["arch"][arch]["platform"],
+        uv_platform=data["arch"][arch]["uv_platform"], cuda=cuda, gpu=gpu, base_image=base_image, python=python,
+        stack=stack, pins=dict(sorted(pins.items())), torch_variant=variant if "torch" in pins else None,
+        cuda_arch_list=data["gpu"][gpu]["cuda_arch_list"] if gpu else "", torch_arch_list=arch_list,
+        attention_backend=attention, attention=dict(data["attention"][attention]),
+        min_driver=data["cuda"][cuda]["min_driver"] if cuda else None, repository=naming["repository"],
+        version=naming["version"], source=naming["source"], version_tags=version_tags)

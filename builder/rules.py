@@ -1,0 +1,150 @@
+"""Exclusion and consistency rules. The reasons live in matrix.toml ([[rule]]); the checks live here, by id.
+
+Each check returns None (fine) or a short detail string naming the offending values. Only rules listed in the
+matrix are applied, in the order of CHECKS.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from builder.errors import UserError
+
+CELL_CHECKS = ("cuda-needs-gpu", "torch-variant-exists", "gpu-min-cuda", "torch-arch-list", "fa3-hopper-only",
+               "attention-supported")
+STACK_CHECKS = ("vllm-pins-torch", "trl-vllm-extra", "vllm-transformers")
+CHECKS = CELL_CHECKS + STACK_CHECKS
+
+
+@dataclass(frozen=True)
+class Context:
+    data: dict
+    stacks: dict
+    facts: dict
+    rules: dict   # id -> reason, only the enabled ones
+
+
+def _v(text: str) -> tuple[int, ...]:
+    parts = re.findall(r"\d+", text.split("+")[0])
+    return tuple(int(p) for p in parts) or (0,)
+
+
+def variant_for_cuda(ctx: Context, cuda: str) -> str | None:
+    """The torch wheel variant built for exactly this CUDA version, if one exists."""
+    for name, t in ctx.data["torch_variant"].items():
+        if t.get("cuda") == cuda:
+            return name
+    return None
+
+
+def sm_covered(sm: str, arch_list: str) -> bool:
+    """A cubin for sm_X.Y runs on sm_X.Z with Z >= Y (same major); sm_90a kernels count as 9.0."""
+    want = _v(sm)
+    for entry in arch_list.replace(",", ";").split(";"):
+        entry = entry.strip().rstrip("af").replace("+PTX", "")
+        if not entry:
+            continue
+        have = _v(entry)
+        if have[0] == want[0] and have[1:] <= want[1:]:
+            return True
+    return False
+
+
+def satisfies(version: str, spec: str, where: str) -> bool:
+    """A minimal PEP 440 check for numeric release versions: clauses like >=0.22.0,<=0.31.0 or ==2.13.0."""
+    ok = True
+    for clause in spec.split(","):
+        m = re.fullmatch(r"\s*(==|!=|>=|<=|>|<)\s*([0-9][0-9.]*)\s*", clause)
+        if not m:
+            raise UserError(f"cannot read the version range {spec!r}", where=where,
+                            fix="write clauses like >=0.22.0,<=0.31.0")
+        op, ref = m.group(1), _v(m.group(2))
+        have = _v(version)
+        n = max(len(have), len(ref))
+        have, ref = have + (0,) * (n - len(have)), ref + (0,) * (n - len(ref))
+        ok &= {"==": have == ref, "!=": have != ref, ">=": have >= ref, "<=": have <= ref,
+               ">": have > ref, "<": have < ref}[op]
+    return ok
+
+
+def _cell_detail(ctx: Context, rule: str, *, arch, cuda, gpu, attention, variant) -> str | None:
+    d = ctx.data
+    if rule == "cuda-needs-gpu":
+        if (cuda is None) != (gpu is None):
+            return f"cuda={cuda} gpu={gpu}"
+    elif rule == "torch-variant-exists":
+        if cuda is not None:
+            if variant is None:
+                return f"no torch wheel variant is built for CUDA {cuda}"
+            vcuda = d["torch_variant"][variant].get("cuda")
+            if vcuda != cuda:
+                return f"torch variant {variant} is built for CUDA {vcuda or 'none (CPU)'}, not {cuda}"
+        if variant is not None and arch not in d["torch_variant"][variant]["arch_list"]:
+            return f"torch variant {variant} has no {arch} wheels"
+    elif rule == "gpu-min-cuda":
+        if gpu is not None and cuda is not None and _v(cuda) < _v(d["gpu"][gpu]["min_cuda"]):
+            return f"{gpu} needs CUDA >= {d['gpu'][gpu]['min_cuda']}, cell has {cuda}"
+    elif rule == "torch-arch-list":
+        if gpu is not None and variant is not None and cuda is not None:
+            arch_list = d["torch_variant"][variant]["arch_list"].get(arch, "")
+            missing = [sm for sm in d["gpu"][gpu]["sm"] if not sm_covered(sm, arch_list)]
+            if missing:
+                return f"torch {variant} for {arch} is built for [{arch_list}], nothing for sm {', '.join(missing)}"
+    elif rule == "fa3-hopper-only":
+        if attention == "fa3" and gpu != "hopper":
+            return f"attention=fa3 on {gpu or 'a CPU-only cell'}"
+    elif rule == "attention-supported":
+        t = d["attention"].get(attention, {})
+        if gpu is None and t.get("package"):
+            return f"{attention} needs a GPU"
+        if gpu is not None and gpu not in t.get("gpus", ()):
+            return f"{attention} supports {', '.join(t.get('gpus', ())) or 'no GPU'}, not {gpu}"
+    return None
+
+
+def check_cell(ctx: Context, *, arch, cuda, gpu, attention, variant, explicit=False):
+    """(rule id, detail) of the first enabled rule the combination breaks, else None."""
+    for rule in CELL_CHECKS:
+        if rule in ctx.rules:
+            detail = _cell_detail(ctx, rule, arch=arch, cuda=cuda, gpu=gpu, attention=attention, variant=variant)
+            if detail:
+                return rule, detail
+    return None
+
+
+def check_attention(ctx: Context, *, gpu, attention):
+    """Attention-only rules, independent of arch and CUDA (used for --explain)."""
+    for rule in ("fa3-hopper-only", "attention-supported"):
+        if rule in ctx.rules:
+            detail = _cell_detail(ctx, rule, arch=None, cuda=None, gpu=gpu, attention=attention, variant=None)
+            if detail:
+                return rule, detail
+    return None
+
+
+def check_stack(ctx: Context, pins: dict):
+    """(rule id, detail) of the first enabled consistency rule a stack's pins break, else None."""
+    facts = ctx.facts
+    vllm = pins.get("vllm")
+    if vllm is None:
+        return None
+    if "vllm-pins-torch" in ctx.rules:
+        need = facts.get("vllm_torch", {}).get(vllm)
+        if need is None:
+            return "vllm-pins-torch", f"no recorded torch pin for vllm {vllm} (add it to [facts] vllm_torch)"
+        if pins.get("torch") != need:
+            return "vllm-pins-torch", f"vllm {vllm} pins torch=={need}, stack has torch {pins.get('torch')}"
+    if "trl-vllm-extra" in ctx.rules and "trl" in pins:
+        spec = facts.get("trl_vllm_extra", {}).get(pins["trl"])
+        if spec is None:
+            return "trl-vllm-extra", f"no recorded vllm range for trl {pins['trl']} (add it to [facts] trl_vllm_extra)"
+        if not satisfies(vllm, spec, "facts.trl_vllm_extra"):
+            return "trl-vllm-extra", f"trl {pins['trl']}[vllm] needs vllm{spec}, stack has vllm {vllm}"
+    if "vllm-transformers" in ctx.rules and "transformers" in pins:
+        spec = facts.get("vllm_transformers", {}).get(vllm)
+        if spec is None:
+            return "vllm-transformers", f"no recorded transformers range for vllm {vllm}"
+        if not satisfies(pins["transformers"], spec, "facts.vllm_transformers"):
+            return "vllm-transformers", (f"vllm {vllm} needs transformers{spec}, "
+                                         f"stack has transformers {pins['transformers']}")
+    return None
