@@ -13,6 +13,7 @@ All SFT conversions produce TRL's conversational prompt/completion (loss on the 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +82,8 @@ def get_key(row: dict, dotted: str) -> Any:
     """`row["extra_info"]["question"]` for `extra_info.question` (verl's prompt_key + dict keys)."""
     value: Any = row
     for part in dotted.split("."):
-        if not isinstance(value, dict) or part not in value:
+        # map() hands rows as lazy Mappings, not dicts.
+        if not isinstance(value, Mapping) or part not in value:
             raise KeyError(dotted)
         value = value[part]
     return value
@@ -98,13 +100,13 @@ def require_key(ds, dotted: str, where: str) -> None:
     except KeyError:
         value: Any = ds[0]
         for part in dotted.split(".")[:-1]:
-            value = value.get(part, {}) if isinstance(value, dict) else {}
-        have = ", ".join(sorted(value)) if isinstance(value, dict) and value else "nothing"
+            value = value.get(part, {}) if isinstance(value, Mapping) else {}
+        have = ", ".join(sorted(value)) if isinstance(value, Mapping) and value else "nothing"
         raise UsageError(f"{where}: key {dotted} not found in the first row; at that level it has {have}") from None
 
 
 def _is_chat(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+    return isinstance(value, list) and all(isinstance(m, Mapping) and "role" in m and "content" in m for m in value)
 
 
 def detect_format(ds, messages_key: str = "messages") -> str:
