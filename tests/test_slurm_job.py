@@ -1,0 +1,118 @@
+"""A rendered job script on a real Slurm (Debian slurm-wlm + munge, one node, started here by builder.slurm_cluster).
+
+Bare mode (no GPUs, no pyxis): one task per node runs `python -m entrypoints sft` from this venv, whose launcher
+starts torchrun with 2 CPU processes (gloo) on the tiny Llama; we check the job's state and exit code as Slurm
+records them, its log, and the checkpoints it wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from builder import slurm_cluster
+from builder.slurm import JobSpec, write
+
+pytestmark = pytest.mark.slurm
+ROOT = Path(__file__).resolve().parents[1]
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
+            "DEADLINE"}
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    """The one-node cluster; stopped afterwards only if this module started it."""
+    was_up = slurm_cluster.answers(slurm_cluster.load_state())
+    info = slurm_cluster.up(cpus=max(2, os.cpu_count() or 2))
+    env = dict(os.environ, SLURM_CONF=info["conf"])
+    yield env
+    if not was_up:
+        slurm_cluster.down()
+
+
+def _job_fields(job_id: str, env: dict) -> dict:
+    r = subprocess.run(["scontrol", "-o", "show", "job", job_id], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return dict(kv.split("=", 1) for kv in r.stdout.split() if "=" in kv)
+
+
+def run_job(script: Path, env: dict, timeout: float = 900) -> dict:
+    """sbatch, then poll scontrol until the job ends (sbatch --wait polls too slowly for a test)."""
+    r = subprocess.run(["sbatch", "--parsable", str(script)], env=env, capture_output=True, text=True,
+                       cwd=script.parent)
+    assert r.returncode == 0, r.stderr
+    job_id = r.stdout.strip().split(";")[0]
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        f = _job_fields(job_id, env)
+        if f["JobState"] in TERMINAL:
+            return f
+        time.sleep(0.5)
+    subprocess.run(["scancel", job_id], env=env)
+    pytest.fail(f"job {job_id} did not finish in {timeout} s: {f}")
+
+
+def _sft_setup(tmp: Path, model: Path, model_path: str | None = None) -> Path:
+    rows = [{"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
+                          {"role": "assistant", "content": f"{2 * i}"}]} for i in range(16)]
+    (tmp / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = tmp / "sft.yaml"
+    cfg.write_text(f"""\
+model_name_or_path: {model_path or model}
+dataset: {tmp / 'data.jsonl'}
+output_dir: {tmp / 'out'}
+max_steps: 4
+save_steps: 2
+per_device_train_batch_size: 2
+max_length: 64
+logging_steps: 1
+report_to: none
+use_cpu: true
+""")
+    return cfg
+
+
+def _bare_job(tmp: Path, cfg: Path) -> Path:
+    spec = JobSpec(tag="smoke-cpu", entrypoint="sft", mode="bare", config=str(cfg), nodes=1, gpus_per_node=0,
+                   nproc_per_node=2, time="15:00", python=sys.executable, workdir=str(ROOT), log_dir=str(tmp),
+                   env=(("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")))
+    return write(spec, tmp / "job.sh")
+
+
+def test_rendered_sft_job_runs_to_completion(slurm, tiny_model, tmp_path):
+    script = _bare_job(tmp_path, _sft_setup(tmp_path, Path(tiny_model)))
+    job = run_job(script, slurm)
+    log = Path(job["StdOut"]).read_text(errors="replace")
+    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", log[-3000:]
+    assert job["NumNodes"] == "1" and job["JobName"] == "sft-smoke-cpu"
+    # The dispatcher's launcher took the script's explicit flags and started 2 workers.
+    assert "launch (launcher flags): torchrun nnodes=1 nproc_per_node=2 node_rank=0" in log
+    assert "2 processes" in log
+    assert "[trainbox] sft done: steps 4/4" in log
+    out = tmp_path / "out"
+    for step in (2, 4):
+        state = json.loads((out / f"checkpoint-{step}" / "trainer_state.json").read_text())
+        assert state["global_step"] == step
+    assert (out / "model.safetensors").stat().st_size > 0 and (out / "config.json").is_file()
+
+
+def test_failing_job_is_recorded_as_failed(slurm, tiny_model, tmp_path):
+    """A bad config fails the job with the entrypoint's exit code 2 and its one-line error in the log."""
+    script = _bare_job(tmp_path, _sft_setup(tmp_path, Path(tiny_model), model_path=str(tmp_path / "no-model")))
+    job = run_job(script, slurm)
+    log = Path(job["StdOut"]).read_text(errors="replace")
+    assert job["JobState"] == "FAILED" and job["ExitCode"] == "2:0", log[-3000:]
+    assert "no-model" in log and "error:" in log
+    assert not (tmp_path / "out").exists()
+
+
+def test_cluster_up_is_idempotent(slurm):
+    state = slurm_cluster.load_state()
+    again = slurm_cluster.up()
+    assert again["conf"] == state["conf"] and slurm_cluster.load_state()["slurmctld_pid"] == state["slurmctld_pid"]
