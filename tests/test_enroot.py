@@ -175,7 +175,7 @@ def _docker() -> str:
 
 
 @pytest.fixture(scope="session")
-def engine():
+def docker_engine():
     from builder import setup_engine
 
     if not setup_engine.engine_answers():
@@ -222,13 +222,13 @@ CMD ["jupyter", "--flag=a b"]
 
 
 @pytest.fixture(scope="session")
-def test_image(engine, tmp_path_factory):
+def test_image(docker_engine, tmp_path_factory):
     """An image with ENV/VOLUME/WORKDIR/ENTRYPOINT/CMD/labels (one with a newline) and a whiteout layer."""
     tmp = tmp_path_factory.mktemp("img")
-    base = _mini_base(engine, tmp)
+    base = _mini_base(docker_engine, tmp)
     (tmp / "Dockerfile").write_text(TEST_DOCKERFILE.format(base=base))
     ref = "trainbox-test/enroot:1"
-    subprocess.run([engine, "build", "-q", "--label", "nl=line one\nline two", "-t", ref, str(tmp)], check=True,
+    subprocess.run([docker_engine, "build", "-q", "--label", "nl=line one\nline two", "-t", ref, str(tmp)], check=True,
                    capture_output=True, env=dict(os.environ, DOCKER_BUILDKIT="0"))
     return ref
 
@@ -239,7 +239,7 @@ def _unsquash(sqsh: Path, dest: Path) -> Path:
 
 
 @pytest.mark.engine
-def test_export_matches_enroot_layout(test_image, engine, tmp_path):
+def test_export_matches_enroot_layout(test_image, docker_engine, tmp_path):
     out = export_image(test_image, tmp_path / "t.sqsh", progress=False)
     listing = subprocess.run(["unsquashfs", "-lln", str(out)], capture_output=True, text=True, check=True).stdout
     # "MODE root/root SIZE DATE TIME PATH[ -> TARGET]"
@@ -252,7 +252,7 @@ def test_export_matches_enroot_layout(test_image, engine, tmp_path):
     assert "squashfs-root/home/trainer/Dockerfile" in paths  # owned by 1000 in the image...
     assert all(line.split()[1] == "0/0" for line in listing.splitlines() if line[:1] in "d-l")  # ...-all-root
     root = _unsquash(out, tmp_path / "u")
-    inspect = json.loads(subprocess.run([engine, "image", "inspect", test_image], capture_output=True,
+    inspect = json.loads(subprocess.run([docker_engine, "image", "inspect", test_image], capture_output=True,
                                         check=True).stdout)[0]
     want = configure_files(inspect, f"dockerd://{test_image}")
     for rel in ("/etc/rc", "/etc/rc.local", "/etc/environment", "/etc/fstab"):
@@ -314,7 +314,7 @@ def test_export_replaces_existing_and_cli_works(test_image, tmp_path):
 
 
 @pytest.mark.engine
-def test_missing_image_is_a_user_error(engine, tmp_path):
+def test_missing_image_is_a_user_error(docker_engine, tmp_path):
     with pytest.raises(UserError, match="not in the local engine"):
         export_image("trainbox-test/does-not-exist:0", tmp_path / "x.sqsh", progress=False)
     assert list(tmp_path.iterdir()) == []
@@ -352,9 +352,9 @@ def test_killed_export_leaves_no_sqsh(test_image, tmp_path, sig):
 
 
 @pytest.mark.engine
-def test_arm64_image(engine, test_image, tmp_path):
+def test_arm64_image(docker_engine, test_image, tmp_path):
     """An image whose config says arm64 exports the same way (nothing in it runs on the host)."""
-    arm = _retag_arch(engine, test_image, "arm64", tmp_path)
+    arm = _retag_arch(docker_engine, test_image, "arm64", tmp_path)
     out = export_image(arm, tmp_path / "arm.sqsh", progress=False, arch="arm64")
     assert (_unsquash(out, tmp_path / "u") / "etc/rc").read_text().startswith(f"# enroot-provenance: dockerd://{arm}")
     with pytest.raises(UserError, match="arm64.*not amd64|amd64"):
@@ -416,3 +416,99 @@ def _with_epoch(fn):
             del os.environ["SOURCE_DATE_EPOCH"]
         else:
             os.environ["SOURCE_DATE_EPOCH"] = old
+
+
+# ------------------------------------------------------------------ the smoke image (built once per session by enginefix)
+
+from enginefix import engine, smoke_build, smoke_image  # noqa: E402,F401  (session fixtures)
+
+
+@pytest.fixture(scope="session")
+def smoke_sqsh(smoke_image, tmp_path_factory):
+    d = tmp_path_factory.mktemp("smoke-sqsh")
+    os.environ["SOURCE_DATE_EPOCH"] = "1700000000"
+    try:
+        out = export_image(smoke_image, d / "smoke.sqsh", progress=False, arch="amd64")
+    finally:
+        del os.environ["SOURCE_DATE_EPOCH"]
+    return out
+
+
+@pytest.fixture(scope="session")
+def smoke_root(smoke_sqsh, tmp_path_factory):
+    return _unsquash(smoke_sqsh, tmp_path_factory.mktemp("smoke-root") / "r")
+
+
+def _environment(root: Path) -> dict:
+    return dict(line.split("=", 1) for line in (root / "etc/environment").read_text().splitlines() if "=" in line)
+
+
+@pytest.mark.engine
+def test_smoke_sqsh_rootfs_and_enroot_files(smoke_sqsh, smoke_root, smoke_image, engine):
+    listing = subprocess.run(["unsquashfs", "-l", str(smoke_sqsh)], capture_output=True, text=True,
+                             check=True).stdout.splitlines()
+    for p in ("bin/sh", "etc/rc", "etc/rc.local", "etc/fstab", "etc/environment", "opt/venv/bin/python",
+              "usr/local/bin/trainbox", "etc/trainbox/image.json", "opt/trainbox/entrypoints/__main__.py"):
+        assert f"squashfs-root/{p}" in listing, p
+    assert not [x for x in listing if x.startswith("squashfs-root/dev/") or x == "squashfs-root/.dockerenv"]
+    inspect = json.loads(subprocess.run([engine["docker"], "image", "inspect", smoke_image], capture_output=True,
+                                        check=True).stdout)[0]
+    want = configure_files(inspect, f"dockerd://{smoke_image}")
+    for rel in ("/etc/rc", "/etc/rc.local", "/etc/environment", "/etc/fstab"):
+        assert (smoke_root / rel.lstrip("/")).read_text() == want[rel], rel
+    assert "    exec '/usr/local/bin/trainbox' 'jupyter'\n" in want["/etc/rc"]
+
+
+@pytest.mark.engine
+def test_smoke_image_fits_enroot_and_pyxis(smoke_root):
+    """Issue #5 item 3, checked on the exported rootfs: what enroot/pyxis need from the image."""
+    env = _environment(smoke_root)
+    assert env["PATH"].split(":")[0] == "/opt/venv/bin"
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "all" and "compute" in env["NVIDIA_DRIVER_CAPABILITIES"].split(",")
+    assert env["PYTORCH_VERSION"]  # pyxis/enroot's PyTorch hook keys on it
+    assert env["PYTHONPATH"] == "/opt/trainbox"
+    assert (smoke_root / "bin/sh").exists()  # pyxis runs `sh`
+    rc = (smoke_root / "etc/rc").read_text()
+    workdir = rc.split('cd "', 1)[1].split('"', 1)[0]
+    assert workdir == "/workspace" and (smoke_root / "workspace").is_dir()
+    for line in (smoke_root / "etc/fstab").read_text().splitlines():  # VOLUME dirs exist in the image itself
+        assert (smoke_root / line.split()[1].lstrip("/")).is_dir(), line
+    assert os.access(smoke_root / "usr/local/bin/trainbox", os.X_OK)
+
+
+def _login_shell(root: Path, *args: str) -> subprocess.CompletedProcess:
+    """What enroot-switchroot does: chroot, env from /etc/environment, exec $SHELL as a login shell ("-sh")."""
+    env = _environment(root)
+    env.setdefault("HOME", "/root")
+
+    def enter():
+        os.chroot(root)
+        os.chdir("/")
+
+    return subprocess.run(["-sh", *args], executable="/bin/sh", env=env, preexec_fn=enter, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.engine
+def test_smoke_path_survives_the_login_shell(smoke_root):
+    if os.geteuid() != 0:
+        pytest.skip("chroot needs root")
+    r = _login_shell(smoke_root, "-c", 'command -v python; command -v trainbox; echo "$PYTHONPATH"')
+    assert r.stdout.splitlines() == ["/opt/venv/bin/python", "/usr/local/bin/trainbox", "/opt/trainbox"], r.stderr
+    # enroot start IMAGE --help: /etc/rc execs the ENTRYPOINT with the arguments.
+    r = _login_shell(smoke_root, "/etc/rc", "--help")
+    assert r.returncode == 0 and "usage: trainbox" in r.stdout, r.stderr
+    r = _login_shell(smoke_root, "-c", "python -c 'import entrypoints, torch; print(entrypoints.__file__)'")
+    assert r.stdout.strip() == "/opt/trainbox/entrypoints/__init__.py", r.stderr
+
+
+@pytest.mark.engine
+def test_smoke_exports_reproducible_and_zstd(smoke_image, smoke_sqsh, tmp_path, monkeypatch):
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    again = export_image(smoke_image, tmp_path / "again.sqsh", progress=False)
+    assert again.read_bytes() == smoke_sqsh.read_bytes()
+    z = export_image(smoke_image, tmp_path / "z.sqsh", compression="zstd", progress=False)
+    assert z.stat().st_size < smoke_sqsh.stat().st_size
+    a = subprocess.run(["unsquashfs", "-l", str(z)], capture_output=True, text=True, check=True).stdout
+    b = subprocess.run(["unsquashfs", "-l", str(smoke_sqsh)], capture_output=True, text=True, check=True).stdout
+    assert a == b  # same tree, only the compression differs
