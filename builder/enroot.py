@@ -177,7 +177,8 @@ def configure_rootfs(rootfs: Path, config: dict, uri: str) -> None:
 
 # ---------------------------------------------------------------- export
 
-def squash_options(compression: str, block_size: str | int | None) -> list[str]:
+def squash_options(compression: str | None, block_size: str | int | None) -> list[str]:
+    compression = compression or "lzo"
     if compression not in COMPRESSION_OPTIONS:
         raise UserError(f"unknown compression {compression!r}; choose one of {', '.join(COMPRESSION_OPTIONS)} "
                         "(lzo is enroot's default and readable everywhere)")
@@ -324,9 +325,10 @@ def _export_enroot(image_ref: str, tmp_file: Path, workdir: Path, opts: list[str
          stdout=sys.stderr if progress else subprocess.DEVNULL, stderr=None if progress else subprocess.PIPE)
 
 
-def export_image(image_ref: str, dest_path, *, compression: str = "lzo", block_size=None, use_enroot: bool = False,
+def export_image(image_ref: str, dest_path, *, compression: str | None = "lzo", block_size=None, use_enroot: bool = False,
                  progress: bool = True, docker: str | None = None, tmp_dir=None, arch: str | None = None) -> Path:
-    """Write IMAGE's enroot squashfs to DEST_PATH (must end in .sqsh; an existing file is replaced atomically).
+    """Write IMAGE's enroot squashfs to DEST_PATH (must end in .sqsh; an existing file is replaced atomically;
+    missing parent directories are created). compression None means lzo (enroot's default).
 
     arch: if given (amd64, arm64), the image's config must say that architecture.
 
@@ -335,8 +337,10 @@ def export_image(image_ref: str, dest_path, *, compression: str = "lzo", block_s
     dest = Path(dest_path).absolute()
     if dest.suffix != ".sqsh":
         raise UserError(f"destination {str(dest)!r} must end in .sqsh (pyxis and enroot look for that suffix)")
-    if not dest.parent.is_dir():
-        raise UserError(f"destination directory {str(dest.parent)!r} does not exist; create it first")
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create the destination directory {str(dest.parent)!r}: {e.strerror}") from e
     if not os.access(dest.parent, os.W_OK):
         raise UserError(f"destination directory {str(dest.parent)!r} is not writable")
     opts = squash_options(compression, block_size)

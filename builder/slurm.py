@@ -36,9 +36,9 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9._-]+$")
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-def sqsh_name(tag: str, arch: str) -> str:
-    """File name of a cell's squashfs for one arch: `<tag>-<arch>.sqsh` (amd64, arm64)."""
-    return f"{tag}-{arch}.sqsh"
+def sqsh_name(tag: str) -> str:
+    """File name of a cell's squashfs, as `build.py --sqsh DIR` writes it (the tag already names the arch)."""
+    return f"{tag}.sqsh"
 
 
 @dataclass(frozen=True)

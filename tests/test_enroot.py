@@ -133,6 +133,7 @@ def test_rc_runs_under_sh_with_args_and_default(tmp_path):
 
 def test_squash_options():
     assert squash_options("lzo", None) == ["-comp", "lzo", "-noD", "-exit-on-error"]
+    assert squash_options(None, None) == squash_options("lzo", None)  # build.py passes None when not asked
     assert squash_options("zstd", "1M")[-2:] == ["-b", "1M"]
     for bad in ("3M", "100K", "abc", "0", "1000"):
         with pytest.raises(UserError, match="power of two"):
@@ -144,8 +145,10 @@ def test_squash_options():
 def test_bad_destination_and_epoch(tmp_path, monkeypatch):
     with pytest.raises(UserError, match=r"must end in \.sqsh"):
         export_image("x", tmp_path / "out.tar")
-    with pytest.raises(UserError, match="does not exist"):
-        export_image("x", tmp_path / "nope" / "out.sqsh")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UserError, match="cannot create the destination directory"):
+        export_image("x", tmp_path / "file" / "out.sqsh")
+    (tmp_path / "file").unlink()
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "yesterday")
     with pytest.raises(UserError, match="SOURCE_DATE_EPOCH"):
         export_image("x", tmp_path / "out.sqsh")

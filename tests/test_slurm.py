@@ -13,7 +13,7 @@ from builder.slurm import JobSpec, UserError, parse_mount, render, sqsh_name, wr
 
 ROOT = Path(__file__).resolve().parents[1]
 PYXIS = JobSpec(tag="smoke-x86_64", entrypoint="sft", mode="pyxis", config="/data/sft.yaml",
-                sqsh="/shared/img/smoke-x86_64-amd64.sqsh", nodes=2, gpus_per_node=4, partition="gpu",
+                sqsh="/shared/img/smoke-x86_64.sqsh", nodes=2, gpus_per_node=4, partition="gpu",
                 time="1-00:00:00", data="/lus/data", outputs="/lus/out", hf_cache="/lus/hf",
                 mounts=(parse_mount("/etc/hosts:/host/hosts:ro"),), args=("--max_steps", "10"))
 
@@ -64,7 +64,7 @@ def test_pyxis_script():
     assert d["signal"] == "USR1@300"
     srun = shlex.split(_srun_line(text))
     assert "--container-image=$TRAINBOX_SQSH" in srun
-    assert "export TRAINBOX_SQSH=/shared/img/smoke-x86_64-amd64.sqsh" in text
+    assert "export TRAINBOX_SQSH=/shared/img/smoke-x86_64.sqsh" in text
     mounts = next(a for a in srun if a.startswith("--container-mounts=")).split("=", 1)[1].split(",")
     assert mounts == ["/etc/hosts:/host/hosts:ro", "/lus/data:/data", "/lus/out:/workspace/outputs",
                       "/lus/hf:/cache/huggingface"]
@@ -98,7 +98,7 @@ def test_bare_script_defaults():
 
 
 def test_sqsh_name():
-    assert sqsh_name("smoke-x86_64", "amd64") == "smoke-x86_64-amd64.sqsh"
+    assert sqsh_name("smoke-x86_64") == "smoke-x86_64.sqsh"
 
 
 @pytest.mark.parametrize("kw, msg", [
