@@ -230,8 +230,9 @@ def up(cpus: int | None = None) -> dict:
     _save_state(state)
     env = _env(str(conf))
     for daemon in ("slurmctld", "slurmd"):
-        # -i/-c: ignore/clear old state; both daemonize and write their pid files.
-        argv = [_which(daemon), "-f", str(conf)] + (["-c", "-i"] if daemon == "slurmctld" else [])
+        # Both daemonize and write their pid files.
+        # slurmctld -c: clear old state; slurmd -N: our NodeName even if the host name resolves differently.
+        argv = [_which(daemon), "-f", str(conf)] + (["-c"] if daemon == "slurmctld" else ["-N", node])
         r = subprocess.run(argv, env=env, capture_output=True, text=True)
         log = d / "log" / f"{daemon}.log"
         if r.returncode != 0:
