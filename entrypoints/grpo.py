@@ -321,6 +321,8 @@ def run(argv: list[str]) -> int:
             flush=True,
         )
     trainer = build_trainer(args, model_args, mode, funcs, ds, preemption)
+    if lifecycle.is_main_process():
+        print(f"[trainbox] grpo: {describe_model(trainer.model)}", flush=True)
     if lifecycle.preempt_requested():
         print("[trainbox] grpo: stopped by a signal before training started; nothing to save", file=sys.stderr)
         return lifecycle.exit_code()
@@ -329,6 +331,24 @@ def run(argv: list[str]) -> int:
         trainer.save_model(out)
     lifecycle.finish(trainer, out, started, "grpo")
     return lifecycle.exit_code()
+
+
+def describe_model(model) -> str:
+    """What was actually loaded: weight format and trainable share (shows that qlora really is 4-bit + LoRA)."""
+    import torch
+
+    total = trainable = 0
+    for p in model.parameters():
+        n = p.numel() * (2 if p.dtype == torch.uint8 else 1)  # bitsandbytes packs two 4-bit weights per byte
+        total += n
+        trainable += n if p.requires_grad else 0
+    four_bit = [m for m in model.modules() if type(m).__name__ == "Linear4bit"]
+    if four_bit:
+        weights = f"4-bit {getattr(four_bit[0].weight, 'quant_type', '?')} (bitsandbytes Linear4bit)"
+    else:
+        weights = str(next(model.parameters()).dtype).removeprefix("torch.")
+    lora = ", LoRA adapters" if any("lora_" in n for n, _ in model.named_parameters()) else ""
+    return f"loaded: base weights {weights}{lora}; trainable {trainable:,} of {total:,} parameters"
 
 
 def build_trainer(args, model_args, mode, funcs, ds, preemption):

@@ -1,0 +1,343 @@
+"""`trainbox grpo`: option parsing and checks before any model loads, and real CPU runs on the tiny Llama.
+
+Runs go through `python -m entrypoints grpo` in a subprocess (as in the image), on synthetic gsm8k-style data
+(`#### N` answers) and a toy task whose reward the policy can learn.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from entrypoints import grpo, rewards
+from entrypoints.errors import UsageError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Small and fast on CPU: 4 completions per prompt, 16 new tokens, a log line per step.
+FAST = [
+    "--num_generations", "4", "--per_device_train_batch_size", "4", "--max_completion_length", "16",
+    "--logging_steps", "1", "--bf16", "false", "--disable_tqdm", "true", "--report_to", "none",
+]
+
+
+def gsm8k_rows(n: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(2, 60), rng.randint(2, 60)
+        rows.append({
+            "question": f"Natalia sold {a} clips in April and {b} clips in May. How many clips did she sell?",
+            "answer": f"In April and May she sold {a} + {b} = <<{a}+{b}={a + b}>>{a + b} clips.\n#### {a + b}",
+        })
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def gsm8k_file(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("data") / "gsm8k.jsonl", gsm8k_rows(16))
+
+
+def run_grpo(args, cwd, env=None, timeout=600) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    full_env.pop("OUTPUT_DIR", None) if "OUTPUT_DIR" not in (env or {}) else None
+    return subprocess.run(
+        [sys.executable, "-m", "entrypoints", "grpo", *map(str, args)],
+        cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def log_history(output_dir: Path) -> list[dict]:
+    ckpts = sorted(output_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    return json.loads((ckpts[-1] / "trainer_state.json").read_text())["log_history"]
+
+
+# ---------------------------------------------------------------- bad input: one error line, exit 2, no model
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Fail the test if a run gets as far as building the trainer (i.e. loading the model)."""
+
+    def forbidden(*a, **k):
+        raise AssertionError("a model was about to load despite bad input")
+
+    monkeypatch.setattr(grpo, "build_trainer", forbidden)
+
+
+def expect_usage_error(argv, capsys, *fragments):
+    rc = grpo.main([str(a) for a in argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2, err
+    assert err and err[-1].startswith("error: "), err
+    for frag in fragments:
+        assert frag in err[-1], (frag, err[-1])
+    return err[-1]
+
+
+def test_unknown_option(no_model, capsys, tiny_model, gsm8k_file):
+    expect_usage_error(
+        ["--model_name_or_path", tiny_model, "--dataset_name", gsm8k_file, "--num_generation", "4"], capsys,
+        "unknown option --num_generation", "did you mean --num_generations",
+    )
+
+
+@pytest.mark.parametrize(
+    "extra, world, fragments",
+    [
+        (["--per_device_train_batch_size", "3", "--num_generations", "4"], "1",
+         ["per_device_train_batch_size 3 x 1 process(es) x steps_per_generation 1", "not a multiple of 4",
+          "per_device_train_batch_size 4"]),
+        (["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "3", "--num_generations", "4"], "1",
+         ["steps_per_generation 3 (= gradient_accumulation_steps) = 6", "per_device_train_batch_size 4",
+          "num_generations 2 or 3 or 6"]),
+        (["--per_device_train_batch_size", "2", "--num_generations", "8"], "2",
+         ["2 x 2 process(es)", "= 4 completions is not a multiple of 8", "per_device_train_batch_size 4"]),
+        (["--per_device_train_batch_size", "4", "--generation_batch_size", "12", "--num_generations", "8"], "1",
+         ["generation_batch_size 12 completions is not a multiple of 8"]),
+        (["--per_device_train_batch_size", "4", "--num_generations", "1"], "1", ["needs at least 2"]),
+    ],
+)
+def test_batch_must_hold_whole_groups(no_model, capsys, monkeypatch, tiny_model, gsm8k_file, extra, world, fragments):
+    monkeypatch.setenv("WORLD_SIZE", world)
+    expect_usage_error(["--model_name_or_path", tiny_model, "--dataset_name", gsm8k_file, "--preset", "gsm8k", *extra],
+                       capsys, *fragments)
+
+
+def test_missing_model_path(no_model, capsys, gsm8k_file, tmp_path):
+    expect_usage_error(["--model_name_or_path", tmp_path / "nope", "--dataset_name", gsm8k_file, "--preset", "gsm8k"],
+                       capsys, "no such directory")
+    (tmp_path / "empty").mkdir()
+    expect_usage_error(["--model_name_or_path", tmp_path / "empty", "--dataset_name", gsm8k_file, "--preset", "gsm8k"],
+                       capsys, "no config.json")
+    expect_usage_error(["--dataset_name", gsm8k_file, "--preset", "gsm8k"], capsys, "no model")
+
+
+def test_missing_dataset_column_for_a_reward(no_model, capsys, tiny_model, tmp_path):
+    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "2+2=", "solution": "4"}] * 4)
+    expect_usage_error(
+        ["--model_name_or_path", tiny_model, "--dataset_name", data, "--reward_funcs", "rewards:correctness,rewards:xmlcount"],
+        capsys, "reward function rewards:correctness", "missing column(s) answer", "prompt, solution",
+    )
+
+
+def test_missing_prompt_column_and_wrong_preset_data(no_model, capsys, tiny_model, tmp_path):
+    data = write_jsonl(tmp_path / "q.jsonl", [{"text": "hello", "answer": "4"}] * 4)
+    expect_usage_error(["--model_name_or_path", tiny_model, "--dataset_name", data, "--reward_funcs", "rewards:xmlcount"],
+                       capsys, "missing column(s) prompt")
+    expect_usage_error(["--model_name_or_path", tiny_model, "--dataset_name", data, "--preset", "gsm8k"],
+                       capsys, "question+answer")
+
+
+def test_missing_dataset_file(no_model, capsys, tiny_model, tmp_path):
+    expect_usage_error(["--model_name_or_path", tiny_model, "--dataset_name", tmp_path / "nope.parquet",
+                        "--preset", "gsm8k"], capsys, "does not exist")
+
+
+def test_bad_rewards(no_model, capsys, tiny_model, gsm8k_file):
+    base = ["--model_name_or_path", tiny_model, "--dataset_name", gsm8k_file, "--preset", "gsm8k"]
+    expect_usage_error([*base, "--reward_funcs", "rewards:corectness"], capsys, "has no function 'corectness'")
+    expect_usage_error([*base, "--reward_weights", "1.0", "2.0"], capsys, "2 values for 5 reward functions")
+    expect_usage_error(["--model_name_or_path", tiny_model, "--dataset_name", gsm8k_file], capsys,
+                       "no reward functions")
+
+
+def test_mode_contradictions(no_model, capsys, tiny_model, gsm8k_file):
+    base = ["--model_name_or_path", tiny_model, "--dataset_name", gsm8k_file, "--preset", "gsm8k"]
+    expect_usage_error([*base, "--mode", "full", "--use_peft", "true"], capsys, "contradicts use_peft")
+    expect_usage_error([*base, "--load_in_4bit", "true"], capsys, "use --mode qlora")
+    expect_usage_error([*base, "--mode", "int8"], capsys, "invalid choice")
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is not None, reason="vllm is installed here")
+def test_use_vllm_without_vllm(no_model, capsys, tiny_model, gsm8k_file):
+    expect_usage_error(["--model_name_or_path", tiny_model, "--dataset_name", gsm8k_file, "--preset", "gsm8k",
+                        "--use_vllm", "true"], capsys, "vllm is not installed")
+
+
+# ---------------------------------------------------------------- parsing and the pieces of a run
+
+
+def test_yaml_then_cli_overrides_with_trl_names(tmp_path):
+    cfg = tmp_path / "grpo.yaml"
+    cfg.write_text(
+        "model_name_or_path: m\nnum_generations: 4\nper_device_train_batch_size: 8\nlearning_rate: 1.0e-5\n"
+        "reward_funcs: [rewards:correctness, rewards:xmlcount]\nmode: lora\nlora_r: 8\n"
+    )
+    script, args, model_args = grpo.parse(["--config", str(cfg), "--learning_rate", "2e-5"])
+    assert (args.num_generations, args.per_device_train_batch_size, args.learning_rate) == (4, 8, 2e-5)
+    assert (model_args.model_name_or_path, model_args.lora_r, script.mode) == ("m", 8, "lora")
+    assert grpo.reward_refs(script) == ["rewards:correctness", "rewards:xmlcount"]
+    assert type(args).__name__ == "GRPOConfig"  # TRL's own class, so checkpoints pickle it
+
+
+def test_legacy_options_are_translated(capsys):
+    script, args, _ = grpo.parse(["--max_prompt_length", "256", "--warmup_ratio", "0.1", "--num_generations", "4",
+                                  "--per_device_train_batch_size", "4"])
+    err = capsys.readouterr().err
+    assert script.max_prompt_tokens == 256 and args.warmup_steps == pytest.approx(0.1)
+    assert "max_prompt_length was removed upstream; translated to max_prompt_tokens=256" in err
+    assert "warmup_ratio" in err
+
+
+def test_reward_refs_commas_spaces_and_preset():
+    script, _, _ = grpo.parse(["--reward_funcs", "rewards:correctness,rewards:int_format", "x.py:f",
+                               "--num_generations", "4", "--per_device_train_batch_size", "4"])
+    assert grpo.reward_refs(script) == ["rewards:correctness", "rewards:int_format", "x.py:f"]
+    script, _, _ = grpo.parse(["--preset", "gsm8k", "--num_generations", "4", "--per_device_train_batch_size", "4"])
+    assert grpo.reward_refs(script) == list(rewards.GSM8K)
+
+
+def test_rollout_choice_is_automatic_and_reported(monkeypatch):
+    import importlib.util
+
+    import torch
+
+    _, args, _ = grpo.parse(["--num_generations", "4", "--per_device_train_batch_size", "4"])
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "vllm" else real_find_spec(n, *a))
+    assert grpo.resolve_rollouts(args) == "rollouts: transformers generate (auto: vllm not installed)"
+    assert args.use_vllm is False
+
+    # With vllm importable and a GPU, vLLM is chosen; colocate by default, server when asked. (Parse first: the
+    # config's own setup would touch the pretend GPU.)
+    _, colocate, _ = grpo.parse(["--num_generations", "4", "--per_device_train_batch_size", "4"])
+    _, server, _ = grpo.parse(["--num_generations", "4", "--per_device_train_batch_size", "4", "--vllm_mode", "server",
+                               "--vllm_server_port", "8123"])
+    _, off, _ = grpo.parse(["--num_generations", "4", "--per_device_train_batch_size", "4", "--use_vllm", "false"])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "vllm" else real_find_spec(n, *a))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert grpo.resolve_rollouts(colocate).startswith("rollouts: vLLM colocate")
+    assert colocate.use_vllm is True
+    assert "vLLM server at 0.0.0.0:8123" in grpo.resolve_rollouts(server)
+    assert grpo.resolve_rollouts(off) == "rollouts: transformers generate (use_vllm set)"
+    assert off.use_vllm is False
+
+
+def test_gsm8k_preset_builds_the_notebooks_prompts(tiny_model, gsm8k_file):
+    script, _, _ = grpo.parse(["--dataset_name", str(gsm8k_file), "--preset", "gsm8k", "--num_generations", "4",
+                               "--per_device_train_batch_size", "4"])
+    refs = grpo.reward_refs(script)
+    ds = grpo.prepare_dataset(script, refs, [rewards.load(r) for r in refs])
+    row, src = ds[0], gsm8k_rows(16)[0]
+    assert row["prompt"] == [{"role": "system", "content": rewards.SYSTEM_PROMPT},
+                             {"role": "user", "content": src["question"]}]
+    assert row["answer"] == src["answer"].split("#### ")[1]
+
+
+def test_long_prompts_are_dropped_not_cut(tiny_model, capsys):
+    import datasets
+
+    ds = datasets.Dataset.from_list([{"prompt": "one two"}, {"prompt": " ".join(["clips"] * 50)}, {"prompt": "3 4"}])
+    kept = grpo.drop_long_prompts(ds, str(tiny_model), 10)
+    assert kept["prompt"] == ["one two", "3 4"]
+    assert "dropped 1 of 3 prompts" in capsys.readouterr().out
+    with pytest.raises(UsageError, match="every prompt is longer"):
+        grpo.drop_long_prompts(ds, str(tiny_model), 1)
+
+
+# ---------------------------------------------------------------- real runs on CPU
+
+
+def test_gsm8k_end_to_end_with_default_output_and_artifacts(tiny_model, gsm8k_file, tmp_path):
+    out, art = tmp_path / "outputs", tmp_path / "artifacts"
+    r = run_grpo(["--model_name_or_path", tiny_model, "--dataset_name", gsm8k_file, "--preset", "gsm8k",
+                  "--max_steps", "2", "--save_steps", "2", *FAST],
+                 cwd=tmp_path, env={"OUTPUT_DIR": str(out), "SAKURA_ARTIFACT_DIR": str(art)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "rollouts: transformers generate (auto: vllm not installed)" in r.stdout
+    summary = [line for line in r.stdout.splitlines() if line.startswith("[trainbox] grpo done:")]
+    assert summary and "steps 2/2" in summary[0] and f"outputs {out}" in summary[0] and "tokens/s" in summary[0]
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    assert (art / "outputs" / "model.safetensors").is_file()
+    logged = [h for h in log_history(out) if "reward" in h]
+    assert len(logged) == 2
+    for name in ("xmlcount", "soft_format", "strict_format", "int_format", "correctness"):
+        assert f"rewards/{name}/mean" in logged[0]
+
+
+@pytest.mark.parametrize("mode, weights", [("lora", "float32, LoRA adapters"), ("qlora", "4-bit nf4")])
+def test_lora_and_qlora(tiny_model, gsm8k_file, tmp_path, mode, weights):
+    out = tmp_path / "out"
+    r = run_grpo(["--model_name_or_path", tiny_model, "--dataset_name", gsm8k_file, "--preset", "gsm8k",
+                  "--mode", mode, "--max_steps", "1", "--output_dir", out, *FAST], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    loaded = [line for line in r.stdout.splitlines() if "grpo: loaded:" in line]
+    assert loaded and weights in loaded[0] and "LoRA adapters" in loaded[0], r.stdout
+    assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+    assert not (out / "model.safetensors").exists()
+    assert json.loads((out / "adapter_config.json").read_text())["peft_type"] == "LORA"
+
+
+TOY_REWARD = '''
+def digit_share(completions, **kwargs):
+    """Share of the completion's characters that are digits: the policy can learn to emit digit tokens."""
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+'''
+
+
+def test_reward_rises_on_a_learnable_toy_task(tiny_model, tmp_path):
+    # The random tiny Llama emits a digit token ~5% of the time; GRPO with a high learning rate makes it ~3x more
+    # frequent within 30 steps (seeds 0-6 measured: first-10 mean 0.046-0.063, last-10 mean 0.123-0.177).
+    (tmp_path / "toy_reward.py").write_text(TOY_REWARD)
+    data = write_jsonl(tmp_path / "toy.jsonl", [{"prompt": f"Count: {i}"} for i in range(64)])
+    out = tmp_path / "out"
+    r = run_grpo(["--model_name_or_path", tiny_model, "--dataset_name", data, "--reward_funcs",
+                  "toy_reward.py:digit_share", "--max_steps", "30", "--num_generations", "8",
+                  "--per_device_train_batch_size", "8", "--max_completion_length", "8", "--learning_rate", "5e-3",
+                  "--logging_steps", "1", "--save_steps", "30", "--seed", "1", "--bf16", "false",
+                  "--disable_tqdm", "true", "--report_to", "none", "--output_dir", out], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rewards_per_step = [h["reward"] for h in log_history(out) if "reward" in h]
+    assert len(rewards_per_step) == 30
+    first, last = statistics.mean(rewards_per_step[:10]), statistics.mean(rewards_per_step[-10:])
+    assert last > first + 0.03, rewards_per_step
+
+
+def test_sigterm_saves_a_checkpoint_and_the_next_run_resumes(tiny_model, gsm8k_file, tmp_path):
+    out, log = tmp_path / "out", tmp_path / "run.log"
+    argv = ["--model_name_or_path", tiny_model, "--dataset_name", gsm8k_file, "--preset", "gsm8k",
+            "--output_dir", out, "--save_steps", "1000", *FAST]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with log.open("w") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "entrypoints", "grpo", *map(str, argv), "--max_steps", "500"],
+                                cwd=tmp_path, env=env, stdout=fh, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + 300
+            while "'loss'" not in log.read_text():  # a step has been logged: training is under way
+                assert proc.poll() is None, log.read_text()[-3000:]
+                assert time.monotonic() < deadline, "no training step within 300 s"
+                time.sleep(0.2)
+            proc.send_signal(signal.SIGTERM)
+            rc = proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    text = log.read_text()
+    assert rc == 0, text[-3000:]
+    assert "got signal SIGTERM" in text and "grpo preempted (checkpoint saved)" in text
+    ckpts = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
+    assert len(ckpts) == 1 and 1 <= ckpts[0] < 500, ckpts
+    step = ckpts[0]
+    assert (out / f"checkpoint-{step}" / "trainer_state.json").is_file()
+    assert not (out / "model.safetensors").exists()  # preempted: the final model isn't written
+
+    r = run_grpo([*argv, "--max_steps", step + 2], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resuming from {out / f'checkpoint-{step}'}" in r.stdout
+    assert f"steps {step + 2}/{step + 2} (this run 2)" in r.stdout
+    assert (out / "model.safetensors").is_file()
