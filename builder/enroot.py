@@ -309,8 +309,8 @@ def _check_arch(image_ref: str, config: dict, arch: str | None) -> None:
                         "or export the matching tag")
 
 
-def _export_enroot(image_ref: str, tmp_file: Path, workdir: Path, opts: list[str], progress: bool,
-                   docker: str, arch: str | None) -> None:
+def _export_enroot(image_ref: str, tmp_file: Path, workdir: Path, opts: list[str], sde: int | None,
+                   progress: bool, docker: str, arch: str | None) -> None:
     if not shutil.which("enroot"):
         raise UserError("use_enroot/--enroot was asked but `enroot` is not on PATH; install enroot "
                         "(github.com/NVIDIA/enroot releases) or drop --enroot to use the built-in exporter")
@@ -318,7 +318,10 @@ def _export_enroot(image_ref: str, tmp_file: Path, workdir: Path, opts: list[str
         raise UserError(f"enroot accepts only [A-Za-z0-9/._:-] in a dockerd:// reference, not {image_ref!r}; "
                         "tag the image (docker tag ID name:tag) and export the tag")
     _check_arch(image_ref, inspect_image(image_ref, docker), arch)
+    if sde is not None:  # enroot's dockerd:// path ignores SOURCE_DATE_EPOCH; hand mksquashfs the times ourselves
+        opts = [*opts, "-mkfs-time", str(sde), "-all-time", str(sde)]
     env = dict(os.environ, ENROOT_SQUASH_OPTIONS=" ".join(opts), ENROOT_TEMP_PATH=str(workdir))
+    env.pop("SOURCE_DATE_EPOCH", None)
     if not progress:
         env["TTY_OFF"] = "y"
     _run(["enroot", "import", "-o", str(tmp_file), f"dockerd://{image_ref}"], "enroot import", env=env,
@@ -358,7 +361,7 @@ def export_image(image_ref: str, dest_path, *, compression: str | None = "lzo", 
     t0 = time.monotonic()
     try:
         if use_enroot:
-            _export_enroot(image_ref, tmp_file, work, opts, progress, docker, arch)
+            _export_enroot(image_ref, tmp_file, work, opts, sde, progress, docker, arch)
         else:
             _export_ours(image_ref, tmp_file, work, opts, sde, progress, docker, arch)
         os.chmod(tmp_file, 0o644)

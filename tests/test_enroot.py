@@ -407,6 +407,9 @@ def test_byte_identical_to_real_enroot(test_image, tmp_path):
     subprocess.run(["enroot", "import", "-o", str(tmp_path / "real.sqsh"), f"dockerd://{test_image}"], env=env,
                    check=True, capture_output=True)
     assert ours.read_bytes() == (tmp_path / "real.sqsh").read_bytes()
+    # use_enroot=True goes through `enroot import` with our options: the same bytes again.
+    via = _with_epoch(lambda: export_image(test_image, tmp_path / "via.sqsh", progress=False, use_enroot=True))
+    assert via.read_bytes() == ours.read_bytes()
 
 
 def _with_epoch(fn):

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from builder import slurm_cluster
-from builder.slurm import JobSpec, write
+from builder.slurm import JobSpec, parse_mount, write
 
 pytestmark = pytest.mark.slurm
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,3 +116,81 @@ def test_cluster_up_is_idempotent(slurm):
     state = slurm_cluster.load_state()
     again = slurm_cluster.up()
     assert again["conf"] == state["conf"] and slurm_cluster.load_state()["slurmctld_pid"] == state["slurmctld_pid"]
+
+
+# ------------------------------------------------------------------ enroot mode, inside the exported smoke image
+
+# A stand-in for the enroot CLI (enroot itself is not packaged for Debian): create = unsquashfs, start = the mounts of
+# enroot's conf/mounts/10-system.fstab + 20-config.fstab and --mount in a private mount namespace, the env from
+# /etc/environment plus --env, then a login shell running /etc/rc with the arguments (bin/enroot-switchroot.c);
+# remove = rm -rf. The .sqsh, its /etc/rc and everything inside the image are the real thing.
+FAKE_ENROOT = r'''#!/bin/bash
+set -euo pipefail
+data="${ENROOT_DATA_PATH:?}"
+cmd="$1"; shift
+case "$cmd" in
+create)
+    name=; force=
+    while [ $# -gt 1 ]; do case "$1" in --name) name="$2"; shift 2 ;; --force) force=y; shift ;; *) break ;; esac; done
+    [ -n "$force" ] && rm -rf "$data/$name"
+    unsquashfs -q -n -d "$data/$name" "$1" > /dev/null ;;
+remove)
+    [ "$1" = --force ] && shift
+    rm -rf "${data:?}/$1" ;;
+start)
+    mounts=(); envs=()
+    while [ $# -gt 0 ]; do case "$1" in
+        --mount) mounts+=("$2"); shift 2 ;;
+        --env) envs+=("$2=${!2-}"); shift 2 ;;
+        *) break ;; esac; done
+    root="$data/$1"; shift
+    mapfile -t ienv < <(grep -v "^#" "$root/etc/environment")
+    exec unshare -m bash -c '
+        set -euo pipefail
+        root="$1"; shift; nm="$1"; shift; mounts=("${@:1:$nm}"); shift "$nm"
+        mount --make-rprivate /
+        for d in proc sys dev; do mkdir -p "$root/$d"; mount --rbind "/$d" "$root/$d"; done
+        for f in hosts hostname resolv.conf; do touch "$root/etc/$f"; mount --bind "/etc/$f" "$root/etc/$f"; done
+        mount -t tmpfs tmpfs "$root/tmp"
+        for m in ${mounts[@]+"${mounts[@]}"}; do
+            IFS=: read -r src dst _ <<< "$m"; mkdir -p "$root$dst"; mount --bind "$src" "$root$dst"
+        done
+        exec "$@"' _ "$root" "${#mounts[@]}" ${mounts[@]+"${mounts[@]}"} \
+        env -i ${ienv[@]+"${ienv[@]}"} HOME=/root ${envs[@]+"${envs[@]}"} \
+        chroot "$root" /bin/sh -l /etc/rc "$@" ;;
+*) echo "fake enroot: $cmd not supported" >&2; exit 1 ;;
+esac
+'''
+
+from enginefix import engine, smoke_build, smoke_image  # noqa: E402,F401  (session fixtures)
+
+
+@pytest.mark.engine
+def test_enroot_mode_job_runs_sft_inside_the_sqsh(slurm, smoke_image, tiny_model, tmp_path):
+    from builder.enroot import export_image
+
+    sqsh = export_image(smoke_image, tmp_path / "img" / "smoke.sqsh", progress=False)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "enroot").write_text(FAKE_ENROOT)
+    (bin_dir / "enroot").chmod(0o755)
+    job = tmp_path / "job"
+    job.mkdir()
+    import shutil
+
+    shutil.copytree(tiny_model, job / "model")
+    _sft_setup(job, job / "model")
+    # The config as the container sees it: the job dir is mounted at /job.
+    cfg = (job / "sft.yaml").read_text().replace(str(job), "/job")
+    (job / "sft.yaml").write_text(cfg)
+    spec = JobSpec(tag="smoke-x86_64", entrypoint="sft", mode="enroot", config="/job/sft.yaml", sqsh=str(sqsh),
+                   nodes=1, gpus_per_node=0, nproc_per_node=2, time="15:00", log_dir=str(tmp_path),
+                   mounts=(parse_mount(f"{job}:/job"),), env=(("HF_HUB_OFFLINE", "1"),))
+    script = write(spec, tmp_path / "job.sh")
+    env = dict(slurm, PATH=f"{bin_dir}:{os.environ['PATH']}", ENROOT_DATA_PATH=str(tmp_path / "containers"))
+    result = run_job(script, env)
+    log = Path(result["StdOut"]).read_text(errors="replace")
+    assert result["JobState"] == "COMPLETED" and result["ExitCode"] == "0:0", log[-3000:]
+    assert "outputs /job/out" in log and "[trainbox] sft done: steps 4/4" in log
+    assert json.loads((job / "out" / "checkpoint-4" / "trainer_state.json").read_text())["global_step"] == 4
+    assert list((tmp_path / "containers").iterdir()) == []  # the per-job container was removed
