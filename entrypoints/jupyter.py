@@ -130,10 +130,18 @@ def state_file(env: dict[str, str] | None = None) -> Path:
     return Path(base) / "jupyter.json"
 
 
-def write_state(path: Path, state: dict) -> None:
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+def prepare_state_dir(path: Path) -> None:
+    """Checked before the server starts, so a bad state dir is one clear error, not a silent healthcheck gap."""
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"can't create {path.parent} ({e.strerror}); set TRAINBOX_STATE_DIR to a writable "
+                         "directory") from None
     if path.parent.stat().st_uid != os.getuid():  # someone else's dir in a shared /tmp: don't trust it
         raise UsageError(f"{path.parent} belongs to another user; set TRAINBOX_STATE_DIR to a directory of yours")
+
+
+def write_state(path: Path, state: dict) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".jupyter.", suffix=".tmp")
     with os.fdopen(fd, "w") as f:
         json.dump(state, f)
@@ -206,6 +214,7 @@ def main(argv: list[str]) -> int:
     allow_root = root_allowed(args.allow_root, env)
     cmd = build_command(port, args.ip, root_dir.resolve(), auth, allow_root, extra)
     state = state_file()
+    prepare_state_dir(state)
     refused = []
 
     def watch(pid: int) -> None:

@@ -28,8 +28,8 @@ def free_port() -> int:
 
 
 class Jupyter:
-    def __init__(self, tmp: Path, env: dict[str, str] | None = None, args=(), prefix=()):
-        self.port = free_port()
+    def __init__(self, tmp: Path, env: dict[str, str] | None = None, args=(), prefix=(), port=None):
+        self.port = port or free_port()
         self.tmp = tmp
         (tmp / "work").mkdir(exist_ok=True)
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("JUPYTER")}
@@ -158,6 +158,18 @@ def test_config_that_disables_auth_is_caught_and_stopped(jupyter, tmp_path):
     j = jupyter(env={"JUPYTER_TOKEN": TOKEN})
     assert j.proc.wait(150) == 1, j.output()
     assert "without credentials" in j.output()
+
+
+def test_busy_port_fails_instead_of_moving(jupyter):
+    """The published port is fixed: a busy one is an error (port_retries=0), never a silent move elsewhere."""
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        s.listen()
+        j = jupyter(env={"JUPYTER_TOKEN": TOKEN}, port=s.getsockname()[1])
+        code = j.proc.wait(150)
+    assert code != 0
+    assert "already in use" in j.output() or "could not be started" in j.output(), j.output()
+    assert not (j.tmp / "state" / "jupyter.json").exists()
 
 
 def test_unhealthy_when_jupyter_does_not_answer(tmp_path):
