@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -47,7 +48,8 @@ def usage() -> str:
         line = summary(name)
         lines.append(f"  {name:<9} {line if line is not None else '(not installed in this image)'}")
     lines += ["", "Same command inside Docker (`docker run IMAGE NAME ...`) and under Slurm/pyxis "
-              f"(`srun --container-image=X.sqsh {PROG} NAME ...`)."]
+              f"(`srun --container-image=X.sqsh {PROG} NAME ...`).",
+              "Any other program on PATH runs as given (`docker run -it IMAGE bash`, `enroot start IMAGE python x.py`)."]
     return "\n".join(lines)
 
 
@@ -170,18 +172,31 @@ def main(argv: list[str]) -> int:
         print(usage())
         return 0
     if name not in PUBLIC + HIDDEN:
-        print(f"{PROG}: unknown entrypoint {name!r}\n\n{usage()}", file=sys.stderr)
-        return 2
+        # The image's ENTRYPOINT is this dispatcher, and enroot's /etc/rc passes its arguments to it: a program
+        # on PATH (bash, python) runs as given, like in any other image.
+        program = shutil.which(name) if not name.startswith("-") else None
+        if program is None:
+            print(f"{PROG}: unknown entrypoint {name!r} (and no program of that name on PATH)\n\n{usage()}",
+                  file=sys.stderr)
+            return 2
+        return run_child([program, *args], dict(os.environ))
     if not module_file(name).is_file():
         print(f"{PROG}: entrypoint {name!r} is not installed in this image ({module_file(name)} is missing); "
               f"`{PROG} --help` lists what is", file=sys.stderr)
         return 2
-    cmd, env = child_command(name, args), child_env()
+    return run_child(child_command(name, args), child_env())
+
+
+def run_child(cmd: list[str], env: dict[str, str]) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     if os.getpid() == 1 or os.environ.get(FORCE_SUPERVISE_ENV) == "1":
         return supervise(cmd, env)
-    os.execve(cmd[0], cmd, env)
+    try:
+        os.execve(cmd[0], cmd, env)
+    except OSError as e:
+        print(f"{PROG}: can't run {cmd[0]}: {e.strerror}", file=sys.stderr)
+        return 126
     return 127  # not reached
 
 

@@ -147,6 +147,27 @@ def test_trainbox_command_like_the_image(tmp_path):
     assert r.returncode == 2 and "unknown entrypoint 'nope'" in r.stderr and "usage:" in r.stderr
 
 
+def test_other_programs_on_path_run_as_given(tmp_path):
+    """`docker run -it IMAGE bash` / `enroot start IMAGE python x.py`: not an entrypoint, but a program on PATH."""
+    r = run(["sh", "-c", "echo hello $0; exit 5", "there"])
+    assert r.returncode == 5 and r.stdout == "hello there\n"
+    r = run(["sh", "-c", "exit 6"], env={"TRAINBOX_SUPERVISE": "1"})
+    assert r.returncode == 6
+    r = run(["--frobnicate"])
+    assert r.returncode == 2 and "usage:" in r.stderr
+
+
+def test_ours_wins_over_pypi_entrypoints(tmp_path):
+    """PyPI's old `entrypoints` (a single module) installed in site-packages must not shadow the package."""
+    venv = tmp_path / "venv"
+    subprocess.run([PY, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    (site / "entrypoints.py").write_text('"""PyPI entrypoints 0.4 stand-in."""\nraise SystemExit("wrong entrypoints")\n')
+    r = subprocess.run([venv / "bin" / "python", "-m", "entrypoints", "doctor", "--help"], cwd=tmp_path,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True)
+    assert r.returncode == 0 and "--json" in r.stdout, r.stderr
+
+
 def test_unknown_name_and_no_name_exit_2_with_usage():
     r = run(["frobnicate"])
     assert r.returncode == 2
