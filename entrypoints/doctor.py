@@ -66,11 +66,22 @@ def generation(cc: tuple[int, int]) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 # Host facts
 # ---------------------------------------------------------------------------------------------------------------
+def driver_from_proc(text: str) -> str | None:
+    """The kernel module's version from /proc/driver/nvidia/version ('NVRM version: NVIDIA UNIX x86_64 Kernel Module
+    550.54.15  Tue Mar 5 ...'): there even where a container has no nvidia-smi (no `utility` capability)."""
+    m = re.search(r"Kernel Module(?: for \S+)?\s+(\d+\.\d+(?:\.\d+)?)", text)
+    return m.group(1) if m else None
+
+
 def nvidia_smi() -> dict:
-    """GPUs as nvidia-smi reports them; {"found": False} when it isn't on PATH."""
+    """GPUs as nvidia-smi reports them; {"found": False} when it isn't on PATH (driver then from /proc if loaded)."""
     exe = shutil.which("nvidia-smi")
     if not exe:
-        return {"found": False, "gpus": []}
+        try:
+            driver = driver_from_proc(open("/proc/driver/nvidia/version").read())
+        except OSError:
+            driver = None
+        return {"found": False, "gpus": [], **({"driver": driver} if driver else {})}
     try:
         q = subprocess.run([exe, "--query-gpu=name,compute_cap,driver_version,memory.total",
                             "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=60)

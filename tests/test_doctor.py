@@ -275,3 +275,16 @@ def test_table_output(bare_python, tmp_path):
                        timeout=300)
     assert r.returncode == EXIT_NO_GPU
     assert "CHECK" in r.stdout and "NO-GPU" in r.stdout and "VERDICT: no-gpu (exit 3)" in r.stdout
+
+
+def test_driver_version_from_proc_when_nvidia_smi_is_absent():
+    x86 = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 22:23:56 UTC 2024\nGCC version: gcc 12\n"
+    open_ = "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build  (dvs-builder@U16)\n"
+    arm = "NVRM version: NVIDIA UNIX Open Kernel Module for aarch64  570.124.06  Release Build\n"
+    assert doctor.driver_from_proc(x86) == "550.54.15"
+    assert doctor.driver_from_proc(open_) == "580.159.04"
+    assert doctor.driver_from_proc(arm) == "570.124.06"
+    assert doctor.driver_from_proc("garbage") is None
+    # torch sees the GPU, nvidia-smi is absent, the driver comes from /proc: the driver check still runs
+    checks = evaluate(record(), {"found": False, "gpus": [], "driver": "520.61.05"}, probes(), INSTALLED)
+    assert rows(checks)["driver"].status == "fail"
