@@ -327,7 +327,7 @@ def _build(path: Path, data: dict) -> Matrix:
     for c in cells:
         if c.tag in seen:
             raise UserError(f"two cells have the tag {c.tag!r}", where=f"{f}: naming.tag",
-                            fix="give explicit cells distinct names")
+                            fix="naming.tag must contain {name} and {arch}; give explicit cells distinct names")
         seen[c.tag] = c.name
     if not cells:
         raise UserError("the matrix yields no cells", where=f, fix="see `python build.py --explain`")

