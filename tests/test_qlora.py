@@ -86,7 +86,7 @@ def test_sigterm_then_resume_from_adapter_checkpoint(tiny_model, tmp_path):
         (["--use_peft", "false"], "--use_peft must stay true"),
         (["--load_in_8bit"], "8 bit and 4 bit precision at the same time"),  # ModelConfig's own check
         (["--dtype", "auto"], "qlora needs bfloat16"),
-        (["--lora_rank", "8"], "did you mean --lora_r"),
+        (["--lora_rank", "8"], "unknown option --lora_rank; did you mean"),
     ],
 )
 def test_bad_config_exits_2(tiny_model, tmp_path, monkeypatch, capsys, args, needle):
