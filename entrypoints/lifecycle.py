@@ -191,6 +191,17 @@ def _find_callback(trainer) -> PreemptionCallback | None:
     return None
 
 
+def _peak_gpu_gib() -> float | None:
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            return torch.cuda.max_memory_allocated() / 2**30
+    except ImportError:  # pragma: no cover
+        pass
+    return None
+
+
 def summary(trainer, output_dir: str, started: float, name: str) -> str:
     """The one-line final summary (also used by tests)."""
     state = trainer.state
@@ -207,8 +218,14 @@ def summary(trainer, output_dir: str, started: float, name: str) -> str:
         f"steps {state.global_step}/{state.max_steps} (this run {state.global_step - step0})",
         f"wall {wall:.1f}s",
     ]
+    steps_run = state.global_step - step0
+    if steps_run > 0:
+        parts.append(f"train {train_wall:.1f}s ({steps_run / train_wall:.3f} steps/s)")
     if tokens_run > 0:
         parts.append(f"tokens {tokens_run} ({tokens_run / train_wall:.1f} tokens/s)")
+    peak = _peak_gpu_gib()
+    if peak is not None:
+        parts.append(f"peak GPU memory {peak:.2f} GiB (rank 0)")
     parts.append(f"outputs {output_dir}")
     if _preempted:
         ck = _checkpoint_saved or resume_checkpoint(output_dir)
