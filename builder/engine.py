@@ -209,6 +209,24 @@ def failed_step(lines: list[str]) -> tuple[str, str]:
     return "(before the first step)", (final or (lines[-1] if lines else "no output")).strip()
 
 
+def snapshot_context(dest: Path, src: Path = ROOT) -> Path:
+    """Copy SRC's build context (tracked and untracked-but-not-ignored files, plus the git-ignored images/certs/)
+    into DEST: for builds that change a file (benchmarks, cache tests) without touching the working tree."""
+    r = subprocess.run(["git", "-C", str(src), "ls-files", "-co", "--exclude-standard", "-z"], capture_output=True)
+    if r.returncode != 0:
+        raise UserError(f"cannot list the files of {src} (not a git checkout?): {r.stderr.decode().strip()}")
+    names = [n for n in r.stdout.decode().split("\0") if n]
+    names += [str(p.relative_to(src)) for p in (src / "images" / "certs").glob("*.crt")]
+    for name in names:
+        s = src / name
+        if not s.is_file():
+            continue  # deleted in the work tree but still in the index
+        d = dest / name
+        d.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(s, d)
+    return dest
+
+
 # ------------------------------------------------------------------------------------------------------- building
 @dataclass
 class BuildResult:

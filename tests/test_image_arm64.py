@@ -1,0 +1,36 @@
+"""The smoke cell for aarch64 (light profile: no torch, only what doctor/jupyter need), built on this x86 host under
+QEMU from the arm64 half of the debootstrapped multi-arch base; it says arm64 and runs arm64 code."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from enginefix import docker, engine, smoke_arm64  # noqa: F401
+
+pytestmark = pytest.mark.engine
+
+
+def test_image_config_says_arm64(smoke_arm64):  # noqa: F811
+    info = json.loads(docker("image", "inspect", smoke_arm64.refs[0]).stdout)[0]
+    assert info["Architecture"] == "arm64" and info["Os"] == "linux"
+    assert info["Config"]["Labels"]["io.trainbox.arch"] == "aarch64"
+    assert smoke_arm64.platform == "linux/arm64" and smoke_arm64.arch == "aarch64"
+
+
+def test_runs_arm64_code_under_qemu(smoke_arm64):  # noqa: F811
+    r = docker("run", "--rm", "--platform", "linux/arm64", "--entrypoint", "python", smoke_arm64.refs[0], "-c",
+               "import platform, entrypoints; print(platform.machine(), entrypoints.__file__)")
+    assert r.stdout.split() == ["aarch64", "/opt/trainbox/entrypoints/__init__.py"]
+
+
+def test_doctor_runs_on_arm64(smoke_arm64):  # noqa: F811
+    r = docker("run", "--rm", "--platform", "linux/arm64", smoke_arm64.refs[0], "doctor", "--json", check=False,
+               timeout=900)
+    assert r.returncode in (3, 4), r.stdout[-3000:] + r.stderr[-3000:]  # no GPU here (4: runs with a fallback)
+    report = json.loads(r.stdout)
+    assert "smoke-aarch64" in json.dumps(report)
+    plain = docker("run", "--rm", "--platform", "linux/arm64", smoke_arm64.refs[0], "doctor", check=False,
+                   timeout=900)
+    assert plain.returncode == r.returncode and "aarch64" in plain.stdout

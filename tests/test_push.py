@@ -1,0 +1,120 @@
+"""Push through the real CLI: both arches of the smoke cell, a manifest list joining them, digests read back with
+skopeo; refusals (missing arch, failed push) publish no list; an entrypoints-only change re-pushes one layer."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from enginefix import (ROOT, build_args, docker, engine, registry, secret_file, smoke_arm64,  # noqa: F401
+                       smoke_build, smoke_cells, test_base, torch_wheelhouse)
+
+from builder import engine as eng
+from builder.errors import UserError
+
+pytestmark = pytest.mark.engine
+
+
+def skopeo_raw(ref: str) -> dict | None:
+    r = subprocess.run(["skopeo", "inspect", "--raw", "--tls-verify=false", f"docker://{ref}"], capture_output=True,
+                       text=True)
+    return json.loads(r.stdout) if r.returncode == 0 else None
+
+
+def skopeo_digest(ref: str) -> str:
+    r = subprocess.run(["skopeo", "inspect", "--tls-verify=false", "--format", "{{.Digest}}", f"docker://{ref}"],
+                       capture_output=True, text=True, check=True)
+    return r.stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def pushed(registry, smoke_build, smoke_arm64, test_base, tmp_path_factory):  # noqa: F811
+    """`python build.py --cell smoke --push --registry REG/REPO ...` exactly as a user runs it (builds are cache
+    hits after the session fixtures)."""
+    repo = f"{registry}/trainbox-e2e-{uuid.uuid4().hex[:6]}"
+    report = tmp_path_factory.mktemp("report") / "report.json"
+    cell = smoke_cells()["x86_64"]
+    cmd = [sys.executable, "build.py", "--cell", "smoke", "--push", "--registry", repo, "--report", str(report),
+           "--base", f"{cell.base_image}={test_base}", "--wheelhouse", torch_wheelhouse(cell.requirement("torch")),
+           "--secret", f"id=hf_token,src={secret_file()}"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3000)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    return {"repo": repo, "stdout": r.stdout, "report": json.loads(report.read_text())}
+
+
+def test_cli_push_prints_digests_that_the_registry_serves(pushed):
+    cells = {c["tag"]: c for c in pushed["report"]["cells"]}
+    assert set(cells) == {"smoke-x86_64", "smoke-aarch64"}
+    for tag, c in cells.items():
+        assert c["digest"].startswith("sha256:") and c["digest"] in pushed["stdout"]
+        assert skopeo_digest(f"{pushed['repo']}:{tag}") == c["digest"]
+        for extra in smoke_cells()[c["arch"]].version_tags:  # the matrix's version tags name the same image
+            assert skopeo_digest(f"{pushed['repo']}:{extra}") == c["digest"]
+        assert c["layers"] > 0 and c["size"] > 0 and c["seconds"] >= 0
+    assert "pushed MB" in pushed["stdout"]  # the table
+
+
+def test_manifest_list_joins_both_arches(pushed):
+    lists = pushed["report"]["manifest_lists"]
+    assert [x["ref"] for x in lists] == [f"{pushed['repo']}:smoke"]
+    raw = skopeo_raw(f"{pushed['repo']}:smoke")
+    assert raw["mediaType"] in eng.MANIFEST_LIST_TYPES
+    by_arch = {m["platform"]["architecture"]: m["digest"] for m in raw["manifests"]}
+    cells = {c["arch"]: c["digest"] for c in pushed["report"]["cells"]}
+    assert by_arch == {"amd64": cells["x86_64"], "arm64": cells["aarch64"]}
+    assert skopeo_digest(f"{pushed['repo']}:smoke") == lists[0]["digest"]
+    # the engine resolves the list per platform
+    arm = docker("manifest", "inspect", "--insecure", f"{pushed['repo']}:smoke").stdout
+    assert cells["aarch64"] in arm
+
+
+def test_list_refused_when_an_arch_is_missing(pushed):
+    x86 = next(c for c in pushed["report"]["cells"] if c["arch"] == "x86_64")
+    res = eng.BuildResult(**{k: v for k, v in x86.items() if k in {f.name for f in dataclasses.fields(eng.BuildResult)}})
+    ref = f"{pushed['repo']}:smoke-partial"
+    with pytest.raises(UserError, match="no pushed image for arm64"):
+        eng.publish_manifest_list(ref, [res], ["amd64", "arm64"], eng.choose_builder())
+    assert skopeo_raw(ref) is None
+
+
+def test_failed_push_publishes_no_list(pushed, smoke_build, registry):  # noqa: F811
+    # an arm64 "result" whose image never reached the registry (its push failed): the list must not be written
+    digest = skopeo_digest(f"{pushed['repo']}:smoke-x86_64")
+    x86 = dataclasses.replace(smoke_build, digest=digest, pushed_ref=f"{pushed['repo']}@{digest}")
+    ghost = "sha256:" + "0" * 64
+    arm = dataclasses.replace(smoke_build, platform="linux/arm64", digest=ghost, pushed_ref=f"{pushed['repo']}@{ghost}")
+    ref = f"{pushed['repo']}:smoke-ghost"
+    with pytest.raises(UserError, match="not in the registry; nothing was published"):
+        eng.publish_manifest_list(ref, [x86, arm], ["amd64", "arm64"], eng.choose_builder())
+    assert skopeo_raw(ref) is None
+    # and a push to a registry that is not there: one error naming the cell
+    dead = dataclasses.replace(smoke_build, refs=["127.0.0.1:1/trainbox-dead:smoke-x86_64"])
+    docker("tag", smoke_build.image_id, dead.refs[0])
+    try:
+        with pytest.raises(UserError, match="push of cell smoke-x86_64 to 127.0.0.1:1/trainbox-dead"):
+            eng.push_result(dead, eng.choose_builder(), quiet=True)
+    finally:
+        docker("rmi", dead.refs[0], check=False)
+
+
+def test_entrypoints_change_rebuilds_and_repushes_only_the_last_layer(pushed, tmp_path, test_base):  # noqa: F811
+    ctx = eng.snapshot_context(tmp_path / "ctx")
+    with open(ctx / "entrypoints" / "__init__.py", "a") as f:
+        f.write(f"\n# cache test {uuid.uuid4().hex}\n")
+    cell = smoke_cells()["x86_64"]
+    args = build_args(cell)
+    before = json.loads(docker("image", "inspect", f"{pushed['repo']}:smoke-x86_64").stdout)[0]["RootFS"]["Layers"]
+    res = eng.build_cell(cell, builder=eng.choose_builder(), context=ctx, registry=pushed["repo"],
+                         bases=eng.parse_bases(args.base), wheelhouse=args.wheelhouse, quiet=True)
+    after = json.loads(docker("image", "inspect", res.image_id).stdout)[0]["RootFS"]["Layers"]
+    assert len(after) == len(before) and after[:-1] == before[:-1] and after[-1] != before[-1]
+    assert res.steps - res.cached_steps == 1, (res.steps, res.cached_steps)  # only COPY entrypoints/ ran
+    eng.push_result(res, eng.choose_builder(), quiet=True)
+    assert res.pushed_layers == 1
+    assert 0 < res.pushed_bytes < 1_000_000 < res.size
+    assert skopeo_digest(f"{pushed['repo']}:smoke-x86_64") == res.digest
