@@ -49,7 +49,8 @@ def usage() -> str:
         lines.append(f"  {name:<9} {line if line is not None else '(not installed in this image)'}")
     lines += ["", "Same command inside Docker (`docker run IMAGE NAME ...`) and under Slurm/pyxis "
               f"(`srun --container-image=X.sqsh {PROG} NAME ...`).",
-              "Any other program on PATH runs as given (`docker run -it IMAGE bash`, `enroot start IMAGE python x.py`)."]
+              "Any other program on PATH runs as given (`docker run -it IMAGE bash`, "
+              "`enroot start IMAGE python x.py`)."]
     return "\n".join(lines)
 
 

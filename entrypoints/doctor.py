@@ -286,8 +286,8 @@ def evaluate(info: dict | None, smi: dict, probes: dict[str, dict], installed: d
                                   f"needs ≥ {need} (at the very least {floor}); upgrade the driver or use an image "
                                   "with an older CUDA")
         elif need and vkey(driver) < vkey(need):
-            add("driver", "fallback", f"driver {driver} (CUDA ≤ {top}) is older than CUDA {image_cuda}'s {need}: runs "
-                                      "through minor-version compatibility (no PTX JIT); upgrade for full support")
+            add("driver", "fallback", f"driver {driver} (CUDA ≤ {top}) is older than CUDA {image_cuda}'s {need}: "
+                                      "runs through minor-version compatibility (no PTX JIT); upgrade for full support")
         else:
             add("driver", "ok", f"{driver} (CUDA ≤ {top}) ≥ {need} needed by CUDA {image_cuda}")
     elif image_cuda and gpus:
@@ -312,7 +312,8 @@ def evaluate(info: dict | None, smi: dict, probes: dict[str, dict], installed: d
         if t.get("nccl"):
             add("nccl", "ok", t["nccl"])
         else:
-            add("nccl", "fail", f"torch.cuda.nccl.version() failed: {t.get('nccl_error')}; multi-GPU training won't run")
+            add("nccl", "fail", f"torch.cuda.nccl.version() failed: {t.get('nccl_error')}; "
+                                "multi-GPU training won't run")
 
     # -- optional pieces ------------------------------------------------------------------------------------------
     stack = probes.get("stack") or {}

@@ -162,7 +162,8 @@ def test_ours_wins_over_pypi_entrypoints(tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([PY, "-m", "venv", "--without-pip", str(venv)], check=True)
     site = next((venv / "lib").glob("python3*/site-packages"))
-    (site / "entrypoints.py").write_text('"""PyPI entrypoints 0.4 stand-in."""\nraise SystemExit("wrong entrypoints")\n')
+    (site / "entrypoints.py").write_text('"""PyPI entrypoints 0.4 stand-in."""\n'
+                                        'raise SystemExit("wrong entrypoints")\n')
     r = subprocess.run([venv / "bin" / "python", "-m", "entrypoints", "doctor", "--help"], cwd=tmp_path,
                        env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True)
     assert r.returncode == 0 and "--json" in r.stdout, r.stderr

@@ -35,7 +35,8 @@ def smi(name="NVIDIA H100 80GB HBM3", cc=(9, 0), driver="575.57.08", n=1, cuda_m
 def probes(cc=(9, 0), gpu=True, **over):
     p = {
         "torch": {"version": "2.13.0+cu126", "cuda": "12.6", "available": gpu, "op": True if gpu else None,
-                  "devices": [{"name": "NVIDIA H100 80GB HBM3", "cc": list(cc)}] if gpu else [], "nccl": "2.27.5" if gpu else None},
+                  "devices": [{"name": "NVIDIA H100 80GB HBM3", "cc": list(cc)}] if gpu else [],
+                  "nccl": "2.27.5" if gpu else None},
         "fa3": {"module": "flash_attn_interface", **({"op": True} if gpu and cc[0] == 9 else {})},
         "vllm": {"version": "0.31.0"},
         "bitsandbytes": {"version": "0.50.2", **({"op": True} if gpu else {})},
@@ -243,7 +244,7 @@ def test_no_torch_python_and_broken_record(bare_python, tmp_path):
 
 FAKE_SMI = """#!/bin/sh
 case "$*" in
-  *--query-gpu*) printf 'NVIDIA A100-SXM4-80GB, 8.0, 550.54.15, 81920\\nNVIDIA A100-SXM4-80GB, 8.0, 550.54.15, 81920\\n' ;;
+  *--query-gpu*) for i in 0 1; do echo 'NVIDIA A100-SXM4-80GB, 8.0, 550.54.15, 81920'; done ;;
   *) printf '| NVIDIA-SMI 550.54.15    Driver Version: 550.54.15      CUDA Version: 12.4     |\\n' ;;
 esac
 """
@@ -278,7 +279,8 @@ def test_table_output(bare_python, tmp_path):
 
 
 def test_driver_version_from_proc_when_nvidia_smi_is_absent():
-    x86 = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 22:23:56 UTC 2024\nGCC version: gcc 12\n"
+    x86 = ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 22:23:56 UTC 2024\n"
+           "GCC version: gcc 12\n")
     open_ = "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build  (dvs-builder@U16)\n"
     arm = "NVRM version: NVIDIA UNIX Open Kernel Module for aarch64  570.124.06  Release Build\n"
     assert doctor.driver_from_proc(x86) == "550.54.15"
