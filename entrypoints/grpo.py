@@ -1,10 +1,13 @@
 """GRPO training (TRL GRPOTrainer): YAML + CLI options named as in TRL, gsm8k preset, full/LoRA/QLoRA, vLLM if present.
 
-Usage: `trainbox grpo --model_name_or_path MODEL --dataset_name DATA [--preset gsm8k] [--mode full|lora|qlora]
+Usage: `trainbox grpo --model_name_or_path MODEL --dataset DATA [--preset gsm8k] [--mode full|lora|qlora]
 [--reward_funcs rewards:correctness,my_mod:fn] [--config grpo.yaml] [any GRPOConfig / ModelConfig option]`.
+Options are TRL's GRPOConfig (transformers' TrainingArguments included) and ModelConfig, the launcher flags shared
+with sft (torchrun from Slurm or --nnodes/--nproc_per_node/...), and the script options below.
 
-Everything that can be wrong with the options, the model reference, the dataset or the reward functions is checked
-before a model loads, and reported as one `error: ...` line with exit code 2.
+Everything that can be wrong with the options (including the batch / num_generations arithmetic for the real number
+of processes), the model reference, the dataset or the reward functions is checked before a model loads (and before
+torchrun starts), and reported as one `error: ...` line with exit code 2.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from entrypoints import config, lifecycle, rewards
+from entrypoints import config, data, launch, lifecycle, rewards
 from entrypoints.errors import UsageError
+from entrypoints.sft import LaunchArguments, check_model_path, check_report_to, resolve_resume
 
 PROG = "trainbox grpo"
 MODES = ("full", "lora", "qlora")
@@ -30,14 +34,14 @@ GSM8K_HUB = "openai/gsm8k:main"  # data.load_table's `name:config`; used when --
 class GRPOScriptArgs:
     """Options of this entrypoint that are not TRL's (TRL's own are GRPOConfig's and ModelConfig's)."""
 
-    dataset_name: str | None = field(
+    dataset: str | None = field(
         default=None,
         metadata={
             "help": "Training data: a local .parquet/.jsonl file or directory, or a hub dataset id (name:config). "
             f"Default with --preset gsm8k: {GSM8K_HUB}."
         },
     )
-    dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
+    dataset_split: str = field(default="train", metadata={"help": "Split to train on."})
     preset: str | None = field(
         default=None,
         metadata={
@@ -61,6 +65,10 @@ class GRPOScriptArgs:
             "strict_format, soft_format, xmlcount), a.module:fn or path/to/file.py:fn. Weights: --reward_weights."
         },
     )
+    resume: str = field(
+        default="auto",
+        metadata={"help": "auto: last complete checkpoint in output_dir if any; never; or a checkpoint path"},
+    )
     max_prompt_tokens: int | None = field(
         default=None,
         metadata={
@@ -70,19 +78,22 @@ class GRPOScriptArgs:
     )
 
 
-def _grpo_config_class():
-    """TRL's GRPOConfig, with the batch/num_generations check run (and explained) before TRL's own."""
+def _raw_config_class():
+    """GRPOConfig's fields without its __post_init__: parsed values only, nothing derived, no device set up.
+
+    The launcher process needs the options before it knows how many processes torchrun will start, and TRL's own
+    checks would judge the batch arithmetic against this one process; `finalize` builds the real GRPOConfig.
+    """
     from trl import GRPOConfig
 
     @dataclass
-    class GRPOConfigChecked(GRPOConfig):
+    class GRPOOptions(GRPOConfig):
         __doc__ = GRPOConfig.__doc__
 
         def __post_init__(self):
-            check_generation_batch(self, world_size())
-            super().__post_init__()
+            pass
 
-    return GRPOConfigChecked
+    return GRPOOptions
 
 
 def world_size() -> int:
@@ -149,35 +160,35 @@ def grpo_legacy() -> dict:
 
 
 def parse(argv: list[str]):
+    """(script, launch, raw GRPO options, model) from YAML + CLI; the GRPO options still need `finalize`."""
     from trl import ModelConfig
 
+    return config.parse_args(
+        (GRPOScriptArgs, LaunchArguments, _raw_config_class(), ModelConfig), argv, prog=PROG, legacy=grpo_legacy()
+    )
+
+
+def finalize(raw, processes: int, *, launcher: bool = False):
+    """Check the batch arithmetic for `processes` (explained), then build TRL's GRPOConfig (its own checks run).
+
+    launcher=True: this process only starts torchrun; TRL's checks are made to count the processes it will start.
+    """
     from trl import GRPOConfig
 
-    script, args, model_args = config.parse_args(
-        (GRPOScriptArgs, _grpo_config_class(), ModelConfig), argv, prog=PROG, legacy=grpo_legacy()
-    )
-    # Same fields, checks done: back to TRL's class so checkpoints pickle it as trl's own (a local class can't be).
-    args.__class__ = GRPOConfig
-    return script, args, model_args
+    check_generation_batch(raw, processes)
+    values = {f.name: getattr(raw, f.name) for f in dataclasses.fields(GRPOConfig) if f.init}
+    cls = GRPOConfig
+    if launcher:
+        cls = type("GRPOConfigPlanned", (GRPOConfig,), {"world_size": property(lambda self: processes)})
+    try:
+        args = cls(**values)
+    except (ValueError, TypeError) as e:
+        raise UsageError(f"invalid options: {e}".replace("\n", " ")) from None
+    object.__setattr__(args, config._EXPLICIT_ATTR, config.explicit(raw))  # keep "what the user set"
+    return args
 
 
 # ---------------------------------------------------------------- checks that run before any model loads
-
-
-def check_model_ref(ref: str | None) -> str:
-    """'local' or 'hub'; a path that doesn't exist or isn't a model directory is a UsageError."""
-    if not ref:
-        raise UsageError("no model: give --model_name_or_path (a local model directory or a hub id like org/name)")
-    p = Path(ref).expanduser()
-    if p.exists():
-        if not p.is_dir() or not (p / "config.json").is_file():
-            raise UsageError(
-                f"model {ref}: not a model directory (no config.json); give the directory that save_pretrained wrote"
-            )
-        return "local"
-    if ref.startswith(("/", "./", "../", "~")) or ref.count("/") > 1 or ref.endswith("/"):
-        raise UsageError(f"model {ref}: no such directory; check the path (or mount it into the container)")
-    return "hub"
 
 
 def resolve_mode(script, model_args) -> str:
@@ -238,26 +249,23 @@ def reward_refs(script) -> list[str]:
 
 
 def prepare_dataset(script, refs, funcs):
-    from entrypoints import data
-
-    if not script.dataset_name:
+    if not script.dataset:
         if script.preset != "gsm8k":
-            raise UsageError("no training data: give --dataset_name (a .parquet/.jsonl file or directory, or a hub id)")
-        script.dataset_name = GSM8K_HUB
-    ds = data.load_table(script.dataset_name, split=script.dataset_train_split)
+            raise UsageError("no training data: give --dataset (a .parquet/.jsonl file or directory, or a hub id)")
+        script.dataset = GSM8K_HUB
+    where = f"dataset {script.dataset}"
+    ds = data.load_table(script.dataset, split=script.dataset_split)
     if script.preset == "gsm8k":
         # gsm8k question/answer (answer after ####) or verl's gsm8k parquet -> prompt with the notebook's system
         # prompt + answer column for rewards:correctness.
-        ds = data.to_prompt_answer(
-            ds, where=f"dataset {script.dataset_name} (--preset gsm8k)", system_prompt=rewards.SYSTEM_PROMPT
-        )
-    data.require_columns(ds, ["prompt"], f"dataset {script.dataset_name} (GRPO needs a prompt per row)")
+        ds = data.to_prompt_answer(ds, where=f"{where} (--preset gsm8k)", system_prompt=rewards.SYSTEM_PROMPT)
+    data.require_columns(ds, ["prompt"], f"{where} (GRPO needs a prompt per row)")
     for ref, func in zip(refs, funcs):
         need = rewards.required_columns(func)
         if need:
-            data.require_columns(ds, need, f"dataset {script.dataset_name} (reward function {ref})")
+            data.require_columns(ds, need, f"{where} (reward function {ref})")
     if len(ds) == 0:
-        raise UsageError(f"dataset {script.dataset_name} split {script.dataset_train_split} has no rows")
+        raise UsageError(f"{where} split {script.dataset_split} has no rows")
     return ds
 
 
@@ -285,16 +293,38 @@ def drop_long_prompts(ds, model_ref: str, limit: int, revision=None):
 
 def main(argv: list[str]) -> int:
     try:
-        return run(argv)
+        # Handlers first: a SIGTERM during start-up or model loading is remembered, not fatal.
+        lifecycle.install_signal_handlers()
+        script, launch_args, raw, model_args = parse(argv)
+        plan = launch.plan(launch_args, os.environ)
+        if plan.mode == "torchrun":
+            # Judge the options against the processes torchrun will start, before starting any.
+            validate(script, finalize(raw, plan.nnodes * plan.nproc_per_node, launcher=True), model_args)
+            return launch.run_torchrun(plan, "entrypoints.grpo", argv)
+        if plan.env:  # one Slurm task per rank: RANK/WORLD_SIZE/... before the Trainer's device setup
+            launch.apply_env(plan, os.environ)
+        args = finalize(raw, world_size())
+        return train(script, args, model_args, validate(script, args, model_args))
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
 
-def run(argv: list[str]) -> int:
-    started = time.time()
-    script, args, model_args = parse(argv)
-    check_model_ref(model_args.model_name_or_path)
+@dataclass
+class Checked:
+    """What validate() resolved: passed on to train() so nothing is decided twice."""
+
+    mode: str
+    refs: list
+    funcs: list
+    rollouts: str
+    dataset: object
+    resume: str | None
+
+
+def validate(script, args, model_args) -> Checked:
+    """Every check that needs no model: model path, mode, rewards, rollouts, report_to, dataset and its columns."""
+    check_model_path(model_args.model_name_or_path)
     mode = resolve_mode(script, model_args)
     refs = reward_refs(script)
     funcs = [rewards.load(r) for r in refs]
@@ -302,31 +332,35 @@ def run(argv: list[str]) -> int:
         raise UsageError(
             f"reward_weights has {len(args.reward_weights)} values for {len(funcs)} reward functions ({', '.join(refs)})"
         )
-    rollout_line = resolve_rollouts(args)
-    out = lifecycle.output_dir(config.configured_output_dir(args))
-    args.output_dir = out
+    rollouts = resolve_rollouts(args)
+    check_report_to(args.report_to)
+    args.output_dir = lifecycle.output_dir(config.configured_output_dir(args))
+    if args.resume_from_checkpoint:  # TrainingArguments' own option wins over --resume
+        script.resume = args.resume_from_checkpoint
+    resume = resolve_resume(script.resume, args.output_dir)
     ds = prepare_dataset(script, refs, funcs)
     if script.max_prompt_tokens is not None:
         ds = drop_long_prompts(ds, model_args.model_name_or_path, script.max_prompt_tokens, model_args.model_revision)
         if args.use_vllm and args.vllm_max_model_length is None:
             args.vllm_max_model_length = script.max_prompt_tokens + args.max_completion_length
+    return Checked(mode, refs, funcs, rollouts, ds, resume)
 
-    preemption = lifecycle.PreemptionCallback()  # handlers before the slow model load, so a SIGTERM there is seen
-    resume = args.resume_from_checkpoint or lifecycle.resume_checkpoint(out)
+
+def train(script, args, model_args, checked: Checked) -> int:
+    started = time.time()
+    out = args.output_dir
+    preemption = lifecycle.PreemptionCallback()
     if lifecycle.is_main_process():
         print(
-            f"[trainbox] grpo: model {model_args.model_name_or_path} mode {mode}; data {script.dataset_name} "
-            f"({len(ds)} rows); rewards {', '.join(refs)}; {rollout_line}; outputs {out}"
-            + (f"; resuming from {resume}" if resume else ""),
+            f"[trainbox] grpo: model {model_args.model_name_or_path} mode {checked.mode}; data {script.dataset} "
+            f"({len(checked.dataset)} rows); rewards {', '.join(checked.refs)}; {checked.rollouts}; "
+            f"{world_size()} process(es); outputs {out}" + (f"; resuming from {checked.resume}" if checked.resume else ""),
             flush=True,
         )
-    trainer = build_trainer(args, model_args, mode, funcs, ds, preemption)
+    trainer = build_trainer(args, model_args, checked.mode, checked.funcs, checked.dataset, preemption)
     if lifecycle.is_main_process():
         print(f"[trainbox] grpo: {describe_model(trainer.model)}", flush=True)
-    if lifecycle.preempt_requested():
-        print("[trainbox] grpo: stopped by a signal before training started; nothing to save", file=sys.stderr)
-        return lifecycle.exit_code()
-    trainer.train(resume_from_checkpoint=resume)
+    trainer.train(resume_from_checkpoint=checked.resume)
     if not lifecycle.was_preempted():
         trainer.save_model(out)
     lifecycle.finish(trainer, out, started, "grpo")

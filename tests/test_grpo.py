@@ -66,6 +66,12 @@ def log_history(output_dir: Path) -> list[dict]:
     return json.loads((ckpts[-1] / "trainer_state.json").read_text())["log_history"]
 
 
+def parsed(argv):
+    """(script, GRPOConfig, ModelConfig) as a single-process run sees them."""
+    script, _launch, raw, model_args = grpo.parse(argv)
+    return script, grpo.finalize(raw, 1), model_args
+
+
 # ---------------------------------------------------------------- bad input: one error line, exit 2, no model
 
 
@@ -91,7 +97,7 @@ def expect_usage_error(argv, capsys, *fragments):
 
 def test_unknown_option(no_model, capsys, tiny_model, gsm8k_file):
     expect_usage_error(
-        ["--model_name_or_path", tiny_model, "--dataset_name", gsm8k_file, "--num_generation", "4"], capsys,
+        ["--model_name_or_path", tiny_model, "--dataset", gsm8k_file, "--num_generation", "4"], capsys,
         "unknown option --num_generation", "did you mean --num_generations",
     )
 
@@ -114,50 +120,63 @@ def test_unknown_option(no_model, capsys, tiny_model, gsm8k_file):
 )
 def test_batch_must_hold_whole_groups(no_model, capsys, monkeypatch, tiny_model, gsm8k_file, extra, world, fragments):
     monkeypatch.setenv("WORLD_SIZE", world)
-    expect_usage_error(["--model_name_or_path", tiny_model, "--dataset_name", gsm8k_file, "--preset", "gsm8k", *extra],
+    expect_usage_error(["--model_name_or_path", tiny_model, "--dataset", gsm8k_file, "--preset", "gsm8k", *extra],
                        capsys, *fragments)
 
 
+def test_batch_is_judged_for_the_processes_torchrun_will_start(no_model, capsys, monkeypatch, tiny_model, gsm8k_file):
+    from entrypoints import launch
+
+    def no_torchrun(*a, **k):
+        raise AssertionError("torchrun started despite bad input")
+
+    monkeypatch.setattr(launch, "run_torchrun", no_torchrun)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    expect_usage_error(["--model_name_or_path", tiny_model, "--dataset", gsm8k_file, "--preset", "gsm8k",
+                        "--nproc_per_node", "2", "--per_device_train_batch_size", "2", "--num_generations", "8"],
+                       capsys, "2 x 2 process(es) x steps_per_generation 1", "per_device_train_batch_size 4")
+
+
 def test_missing_model_path(no_model, capsys, gsm8k_file, tmp_path):
-    expect_usage_error(["--model_name_or_path", tmp_path / "nope", "--dataset_name", gsm8k_file, "--preset", "gsm8k"],
-                       capsys, "no such directory")
+    expect_usage_error(["--model_name_or_path", tmp_path / "nope", "--dataset", gsm8k_file, "--preset", "gsm8k"],
+                       capsys, "does not exist")
     (tmp_path / "empty").mkdir()
-    expect_usage_error(["--model_name_or_path", tmp_path / "empty", "--dataset_name", gsm8k_file, "--preset", "gsm8k"],
-                       capsys, "no config.json")
-    expect_usage_error(["--dataset_name", gsm8k_file, "--preset", "gsm8k"], capsys, "no model")
+    expect_usage_error(["--model_name_or_path", tmp_path / "empty", "--dataset", gsm8k_file, "--preset", "gsm8k"],
+                       capsys, "has no config.json")
+    expect_usage_error(["--dataset", gsm8k_file, "--preset", "gsm8k"], capsys, "no model given")
 
 
 def test_missing_dataset_column_for_a_reward(no_model, capsys, tiny_model, tmp_path):
     data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "2+2=", "solution": "4"}] * 4)
     expect_usage_error(
-        ["--model_name_or_path", tiny_model, "--dataset_name", data, "--reward_funcs", "rewards:correctness,rewards:xmlcount"],
+        ["--model_name_or_path", tiny_model, "--dataset", data, "--reward_funcs", "rewards:correctness,rewards:xmlcount"],
         capsys, "reward function rewards:correctness", "missing column(s) answer", "prompt, solution",
     )
 
 
 def test_missing_prompt_column_and_wrong_preset_data(no_model, capsys, tiny_model, tmp_path):
     data = write_jsonl(tmp_path / "q.jsonl", [{"text": "hello", "answer": "4"}] * 4)
-    expect_usage_error(["--model_name_or_path", tiny_model, "--dataset_name", data, "--reward_funcs", "rewards:xmlcount"],
+    expect_usage_error(["--model_name_or_path", tiny_model, "--dataset", data, "--reward_funcs", "rewards:xmlcount"],
                        capsys, "missing column(s) prompt")
-    expect_usage_error(["--model_name_or_path", tiny_model, "--dataset_name", data, "--preset", "gsm8k"],
+    expect_usage_error(["--model_name_or_path", tiny_model, "--dataset", data, "--preset", "gsm8k"],
                        capsys, "question+answer")
 
 
 def test_missing_dataset_file(no_model, capsys, tiny_model, tmp_path):
-    expect_usage_error(["--model_name_or_path", tiny_model, "--dataset_name", tmp_path / "nope.parquet",
+    expect_usage_error(["--model_name_or_path", tiny_model, "--dataset", tmp_path / "nope.parquet",
                         "--preset", "gsm8k"], capsys, "does not exist")
 
 
 def test_bad_rewards(no_model, capsys, tiny_model, gsm8k_file):
-    base = ["--model_name_or_path", tiny_model, "--dataset_name", gsm8k_file, "--preset", "gsm8k"]
+    base = ["--model_name_or_path", tiny_model, "--dataset", gsm8k_file, "--preset", "gsm8k"]
     expect_usage_error([*base, "--reward_funcs", "rewards:corectness"], capsys, "has no function 'corectness'")
     expect_usage_error([*base, "--reward_weights", "1.0", "2.0"], capsys, "2 values for 5 reward functions")
-    expect_usage_error(["--model_name_or_path", tiny_model, "--dataset_name", gsm8k_file], capsys,
+    expect_usage_error(["--model_name_or_path", tiny_model, "--dataset", gsm8k_file], capsys,
                        "no reward functions")
 
 
 def test_mode_contradictions(no_model, capsys, tiny_model, gsm8k_file):
-    base = ["--model_name_or_path", tiny_model, "--dataset_name", gsm8k_file, "--preset", "gsm8k"]
+    base = ["--model_name_or_path", tiny_model, "--dataset", gsm8k_file, "--preset", "gsm8k"]
     expect_usage_error([*base, "--mode", "full", "--use_peft", "true"], capsys, "contradicts use_peft")
     expect_usage_error([*base, "--load_in_4bit", "true"], capsys, "use --mode qlora")
     expect_usage_error([*base, "--mode", "int8"], capsys, "invalid choice")
@@ -165,7 +184,7 @@ def test_mode_contradictions(no_model, capsys, tiny_model, gsm8k_file):
 
 @pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is not None, reason="vllm is installed here")
 def test_use_vllm_without_vllm(no_model, capsys, tiny_model, gsm8k_file):
-    expect_usage_error(["--model_name_or_path", tiny_model, "--dataset_name", gsm8k_file, "--preset", "gsm8k",
+    expect_usage_error(["--model_name_or_path", tiny_model, "--dataset", gsm8k_file, "--preset", "gsm8k",
                         "--use_vllm", "true"], capsys, "vllm is not installed")
 
 
@@ -178,7 +197,7 @@ def test_yaml_then_cli_overrides_with_trl_names(tmp_path):
         "model_name_or_path: m\nnum_generations: 4\nper_device_train_batch_size: 8\nlearning_rate: 1.0e-5\n"
         "reward_funcs: [rewards:correctness, rewards:xmlcount]\nmode: lora\nlora_r: 8\n"
     )
-    script, args, model_args = grpo.parse(["--config", str(cfg), "--learning_rate", "2e-5"])
+    script, args, model_args = parsed(["--config", str(cfg), "--learning_rate", "2e-5"])
     assert (args.num_generations, args.per_device_train_batch_size, args.learning_rate) == (4, 8, 2e-5)
     assert (model_args.model_name_or_path, model_args.lora_r, script.mode) == ("m", 8, "lora")
     assert grpo.reward_refs(script) == ["rewards:correctness", "rewards:xmlcount"]
@@ -186,7 +205,7 @@ def test_yaml_then_cli_overrides_with_trl_names(tmp_path):
 
 
 def test_legacy_options_are_translated(capsys):
-    script, args, _ = grpo.parse(["--max_prompt_length", "256", "--warmup_ratio", "0.1", "--num_generations", "4",
+    script, args, _ = parsed(["--max_prompt_length", "256", "--warmup_ratio", "0.1", "--num_generations", "4",
                                   "--per_device_train_batch_size", "4"])
     err = capsys.readouterr().err
     assert script.max_prompt_tokens == 256 and args.warmup_steps == pytest.approx(0.1)
@@ -195,10 +214,10 @@ def test_legacy_options_are_translated(capsys):
 
 
 def test_reward_refs_commas_spaces_and_preset():
-    script, _, _ = grpo.parse(["--reward_funcs", "rewards:correctness,rewards:int_format", "x.py:f",
+    script, _, _ = parsed(["--reward_funcs", "rewards:correctness,rewards:int_format", "x.py:f",
                                "--num_generations", "4", "--per_device_train_batch_size", "4"])
     assert grpo.reward_refs(script) == ["rewards:correctness", "rewards:int_format", "x.py:f"]
-    script, _, _ = grpo.parse(["--preset", "gsm8k", "--num_generations", "4", "--per_device_train_batch_size", "4"])
+    script, _, _ = parsed(["--preset", "gsm8k", "--num_generations", "4", "--per_device_train_batch_size", "4"])
     assert grpo.reward_refs(script) == list(rewards.GSM8K)
 
 
@@ -207,7 +226,7 @@ def test_rollout_choice_is_automatic_and_reported(monkeypatch):
 
     import torch
 
-    _, args, _ = grpo.parse(["--num_generations", "4", "--per_device_train_batch_size", "4"])
+    _, args, _ = parsed(["--num_generations", "4", "--per_device_train_batch_size", "4"])
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "vllm" else real_find_spec(n, *a))
     assert grpo.resolve_rollouts(args) == "rollouts: transformers generate (auto: vllm not installed)"
@@ -215,10 +234,10 @@ def test_rollout_choice_is_automatic_and_reported(monkeypatch):
 
     # With vllm importable and a GPU, vLLM is chosen; colocate by default, server when asked. (Parse first: the
     # config's own setup would touch the pretend GPU.)
-    _, colocate, _ = grpo.parse(["--num_generations", "4", "--per_device_train_batch_size", "4"])
-    _, server, _ = grpo.parse(["--num_generations", "4", "--per_device_train_batch_size", "4", "--vllm_mode", "server",
+    _, colocate, _ = parsed(["--num_generations", "4", "--per_device_train_batch_size", "4"])
+    _, server, _ = parsed(["--num_generations", "4", "--per_device_train_batch_size", "4", "--vllm_mode", "server",
                                "--vllm_server_port", "8123"])
-    _, off, _ = grpo.parse(["--num_generations", "4", "--per_device_train_batch_size", "4", "--use_vllm", "false"])
+    _, off, _ = parsed(["--num_generations", "4", "--per_device_train_batch_size", "4", "--use_vllm", "false"])
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "vllm" else real_find_spec(n, *a))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert grpo.resolve_rollouts(colocate).startswith("rollouts: vLLM colocate")
@@ -229,7 +248,7 @@ def test_rollout_choice_is_automatic_and_reported(monkeypatch):
 
 
 def test_gsm8k_preset_builds_the_notebooks_prompts(tiny_model, gsm8k_file):
-    script, _, _ = grpo.parse(["--dataset_name", str(gsm8k_file), "--preset", "gsm8k", "--num_generations", "4",
+    script, _, _ = parsed(["--dataset", str(gsm8k_file), "--preset", "gsm8k", "--num_generations", "4",
                                "--per_device_train_batch_size", "4"])
     refs = grpo.reward_refs(script)
     ds = grpo.prepare_dataset(script, refs, [rewards.load(r) for r in refs])
@@ -255,7 +274,7 @@ def test_long_prompts_are_dropped_not_cut(tiny_model, capsys):
 
 def test_gsm8k_end_to_end_with_default_output_and_artifacts(tiny_model, gsm8k_file, tmp_path):
     out, art = tmp_path / "outputs", tmp_path / "artifacts"
-    r = run_grpo(["--model_name_or_path", tiny_model, "--dataset_name", gsm8k_file, "--preset", "gsm8k",
+    r = run_grpo(["--model_name_or_path", tiny_model, "--dataset", gsm8k_file, "--preset", "gsm8k",
                   "--max_steps", "2", "--save_steps", "2", *FAST],
                  cwd=tmp_path, env={"OUTPUT_DIR": str(out), "SAKURA_ARTIFACT_DIR": str(art)})
     assert r.returncode == 0, r.stderr[-3000:]
@@ -273,7 +292,7 @@ def test_gsm8k_end_to_end_with_default_output_and_artifacts(tiny_model, gsm8k_fi
 @pytest.mark.parametrize("mode, weights", [("lora", "float32, LoRA adapters"), ("qlora", "4-bit nf4")])
 def test_lora_and_qlora(tiny_model, gsm8k_file, tmp_path, mode, weights):
     out = tmp_path / "out"
-    r = run_grpo(["--model_name_or_path", tiny_model, "--dataset_name", gsm8k_file, "--preset", "gsm8k",
+    r = run_grpo(["--model_name_or_path", tiny_model, "--dataset", gsm8k_file, "--preset", "gsm8k",
                   "--mode", mode, "--max_steps", "1", "--output_dir", out, *FAST], cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     loaded = [line for line in r.stdout.splitlines() if "grpo: loaded:" in line]
@@ -296,7 +315,7 @@ def test_reward_rises_on_a_learnable_toy_task(tiny_model, tmp_path):
     (tmp_path / "toy_reward.py").write_text(TOY_REWARD)
     data = write_jsonl(tmp_path / "toy.jsonl", [{"prompt": f"Count: {i}"} for i in range(64)])
     out = tmp_path / "out"
-    r = run_grpo(["--model_name_or_path", tiny_model, "--dataset_name", data, "--reward_funcs",
+    r = run_grpo(["--model_name_or_path", tiny_model, "--dataset", data, "--reward_funcs",
                   "toy_reward.py:digit_share", "--max_steps", "30", "--num_generations", "8",
                   "--per_device_train_batch_size", "8", "--max_completion_length", "8", "--learning_rate", "5e-3",
                   "--logging_steps", "1", "--save_steps", "30", "--seed", "1", "--bf16", "false",
@@ -310,7 +329,7 @@ def test_reward_rises_on_a_learnable_toy_task(tiny_model, tmp_path):
 
 def test_sigterm_saves_a_checkpoint_and_the_next_run_resumes(tiny_model, gsm8k_file, tmp_path):
     out, log = tmp_path / "out", tmp_path / "run.log"
-    argv = ["--model_name_or_path", tiny_model, "--dataset_name", gsm8k_file, "--preset", "gsm8k",
+    argv = ["--model_name_or_path", tiny_model, "--dataset", gsm8k_file, "--preset", "gsm8k",
             "--output_dir", out, "--save_steps", "1000", *FAST]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with log.open("w") as fh:
@@ -341,3 +360,15 @@ def test_sigterm_saves_a_checkpoint_and_the_next_run_resumes(tiny_model, gsm8k_f
     assert f"resuming from {out / f'checkpoint-{step}'}" in r.stdout
     assert f"steps {step + 2}/{step + 2} (this run 2)" in r.stdout
     assert (out / "model.safetensors").is_file()
+
+
+def test_two_processes_through_torchrun(tiny_model, gsm8k_file, tmp_path):
+    # 2 prompts x 2 processes = one group of 4: valid only because both processes count (1 alone would be refused).
+    out = tmp_path / "out"
+    r = run_grpo(["--model_name_or_path", tiny_model, "--dataset", gsm8k_file, "--preset", "gsm8k",
+                  "--nproc_per_node", "2", "--max_steps", "2", "--output_dir", out, *FAST,
+                  "--per_device_train_batch_size", "2"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "torchrun nnodes=1 nproc_per_node=2" in r.stdout
+    assert "2 process(es)" in r.stdout
+    assert "steps 2/2" in r.stdout and (out / "model.safetensors").is_file()
