@@ -12,4 +12,5 @@ class UserError(Exception):
             text = f"{where}: {text}"
         if fix:
             text = f"{text} ({fix})"
-        super().__init__(text)
+        # One line whatever the input held (a key with a newline in it must not split the message).
+        super().__init__(text.replace("\r", "\\r").replace("\n", "\\n"))

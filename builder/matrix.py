@@ -207,7 +207,7 @@ def _version(where: str, text: str) -> tuple[int, ...]:
 def _format(where: str, template: str, **values) -> str:
     try:
         return template.format(**values)
-    except (KeyError, IndexError, ValueError) as e:
+    except (KeyError, IndexError, ValueError, AttributeError, TypeError) as e:
         raise UserError(f"bad template {template!r}: {e!r}", where=where,
                         fix=f"use only the fields {{{'}, {'.join(sorted(values))}}}") from None
 
@@ -276,7 +276,7 @@ def _build(path: Path, data: dict) -> Matrix:
             raise UserError(f"rule {r['id']!r} is defined twice", where=f"{w}.id")
         rule_table[r["id"]] = r["reason"]
 
-    ctx = rules_mod.Context(data=data, stacks=stacks, facts=facts, rules=rule_table)
+    ctx = rules_mod.Context(data=data, stacks=stacks, facts=facts, rules=rule_table, file=f)
     # Stack-level consistency (conflicting pins) is an error, not an exclusion: the file contradicts itself.
     for sname, pins in stacks.items():
         hit = rules_mod.check_stack(ctx, pins)

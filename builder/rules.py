@@ -22,6 +22,7 @@ class Context:
     stacks: dict
     facts: dict
     rules: dict   # id -> reason, only the enabled ones
+    file: str = "matrix.toml"
 
 
 def _v(text: str) -> tuple[int, ...]:
@@ -138,13 +139,13 @@ def check_stack(ctx: Context, pins: dict):
         spec = facts.get("trl_vllm_extra", {}).get(pins["trl"])
         if spec is None:
             return "trl-vllm-extra", f"no recorded vllm range for trl {pins['trl']} (add it to [facts] trl_vllm_extra)"
-        if not satisfies(vllm, spec, "facts.trl_vllm_extra"):
+        if not satisfies(vllm, spec, f"{ctx.file}: facts.trl_vllm_extra.{pins['trl']}"):
             return "trl-vllm-extra", f"trl {pins['trl']}[vllm] needs vllm{spec}, stack has vllm {vllm}"
     if "vllm-transformers" in ctx.rules and "transformers" in pins:
         spec = facts.get("vllm_transformers", {}).get(vllm)
         if spec is None:
             return "vllm-transformers", f"no recorded transformers range for vllm {vllm}"
-        if not satisfies(pins["transformers"], spec, "facts.vllm_transformers"):
+        if not satisfies(pins["transformers"], spec, f"{ctx.file}: facts.vllm_transformers.{vllm}"):
             return "vllm-transformers", (f"vllm {vllm} needs transformers{spec}, "
                                          f"stack has transformers {pins['transformers']}")
     return None
