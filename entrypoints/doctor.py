@@ -102,7 +102,9 @@ def nvidia_smi() -> dict:
             "cuda_max": m.group(1) if m else None}
 
 
-# Each probe is a tiny program printing one JSON object as its last stdout line; GPU=1 in its env allows GPU ops.
+# Each probe is a tiny program printing one JSON object as its last stdout line; TRAINBOX_DOCTOR_GPU=1 allows GPU ops.
+# Attention ops use head dim 128 in bf16: the images' FA3 build keeps only that (FLASH_ATTENTION_DISABLE_HDIM64/96/
+# 192/256, no FP8) to bound its compile time.
 _PRELUDE = ("import json, os, sys\nout = {}\n"
             "def gpu():\n    if os.environ.get('TRAINBOX_DOCTOR_GPU') != '1':\n        return False\n"
             "    import torch\n    return torch.cuda.is_available()\n")
@@ -134,7 +136,7 @@ except ImportError:
 if gpu():
     import torch
     if torch.cuda.get_device_capability(0)[0] == 9:
-        q = torch.randn(1, 16, 2, 64, device='cuda', dtype=torch.bfloat16)
+        q = torch.randn(1, 16, 2, 128, device='cuda', dtype=torch.bfloat16)
         r = fa3.flash_attn_func(q, q, q, causal=True)
         o = r[0] if isinstance(r, tuple) else r
         out['op'] = bool(o.shape == q.shape and torch.isfinite(o).all().item())
@@ -145,7 +147,7 @@ out['version'] = flash_attn.__version__
 if gpu():
     import torch
     if torch.cuda.get_device_capability(0)[0] >= 8:
-        q = torch.randn(1, 16, 2, 64, device='cuda', dtype=torch.bfloat16)
+        q = torch.randn(1, 16, 2, 128, device='cuda', dtype=torch.bfloat16)
         o = flash_attn.flash_attn_func(q, q, q, causal=True)
         out['op'] = bool(o.shape == q.shape and torch.isfinite(o).all().item())
 """,
