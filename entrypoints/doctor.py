@@ -261,8 +261,11 @@ def evaluate(info: dict | None, smi: dict, probes: dict[str, dict], installed: d
     gpus = torch_gpus or smi_gpus
     if not gpus:
         why = smi.get("error") or ("nvidia-smi not found" if not smi.get("found") else "nvidia-smi lists none")
-        add("gpu", "no-gpu", f"no GPU visible ({why}); run with `docker run --gpus all` / a Slurm GPU allocation "
-                             "and an image env with NVIDIA_VISIBLE_DEVICES")
+        if info is not None and not image_cuda:
+            add("gpu", "no-gpu", f"no GPU visible ({why}); expected: this is a CPU image")
+        else:
+            add("gpu", "no-gpu", f"no GPU visible ({why}); run with `docker run --gpus all` / a Slurm GPU "
+                                 "allocation and an image env with NVIDIA_VISIBLE_DEVICES")
     elif smi_gpus and torch_ok and t.get("cuda") and not t.get("available"):
         add("gpu", "fail", f"nvidia-smi sees {len(smi_gpus)} GPU(s) but torch can't use them "
                            f"(torch CUDA {t.get('cuda')}, driver {smi.get('driver')}): see the driver row")
