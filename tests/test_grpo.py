@@ -272,10 +272,10 @@ def test_long_prompts_are_dropped_not_cut(tiny_model, capsys):
 # ---------------------------------------------------------------- real runs on CPU
 
 
-def test_gsm8k_end_to_end_with_default_output_and_artifacts(tiny_model, gsm8k_file, tmp_path):
+def test_gsm8k_end_to_end_with_default_output_artifacts_and_tensorboard(tiny_model, gsm8k_file, tmp_path):
     out, art = tmp_path / "outputs", tmp_path / "artifacts"
     r = run_grpo(["--model_name_or_path", tiny_model, "--dataset", gsm8k_file, "--preset", "gsm8k",
-                  "--max_steps", "2", "--save_steps", "2", *FAST],
+                  "--max_steps", "2", "--save_steps", "2", *FAST, "--report_to", "tensorboard"],
                  cwd=tmp_path, env={"OUTPUT_DIR": str(out), "SAKURA_ARTIFACT_DIR": str(art)})
     assert r.returncode == 0, r.stderr[-3000:]
     assert "rollouts: transformers generate (auto: vllm not installed)" in r.stdout
@@ -283,6 +283,7 @@ def test_gsm8k_end_to_end_with_default_output_and_artifacts(tiny_model, gsm8k_fi
     assert summary and "steps 2/2" in summary[0] and f"outputs {out}" in summary[0] and "tokens/s" in summary[0]
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
     assert (art / "outputs" / "model.safetensors").is_file()
+    assert list((out / "runs").rglob("events.out.tfevents.*")), "report_to tensorboard wrote no event file"
     logged = [h for h in log_history(out) if "reward" in h]
     assert len(logged) == 2
     for name in ("xmlcount", "soft_format", "strict_format", "int_format", "correctness"):
