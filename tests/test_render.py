@@ -118,7 +118,8 @@ def test_image_contract(tag):
     assert ins[last_copy] == ("COPY", "entrypoints/ /opt/trainbox/entrypoints/")
     assert {w for w, _ in ins[last_copy + 1:]} <= {"ARG", "LABEL"}
     # Hash-checked install from the cell's lock, wheelhouse first.
-    assert f"COPY locks/{tag}.txt /tmp/trainbox/requirements.txt" in text
+    assert f"COPY locks/.gitkeep locks/{tag}.tx[t] /tmp/trainbox/locks/" in text
+    assert f"-r /tmp/trainbox/locks/{tag}.txt" in text and f"python build.py --lock {tag}" in text
     assert "--require-hashes" in text and "--find-links /tmp/trainbox/wheelhouse" in text
     assert "COPY images/certs/ /usr/local/share/ca-certificates/trainbox/" in text and "update-ca-certificates" in text
 
