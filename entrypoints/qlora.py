@@ -178,6 +178,7 @@ def main(argv: list[str]) -> int:
         plan = launch.plan(launch_args, os.environ)
         if plan.mode == "torchrun":
             validate(data_args, model_args, training_args)
+            sft.check_before_launch(data_args, model_args, training_args)
             return launch.run_torchrun(plan, "entrypoints.qlora", argv)
         if plan.env:
             launch.apply_env(plan, os.environ)

@@ -158,13 +158,33 @@ def parse(argv: list[str], prog: str = "trainbox sft"):
 
 
 def validate(data_args, model_args, training_args):
-    """Everything checkable without loading the model: model path, report_to, dataset and its columns."""
+    """Checks that need neither the model nor the data: model path, report_to, dataset given, resume target."""
+    if training_args.resume_from_checkpoint:
+        # TrainingArguments' own option means the same as our --resume PATH.
+        data_args.resume = training_args.resume_from_checkpoint
     check_model_path(model_args.model_name_or_path)
     check_report_to(training_args.report_to)
     if not data_args.dataset:
         raise UsageError("no dataset given: pass --dataset PATH (.parquet/.jsonl/.json/.csv file or directory) or a hub id")
     if data_args.resume not in ("auto", "never"):
         resolve_resume(data_args.resume, training_args.output_dir)
+
+
+def check_before_launch(data_args, model_args, training_args) -> None:
+    """In the launcher, before torchrun: the tokenizer's chat template and the dataset's columns (on a few rows),
+    so a bad config is one `error:` line and exit 2 here, not a failure in every rank."""
+    validate(data_args, model_args, training_args)
+    load_tokenizer(model_args.model_name_or_path, training_args)
+    ds = data.load_table(data_args.dataset, split=data_args.dataset_split)
+    data.to_sft(
+        ds.select(range(min(8, len(ds)))),
+        fmt=data_args.dataset_format,
+        prompt_key=data_args.prompt_key,
+        response_key=data_args.response_key,
+        messages_key=data_args.messages_key,
+        system_prompt=data_args.system_prompt,
+        where=f"dataset {data_args.dataset}",
+    )
 
 
 def train(data_args, model_args, training_args, name: str = "sft") -> int:
@@ -217,7 +237,7 @@ def main(argv: list[str]) -> int:
         data_args, launch_args, model_args, training_args = parse(argv)
         plan = launch.plan(launch_args, os.environ)
         if plan.mode == "torchrun":
-            validate(data_args, model_args, training_args)
+            check_before_launch(data_args, model_args, training_args)
             return launch.run_torchrun(plan, "entrypoints.sft", argv)
         if plan.env:
             # One Slurm task per rank: set RANK/WORLD_SIZE/... first, then parse again so the

@@ -100,6 +100,9 @@ def test_verl_gsm8k_from_yaml_with_legacy_option(tiny_model, tmp_path):
         (["--report_to", "wandb"], "needs the wandb package"),
         (["--resume", "/no/ckpt"], "not a complete checkpoint"),
         (["--nnodes", "2"], "needs --master-addr"),
+        (["--resume_from_checkpoint", "/no/ckpt"], "not a complete checkpoint"),
+        # launcher mode: checked before torchrun starts, so one error line instead of a failure per rank
+        (["--nproc-per-node", "2", "--dataset_format", "dolly"], "missing column(s) instruction"),
     ],
 )
 def test_bad_config_exits_2_before_loading_a_model(tiny_model, tmp_path, monkeypatch, capsys, args, needle):
