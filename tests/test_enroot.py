@@ -450,6 +450,7 @@ def _environment(root: Path) -> dict:
 
 
 @pytest.mark.engine
+@pytest.mark.timeout(3600)  # the first one also builds the smoke image (shared, once per session) and exports it
 def test_smoke_sqsh_rootfs_and_enroot_files(smoke_sqsh, smoke_root, smoke_image, engine):
     listing = subprocess.run(["unsquashfs", "-l", str(smoke_sqsh)], capture_output=True, text=True,
                              check=True).stdout.splitlines()
@@ -466,6 +467,7 @@ def test_smoke_sqsh_rootfs_and_enroot_files(smoke_sqsh, smoke_root, smoke_image,
 
 
 @pytest.mark.engine
+@pytest.mark.timeout(3600)  # the first one also builds the smoke image (shared, once per session) and exports it
 def test_smoke_image_fits_enroot_and_pyxis(smoke_root):
     """Issue #5 item 3, checked on the exported rootfs: what enroot/pyxis need from the image."""
     env = _environment(smoke_root)
@@ -496,6 +498,7 @@ def _login_shell(root: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.engine
+@pytest.mark.timeout(3600)  # the first one also builds the smoke image (shared, once per session) and exports it
 def test_smoke_path_survives_the_login_shell(smoke_root):
     if os.geteuid() != 0:
         pytest.skip("chroot needs root")
@@ -509,10 +512,14 @@ def test_smoke_path_survives_the_login_shell(smoke_root):
 
 
 @pytest.mark.engine
+@pytest.mark.timeout(3600)  # the first one also builds the smoke image (shared, once per session) and exports it
 def test_smoke_exports_reproducible_and_zstd(smoke_image, smoke_sqsh, tmp_path, monkeypatch):
+    import filecmp
+
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
     again = export_image(smoke_image, tmp_path / "again.sqsh", progress=False)
-    assert again.read_bytes() == smoke_sqsh.read_bytes()
+    assert filecmp.cmp(again, smoke_sqsh, shallow=False)
+    again.unlink()
     z = export_image(smoke_image, tmp_path / "z.sqsh", compression="zstd", progress=False)
     assert z.stat().st_size < smoke_sqsh.stat().st_size
     a = subprocess.run(["unsquashfs", "-l", str(z)], capture_output=True, text=True, check=True).stdout

@@ -166,6 +166,7 @@ from enginefix import engine, smoke_build, smoke_image  # noqa: E402,F401  (sess
 
 
 @pytest.mark.engine
+@pytest.mark.timeout(3600)  # may build the smoke image (once per session) and exports it
 def test_enroot_mode_job_runs_sft_inside_the_sqsh(slurm, smoke_image, tiny_model, tmp_path):
     from builder.enroot import export_image
 
