@@ -85,6 +85,7 @@ def render(cell: Cell) -> str:
         "apt_packages": sorted(set(_APT_BASE + (_APT_GPU if cell.cuda else ()))),
         "needs_torch_index": bool(cell.torch_variant and cell.torch_variant != "cpu"),
         "needs_vllm_index": bool(cell.cuda and "vllm" in cell.pins),
+        "cpu_torch": cell.torch_variant == "cpu" and "torch" in cell.pins,
         "lock_vars": " and ".join(lock.indexes(cell)) or "nothing",
         "flash": _flash(cell),
         "ld_library_path": "/usr/local/nvidia/lib:/usr/local/nvidia/lib64" if cell.cuda else "/usr/local/lib",

@@ -151,7 +151,12 @@ def test_gpu_cells_require_their_indexes_at_build_time():
     assert "ARG TORCH_INDEX_URL" in text and '"${TORCH_INDEX_URL%/}/cu129"' in text
     assert "ARG VLLM_INDEX_URL" in text and "exit 2" in text
     smoke = render.render(CELLS["smoke-x86_64"])
-    assert "TORCH_INDEX_URL" not in smoke and "build-essential" not in smoke
+    assert "build-essential" not in smoke
+    # CPU torch: the wheelhouse or an optional TORCH_INDEX_URL; a clear error when neither has it.
+    assert "ARG TORCH_INDEX_URL=\n" in smoke and "${TORCH_INDEX_URL%/}/cpu" in smoke
+    assert "ls /tmp/trainbox/wheelhouse/torch-2.13.0+cpu-*.whl" in smoke
+    light = render.render(CELLS["smoke-aarch64"])
+    assert "TORCH_INDEX_URL" not in light
 
 
 @pytest.mark.parametrize("tag", sorted(CELLS))
