@@ -23,12 +23,13 @@ _CUDA = {"base_image": str, "python": str, "min_driver": str}
 _GPU = {"sm": list, "cuda_arch_list": str, "attention": str, "min_cuda": str}
 _VARIANT = {"cuda": str, "arch_list": dict}
 _ATTN = {"package": str, "version": str, "source": str, "source_subdir": str, "build_env": dict, "max_jobs": int,
-         "gpus": list}
+         "gpus": list, "sources": list}
+FLASH_SOURCES = ("wheelhouse", "index", "source")
 _STACK = {"packages": dict, "extends": str}
 _FACTS = {"vllm_torch": dict, "trl_vllm_extra": dict, "vllm_transformers": dict}
 _EXPAND = {"arch": list, "cuda": list, "gpu": list, "stack": str}
 _CELL = {"name": str, "arch": (str, list), "cuda": str, "gpu": str, "torch_variant": str, "base_image": str,
-         "python": str, "attention": str, "stack": (str, dict)}
+         "python": str, "attention": str, "stack": (str, dict), "flash_sources": list}
 _RULE = {"id": str, "reason": str}
 _TYPE_NAMES = {str: "a string", int: "an integer", list: "an array", dict: "a table", bool: "a boolean"}
 
@@ -259,6 +260,8 @@ def _build(path: Path, data: dict) -> Matrix:
         _str_table(f"{w}.build_env", t.get("build_env", {}))
         if "max_jobs" in t and t["max_jobs"] < 1:
             raise UserError("max_jobs must be >= 1", where=f"{w}.max_jobs")
+        if "sources" in t:
+            _flash_sources(f"{w}.sources", t["sources"])
     stacks = _resolve_stacks(f, data["stack"])
     facts = data.get("facts", {})
     _check_table(f"{f}: facts", facts, _FACTS)
@@ -334,6 +337,14 @@ def _build(path: Path, data: dict) -> Matrix:
     return Matrix(path=path, cells=tuple(cells), exclusions=tuple(exclusions), rules=rule_table, data=data)
 
 
+def _flash_sources(where: str, value: list) -> list[str]:
+    """Where a flash-attention wheel may come from, in order; a source build can only be the last resort."""
+    value = _str_list(where, value, FLASH_SOURCES)
+    if "source" in value and value[-1] != "source":
+        raise UserError("\"source\" must come last (it always succeeds or fails the build)", where=where)
+    return value
+
+
 def _resolve_stacks(f: str, table: dict) -> dict[str, dict[str, str]]:
     for name, t in table.items():
         _check_table(f"{f}: stack.{name}", t, _STACK, ("packages",))
@@ -387,6 +398,9 @@ def _explicit_cells(w, f, data, ctx, naming, vtags, stacks, c) -> list[Cell]:
                         fix=f"choose one of {', '.join(data['torch_variant'])}")
     if variant is None and cuda is not None:
         variant = rules_mod.variant_for_cuda(ctx, cuda)
+    flash_sources = _flash_sources(f"{w}.flash_sources", c["flash_sources"]) if "flash_sources" in c else None
+    if flash_sources and not data["attention"][attention].get("package"):
+        raise UserError(f"flash_sources is set but attention {attention!r} builds no wheel", where=f"{w}.flash_sources")
     stack_spec = c["stack"]
     out = []
     for arch in arches:
@@ -406,12 +420,19 @@ def _explicit_cells(w, f, data, ctx, naming, vtags, stacks, c) -> list[Cell]:
                             where=w, fix="change the cell or drop it")
         out.append(_make_cell(f, data, naming, vtags, name=name, arch=arch, cuda=cuda, gpu=gpu, variant=variant,
                               stack=sname, pins=stacks[sname], attention=attention, base_image=c["base_image"],
-                              python=c["python"]))
+                              python=c["python"], flash_sources=flash_sources))
+    return out
+
+
+def _attention(table: dict, flash_sources) -> dict:
+    out = dict(table)
+    if out.get("package"):
+        out["sources"] = list(flash_sources or out.get("sources") or FLASH_SOURCES)
     return out
 
 
 def _make_cell(f, data, naming, vtags, *, name, arch, cuda, gpu, variant, stack, pins, attention, base_image,
-               python) -> Cell:
+               python, flash_sources=None) -> Cell:
     tag = _format(f"{f}: naming.tag", naming["tag"], name=name, arch=arch)
     if not tag or not all(ch.isalnum() or ch in "-_." for ch in tag) or len(tag) > 128:
         raise UserError(f"tag {tag!r} is not a valid image tag", where=f"{f}: naming.tag")
@@ -427,6 +448,6 @@ def _make_cell(f, data, naming, vtags, *, name, arch, cuda, gpu, variant, stack,
         uv_platform=data["arch"][arch]["uv_platform"], cuda=cuda, gpu=gpu, base_image=base_image, python=python,
         stack=stack, pins=dict(sorted(pins.items())), torch_variant=variant if "torch" in pins else None,
         cuda_arch_list=data["gpu"][gpu]["cuda_arch_list"] if gpu else "", torch_arch_list=arch_list,
-        attention_backend=attention, attention=dict(data["attention"][attention]),
+        attention_backend=attention, attention=_attention(data["attention"][attention], flash_sources),
         min_driver=data["cuda"][cuda]["min_driver"] if cuda else None, repository=naming["repository"],
         version=naming["version"], source=naming["source"], version_tags=version_tags)

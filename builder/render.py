@@ -72,7 +72,8 @@ def _flash(cell: Cell) -> dict | None:
     else:
         source_requirement = requirement
     return {"package": pkg, "requirement": requirement, "source_requirement": source_requirement,
-            "max_jobs": a.get("max_jobs", 4), "build_env": sorted(a.get("build_env", {}).items())}
+            "max_jobs": a.get("max_jobs", 4), "build_env": sorted(a.get("build_env", {}).items()),
+            "sources": a["sources"]}
 
 
 def render(cell: Cell) -> str:

@@ -203,3 +203,58 @@ def test_dockerignore_keeps_junk_out_and_inputs_in():
         assert keep in lines
     assert "**/__pycache__" in lines
     assert not any(re.match(r"!\.(venv|git)", ln) for ln in lines)
+
+
+def _explicit(tmp_path, sources, gpu="hopper", attention="fa3"):
+    text = (ROOT / "matrix.toml").read_text() + f'''
+[[cell]]
+name = "custom"
+arch = "aarch64"
+cuda = "12.9"
+gpu = "{gpu}"
+attention = "{attention}"
+base_image = "nvidia/cuda:12.9.1-devel-ubuntu24.04"
+python = "3.12"
+stack = "gpu"
+flash_sources = {sources}
+'''
+    p = tmp_path / "m.toml"
+    p.write_text(text)
+    return load_matrix(p)
+
+
+@pytest.mark.parametrize("sources, present, absent", [
+    (["wheelhouse"], ["no prebuilt flash_attn_3 wheel for cell custom-aarch64 (wheelhouse)", "--no-index"],
+     ["pip wheel", "FLASH_INDEX_URL", "MAX_JOBS"]),
+    (["source"], ['&& echo "flash: building from source', "ARG MAX_JOBS=8", "#subdirectory=hopper"],
+     ["pip download", "FLASH_INDEX_URL"]),
+    (["index", "wheelhouse"], ['&& if [ -n "${FLASH_INDEX_URL}" ]', "elif /opt/venv/bin/pip download", "exit 2"],
+     ["pip wheel", "MAX_JOBS"]),
+])
+def test_flash_sources_per_cell(tmp_path, sources, present, absent):
+    m = _explicit(tmp_path, json.dumps(sources))
+    cell = next(c for c in m.cells if c.tag == "custom-aarch64")
+    text = render.render(cell)
+    for needle in present:
+        assert needle in text, needle
+    flash = text[text.index("AS flash"):text.index("AS runtime")]
+    for needle in absent:
+        assert needle not in flash, needle
+    df = tmp_path / "Dockerfile"
+    df.write_text(text)
+    proc = subprocess.run([hadolint(), "--no-color", "--failure-threshold", "error", str(df)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout
+    sh = subprocess.run(["sh", "-n", "-c", flash.split("RUN ", 1)[1].replace("\\\n", " ")], capture_output=True)
+    assert sh.returncode == 0, sh.stderr   # the generated if/elif chain is valid shell
+
+
+@pytest.mark.parametrize("sources, gpu, attention, needle", [
+    ('["source", "wheelhouse"]', "hopper", "fa3", '"source" must come last'),
+    ('["pypi"]', "hopper", "fa3", "unknown value 'pypi'"),
+    ('[]', "hopper", "fa3", "must not be empty"),
+    ('["wheelhouse"]', "blackwell", "sdpa", "attention 'sdpa' builds no wheel"),
+])
+def test_bad_flash_sources(tmp_path, sources, gpu, attention, needle):
+    with pytest.raises(UserError, match=re.escape(needle)):
+        _explicit(tmp_path, sources, gpu=gpu, attention=attention)
