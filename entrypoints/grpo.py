@@ -18,7 +18,6 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from entrypoints import config, data, launch, lifecycle, rewards
 from entrypoints.errors import UsageError
@@ -220,7 +219,9 @@ def resolve_rollouts(args) -> str:
     has_vllm = importlib.util.find_spec("vllm") is not None
     if "use_vllm" in config.explicit(args):
         if args.use_vllm and not has_vllm:
-            raise UsageError("use_vllm=true but vllm is not installed here; drop use_vllm to generate with transformers")
+            raise UsageError(
+                "use_vllm=true but vllm is not installed here; drop use_vllm to generate with transformers"
+            )
         why = "use_vllm set"
     else:
         import torch
@@ -330,7 +331,8 @@ def validate(script, args, model_args) -> Checked:
     funcs = [rewards.load(r) for r in refs]
     if args.reward_weights is not None and len(args.reward_weights) != len(funcs):
         raise UsageError(
-            f"reward_weights has {len(args.reward_weights)} values for {len(funcs)} reward functions ({', '.join(refs)})"
+            f"reward_weights has {len(args.reward_weights)} values for {len(funcs)} reward functions "
+            f"({', '.join(refs)})"
         )
     rollouts = resolve_rollouts(args)
     check_report_to(args.report_to)
@@ -354,7 +356,8 @@ def train(script, args, model_args, checked: Checked) -> int:
         print(
             f"[trainbox] grpo: model {model_args.model_name_or_path} mode {checked.mode}; data {script.dataset} "
             f"({len(checked.dataset)} rows); rewards {', '.join(checked.refs)}; {checked.rollouts}; "
-            f"{world_size()} process(es); outputs {out}" + (f"; resuming from {checked.resume}" if checked.resume else ""),
+            f"{world_size()} process(es); outputs {out}"
+            + (f"; resuming from {checked.resume}" if checked.resume else ""),
             flush=True,
         )
     trainer = build_trainer(args, model_args, checked.mode, checked.funcs, checked.dataset, preemption)

@@ -114,8 +114,10 @@ strict_format_reward_func = strict_format
 soft_format_reward_func = soft_format
 xmlcount_reward_func = xmlcount
 
-# The gsm8k preset's reward set, in the notebook's order, with the columns each needs from the dataset.
-GSM8K = ("rewards:xmlcount", "rewards:soft_format", "rewards:strict_format", "rewards:int_format", "rewards:correctness")
+# The gsm8k preset's reward set, in the notebook's order.
+GSM8K = (
+    "rewards:xmlcount", "rewards:soft_format", "rewards:strict_format", "rewards:int_format", "rewards:correctness"
+)
 
 # Keyword arguments TRL itself passes to every reward function (not dataset columns).
 TRL_KWARGS = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "environments"}

@@ -149,7 +149,8 @@ def test_missing_model_path(no_model, capsys, gsm8k_file, tmp_path):
 def test_missing_dataset_column_for_a_reward(no_model, capsys, tiny_model, tmp_path):
     data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "2+2=", "solution": "4"}] * 4)
     expect_usage_error(
-        ["--model_name_or_path", tiny_model, "--dataset", data, "--reward_funcs", "rewards:correctness,rewards:xmlcount"],
+        ["--model_name_or_path", tiny_model, "--dataset", data,
+         "--reward_funcs", "rewards:correctness,rewards:xmlcount"],
         capsys, "reward function rewards:correctness", "missing column(s) answer", "prompt, solution",
     )
 

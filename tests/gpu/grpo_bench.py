@@ -52,7 +52,7 @@ def main() -> int:
             "--output_dir", str(work / "out"), "--max_steps", str(a.steps), "--per_device_train_batch_size",
             str(a.batch), "--num_generations", str(a.num_generations), "--max_completion_length", str(a.completion),
             "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none", "--resume", "never",
-            "--disable_tqdm", "true", "--bf16", "true"]  # fmt: skip
+            "--disable_tqdm", "true", "--bf16", "true", "--dtype", "bfloat16"]  # fmt: skip
     log = work / "grpo.log"
     result = run_entrypoint("grpo", args, log)
     text = log.read_text()
