@@ -259,6 +259,28 @@ def test_gsm8k_preset_builds_the_notebooks_prompts(tiny_model, gsm8k_file):
     assert row["answer"] == src["answer"].split("#### ")[1]
 
 
+def test_gsm8k_preset_reads_verl_parquet(tmp_path):
+    import pandas as pd
+
+    # verl's examples/data_preprocess/gsm8k.py row shape.
+    rows = [{
+        "data_source": "openai/gsm8k",
+        "prompt": [{"role": "user", "content": f"What is {i} + {i}? Let's think step by step and output the final "
+                                               "answer after \"####\"."}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": str(2 * i)},
+        "extra_info": {"split": "train", "index": i, "question": f"What is {i} + {i}?", "answer": f"#### {2 * i}"},
+    } for i in range(4)]
+    pd.DataFrame(rows).to_parquet(tmp_path / "train.parquet")
+    script, _, _ = parsed(["--dataset", str(tmp_path), "--preset", "gsm8k", "--num_generations", "4",
+                           "--per_device_train_batch_size", "4"])
+    refs = grpo.reward_refs(script)
+    ds = grpo.prepare_dataset(script, refs, [rewards.load(r) for r in refs])
+    assert ds[3]["answer"] == "6"
+    assert ds[3]["prompt"][0] == {"role": "system", "content": rewards.SYSTEM_PROMPT}
+    assert ds[3]["prompt"][-1]["content"].startswith("What is 3 + 3?")
+
+
 def test_long_prompts_are_dropped_not_cut(tiny_model, capsys):
     import datasets
 
