@@ -126,3 +126,45 @@ def _write(tmp_path, text):
     p = tmp_path / "x.txt"
     p.write_text(text)
     return p
+
+
+# ---- the matrix's facts, re-checked against package metadata (resolution only, nothing large is downloaded) ----
+def _resolve(reqs: list[str], platform: str, python: str = "3.12") -> tuple[int, str]:
+    import os
+    import subprocess
+    env = dict(os.environ, SSL_CERT_FILE="/etc/ssl/certs/ca-certificates.crt", UV_NATIVE_TLS="1")
+    p = subprocess.run([lock.uv_binary(), "pip", "compile", "-", "--quiet", "--no-header", "--no-annotate",
+                        "--python-version", python, "--python-platform", platform],
+                       input="\n".join(reqs) + "\n", capture_output=True, text=True, env=env)
+    if p.returncode != 0 and re.search(r"(?i)failed to fetch|connect|dns|timed out|network", p.stderr):
+        pytest.skip(f"package index unreachable: {p.stderr.strip()[:200]}")
+    return p.returncode, p.stdout + p.stderr
+
+
+@pytest.mark.parametrize("arch", ["x86_64", "aarch64"])
+def test_fact_default_torch_is_a_cuda13_build(arch):
+    """Why every CUDA-12 cell needs TORCH_INDEX_URL: the default index's torch 2.13.0 pulls CUDA 13 packages."""
+    rc, out = _resolve(["torch==2.13.0"], f"{arch}-manylinux_2_28")
+    assert rc == 0, out
+    assert re.search(r"^nvidia-cudnn-cu13==", out, re.M) and not re.search(r"^nvidia-\S+-cu12==", out, re.M)
+
+
+def test_fact_vllm_pins_torch_and_transformers_fits():
+    m = load_matrix(ROOT / "matrix.toml")
+    gpu = next(c for c in m.cells if c.gpu).pins
+    rc, out = _resolve([f"vllm=={gpu['vllm']}", f"transformers=={gpu['transformers']}", f"trl[vllm]=={gpu['trl']}"],
+                       "x86_64-manylinux_2_28")
+    assert rc == 0, out
+    assert f"\ntorch=={gpu['torch']}\n" in "\n" + out
+    assert re.search(r"^cuda-toolkit==13\.", out, re.M), "vLLM's default build is CUDA 13: CUDA-12 cells need +cu12x"
+
+
+def test_fact_trl_vllm_extra_rejects_newer_vllm():
+    rc, out = _resolve(["trl[vllm]==1.16.0", "vllm==0.33.0"], "x86_64-manylinux_2_28")
+    assert rc != 0 and "No solution found" in out
+
+
+def test_fact_stack_needs_python_311():
+    """Why GPU cells use Ubuntu 24.04 bases (python 3.12): the 22.04 images' python 3.10 can't carry trl 1.16."""
+    rc, out = _resolve(["trl==1.16.0"], "x86_64-manylinux_2_28", python="3.10")
+    assert rc != 0 and "Python>=3.11" in out.replace(" ", "")
