@@ -153,8 +153,15 @@ def grpo_legacy() -> dict:
     # (the old behaviour) loses the system prompt, so overlong prompts are dropped from the data instead.
     legacy["max_prompt_length"] = lambda v: {"max_prompt_tokens": int(v)}
     legacy["vllm_max_model_len"] = lambda v: {"vllm_max_model_length": int(v)}
+    legacy["vllm_guided_decoding_regex"] = lambda v: {"vllm_structured_outputs_regex": str(v)}
+    legacy["wandb_log_unique_prompts"] = lambda v: {"log_unique_prompts": config._truthy(v)}
+    legacy["use_liger_loss"] = lambda v: {"use_liger_kernel": config._truthy(v)}
+    legacy["torch_dtype"] = lambda v: {"dtype": str(v)}  # transformers 5 renamed it
     # TRL places colocated vLLM on each process's own device now; a separate generation GPU is `vllm_mode server`.
     legacy["vllm_device"] = lambda v: {}
+    # TRL 1.16 builds vLLM with the model's own dtype and vLLM's defaults (prefix caching on): nothing to set.
+    legacy["vllm_dtype"] = lambda v: {}
+    legacy["vllm_enable_prefix_caching"] = lambda v: {}
     return legacy
 
 

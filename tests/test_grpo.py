@@ -205,13 +205,23 @@ def test_yaml_then_cli_overrides_with_trl_names(tmp_path):
     assert type(args).__name__ == "GRPOConfig"  # TRL's own class, so checkpoints pickle it
 
 
-def test_legacy_options_are_translated(capsys):
+def test_legacy_options_are_translated(capsys, tmp_path):
     script, args, _ = parsed(["--max_prompt_length", "256", "--warmup_ratio", "0.1", "--num_generations", "4",
                                   "--per_device_train_batch_size", "4"])
     err = capsys.readouterr().err
     assert script.max_prompt_tokens == 256 and args.warmup_steps == pytest.approx(0.1)
     assert "max_prompt_length was removed upstream; translated to max_prompt_tokens=256" in err
     assert "warmup_ratio" in err
+    # Unsloth / TRL 0.x GRPO recipes in YAML: renamed ones land on the new names, dead ones are dropped with a word.
+    cfg = tmp_path / "old.yaml"
+    cfg.write_text("torch_dtype: bfloat16\nvllm_max_model_len: 2048\nvllm_guided_decoding_regex: '\\d+'\n"
+                   "wandb_log_unique_prompts: true\nvllm_device: cuda:1\nnum_generations: 4\n"
+                   "per_device_train_batch_size: 4\n")
+    _, args, model_args = parsed(["--config", str(cfg)])
+    err = capsys.readouterr().err
+    assert (model_args.dtype, args.vllm_max_model_length) == ("bfloat16", 2048)
+    assert (args.vllm_structured_outputs_regex, args.log_unique_prompts) == ("\\d+", True)
+    assert "option vllm_device was removed upstream; translated to nothing" in err
 
 
 def test_reward_refs_commas_spaces_and_preset():
