@@ -468,7 +468,7 @@ def build_cells(cells, args) -> int:
     results: list[BuildResult] = []
     lists: dict[str, str] = {}
     for cell in cells:
-        res = build_cell(cell, builder=builder, context=context, registry=registry if push else None, bases=bases,
+        res = build_cell(cell, builder=builder, context=context, registry=registry, bases=bases,
                          wheelhouse=getattr(args, "wheelhouse", None), secrets=secrets,
                          no_cache=bool(getattr(args, "no_cache", False)), quiet=quiet)
         results.append(res)
@@ -476,7 +476,8 @@ def build_cells(cells, args) -> int:
             from builder import enroot
             dest = Path(args.sqsh) / f"{cell.tag}.sqsh"
             enroot.export_image(res.refs[0], dest, compression=getattr(args, "sqsh_compression", None),
-                                use_enroot=getattr(args, "use_enroot", False))
+                                use_enroot=bool(getattr(args, "use_enroot", False)), progress=not quiet,
+                                arch=_platform_arch(cell.platform))
     if push:
         for res in results:
             push_result(res, builder, quiet)
