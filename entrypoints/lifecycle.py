@@ -76,7 +76,7 @@ def _agree(flag: bool, args) -> bool:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return flag
     device = "cpu"
-    if dist.get_backend() == "nccl":
+    if "nccl" in str(dist.get_backend()):  # "nccl" or a combined "cpu:gloo,cuda:nccl"
         device = getattr(args, "device", None) or torch.device("cuda", torch.cuda.current_device())
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
