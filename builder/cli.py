@@ -89,7 +89,8 @@ def cmd_explain(m: Matrix, quiet: bool) -> None:
         print(f"{e.describe():<44} rule={e.rule}: {e.reason}")
 
 
-def plan_lines(cells: list[Cell], bases: dict[str, str], paths: dict) -> list[str]:
+def plan_lines(cells: list[Cell], bases: dict[str, str], paths: dict, root: Path = ROOT) -> list[str]:
+    from builder import lock
     lines = [f"build plan: {len(cells)} image(s), context = repository root"]
     for i, c in enumerate(cells, 1):
         base = bases.get(c.base_image, c.base_image)
@@ -97,11 +98,18 @@ def plan_lines(cells: list[Cell], bases: dict[str, str], paths: dict) -> list[st
         lines.append(f"   dockerfile: {paths[c.tag]}")
         sub = f" (substituted for {c.base_image})" if base != c.base_image else ""
         lines.append(f"   base: {base}{sub}")
-        args = {"BASE_IMAGE": base} if base != c.base_image else {}
-        lines.append(f"   build args: {' '.join(f'{k}={v}' for k, v in args.items()) or '(defaults)'}"
-                     + (" + TORCH_INDEX_URL (required)" if c.torch_variant not in (None, "cpu") else ""))
+        args = [f"BASE_IMAGE={base}"] if base != c.base_image else []
+        needs = lock.indexes(c)
+        extra = f" + {' '.join(needs)} (required)" if needs else ""
+        if c.torch_variant == "cpu" and "torch" in c.pins:
+            extra = f"; torch {c.pins['torch']}+cpu from the wheelhouse (--wheelhouse DIR) or TORCH_INDEX_URL"
+        lines.append(f"   build args: {' '.join(args) or '(defaults)'}{extra}")
         lines.append(f"   tags: {' '.join(f'{c.repository}:{t}' for t in c.tags)}")
-        lines.append(f"   lock: {c.lock}")
+        if not (root / c.lock).is_file():
+            state = f"missing: python build.py --lock {c.tag}" + (f" with {' and '.join(needs)} set" if needs else "")
+        else:
+            state = "fresh" if lock.is_fresh(c, root) else f"stale: python build.py --lock {c.tag}"
+        lines.append(f"   lock: {c.lock} ({state})")
     return lines
 
 
@@ -128,7 +136,7 @@ def run(argv: list[str] | None = None) -> int:
     paths = render.write_cells(cells, root=args.output_dir)
     if args.dry_run:
         if not args.quiet:
-            print("\n".join(plan_lines(cells, bases, paths)))
+            print("\n".join(plan_lines(cells, bases, paths, ROOT)))
         return 0
     try:
         from builder import engine

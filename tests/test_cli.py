@@ -55,7 +55,11 @@ def test_dry_run_aarch64_writes_only_those_and_prints_a_plan(tmp_path):
     assert out.startswith(f"build plan: {len(expected)} image(s)")
     for c in M.cells:
         assert (f". {c.tag} (linux/arm64)" in out) == (c.arch == "aarch64")
-    assert "base: nvidia/cuda:12.9.1-devel-ubuntu24.04" in out and "TORCH_INDEX_URL (required)" in out
+    assert "base: nvidia/cuda:12.9.1-devel-ubuntu24.04" in out
+    assert "build args: (defaults) + TORCH_INDEX_URL VLLM_INDEX_URL (required)" in out
+    assert "lock: locks/cu129-hopper-aarch64.txt (missing: python build.py --lock cu129-hopper-aarch64 with " \
+           "TORCH_INDEX_URL and VLLM_INDEX_URL set)" in out
+    assert "lock: locks/smoke-aarch64.txt (fresh)" in out
     assert "tags: trainbox:cu129-hopper-aarch64 trainbox:cu129-hopper-aarch64-v0.1.0" in out
     for f in written:   # identical to the committed files
         assert (tmp_path / f).read_bytes() == (ROOT / f).read_bytes()
@@ -68,7 +72,8 @@ def test_dry_run_with_base_substitution(tmp_path):
               "--base", "debian:bookworm=127.0.0.1:5000/trainbox/base:bookworm", "--config", str(cfg))
     assert p.returncode == 0, p.stderr
     assert "base: 127.0.0.1:5000/trainbox/base:bookworm (substituted for debian:bookworm)" in p.stdout
-    assert "build args: BASE_IMAGE=127.0.0.1:5000/trainbox/base:bookworm" in p.stdout
+    assert "build args: BASE_IMAGE=127.0.0.1:5000/trainbox/base:bookworm; torch 2.13.0+cpu from the wheelhouse " \
+           "(--wheelhouse DIR) or TORCH_INDEX_URL" in p.stdout
     assert "base: local/cuda:test (substituted for nvidia/cuda:12.9.1-devel-ubuntu24.04)" in p.stdout
     # the rendered file is unchanged by the substitution
     rendered = (tmp_path / "out/images/smoke-x86_64/Dockerfile").read_bytes()
