@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PY ?= .venv/bin/python
 PIP ?= .venv/bin/pip
 
-.PHONY: setup system-deps test test-fast engine engine-stop render
+.PHONY: setup system-deps test test-fast engine engine-stop render lock
 
 # Debian packages the real-image, .sqsh and Slurm tests use (root; a no-op when all are present).
 SYSTEM_PACKAGES := docker.io docker-registry skopeo squashfs-tools squashfuse qemu-user-static binfmt-support \
@@ -28,6 +28,9 @@ test-fast: ## no engine, no Slurm
 
 render: ## re-render every cell's Dockerfile into images/
 	$(PY) build.py --dry-run --quiet
+
+lock: ## re-lock what can be locked here (GPU cells need TORCH_INDEX_URL and VLLM_INDEX_URL)
+	$(PY) build.py --lock smoke
 
 # --- engine (owned by builder/setup_engine.py) ---
 engine: ## start (or reuse) a Docker engine, a local registry on 127.0.0.1, QEMU binfmt for arm64
