@@ -9,6 +9,7 @@ A job script that wants to requeue itself can set `TRAINBOX_PREEMPTED_EXIT_CODE`
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import re
 import shutil
@@ -45,6 +46,8 @@ def _handler(signum, frame):
 def install_signal_handlers() -> None:
     for sig in PREEMPT_SIGNALS:
         signal.signal(sig, _handler)
+    # `kill -USR2 PID` prints every thread's Python stack to stderr: how to see where a stuck rank waits.
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
 
 
 def preempt_requested() -> bool:

@@ -13,10 +13,49 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 from common import ROOT, build_model, report, run_entrypoint, write_chat_data
+
+
+def _descendants(pid: int) -> list[int]:
+    kids: dict[int, list[int]] = {}
+    for e in os.listdir("/proc"):
+        if e.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{e}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            kids.setdefault(ppid, []).append(int(e))
+    out, todo = [], [pid]
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _watchdog(p: subprocess.Popen, seconds: float) -> None:
+    """If the run has not ended `seconds` after the signal: dump every process's Python stacks (SIGUSR2), then kill."""
+    try:
+        p.wait(timeout=seconds)
+        return
+    except subprocess.TimeoutExpired:
+        pass
+    print(f"STUCK {seconds}s after SIGTERM: dumping stacks", flush=True)
+    for pid in [p.pid, *_descendants(p.pid)]:
+        try:
+            os.kill(pid, signal.SIGUSR2)
+        except ProcessLookupError:
+            pass
+    time.sleep(5)
+    for pid in [*_descendants(p.pid), p.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def main() -> int:
@@ -25,6 +64,7 @@ def main() -> int:
     ap.add_argument("--model", help="saved model directory; default: build a ~100M Llama locally")
     ap.add_argument("--work", help="work directory (default: a temporary one)")
     ap.add_argument("--json", help="also write the result here")
+    ap.add_argument("--stuck-after", type=float, default=90, help="seconds after the signal before dumping stacks")
     a = ap.parse_args()
     work = Path(a.work or tempfile.mkdtemp(prefix="check-preempt-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -41,22 +81,23 @@ def main() -> int:
     t0 = time.time()
     p = subprocess.Popen([sys.executable, "-m", f"entrypoints.{a.entrypoint}", *args, "--max_steps", "100000"],
                          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    lines = []
-    for line in p.stdout:
-        lines.append(line)
-        if "'loss'" in line:
-            sent = time.time()
-            p.send_signal(signal.SIGTERM)
-            break
-    lines.append(p.stdout.read())
+    lines, sent = [], None
+    with open(log, "w") as f:
+        for line in p.stdout:
+            lines.append(line)
+            f.write(line)
+            f.flush()
+            if sent is None and "'loss'" in line:
+                sent = time.time()
+                p.send_signal(signal.SIGTERM)
+                threading.Thread(target=_watchdog, args=(p, a.stuck_after), daemon=True).start()
     rc = p.wait()
-    log.write_text("".join(lines))
     ckpts = sorted(out.glob("checkpoint-*"), key=lambda c: int(c.name.split("-")[1]))
     step = json.loads((ckpts[-1] / "trainer_state.json").read_text())["global_step"] if ckpts else None
     result = {"preempt_rc": rc, "checkpoint_step": step, "stop_after_signal_s": round(time.time() - sent, 1),
               "first_run_s": round(time.time() - t0, 1)}  # fmt: skip
     if rc != 0 or step is None:
-        print("".join(lines)[-6000:], file=sys.stderr)
+        print("".join(lines)[-20000:], file=sys.stderr)
         result.update(rc=1, summary=None)
         return report(result, a.json)
     resumed = run_entrypoint(a.entrypoint, args + ["--max_steps", str(step + 5)], work / "resume.log")
