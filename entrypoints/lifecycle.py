@@ -47,7 +47,10 @@ def install_signal_handlers() -> None:
     for sig in PREEMPT_SIGNALS:
         signal.signal(sig, _handler)
     # `kill -USR2 PID` prints every thread's Python stack to stderr: how to see where a stuck rank waits.
-    faulthandler.register(signal.SIGUSR2, all_threads=True)
+    try:
+        faulthandler.register(signal.SIGUSR2, all_threads=True)
+    except (ValueError, OSError, AttributeError):  # stderr without a file descriptor (captured): no dumps
+        pass
 
 
 def preempt_requested() -> bool:
