@@ -298,7 +298,8 @@ def build_image(*, dockerfile: Path, context: Path, platform: str, builder: Buil
 
 def _count_cached(lines: list[str]) -> tuple[int, int]:
     """(steps, cached steps) from the build log."""
-    steps = {m.group(1) for ln in lines if (m := re.match(r"#(\d+) \[(?!internal)", ln))}
+    # FROM only resolves the base (never reported CACHED): not a step that builds anything
+    steps = {m.group(1) for ln in lines if (m := re.match(r"#(\d+) \[(?!internal)[^]]*\] (?!FROM )", ln))}
     cached = {m.group(1) for ln in lines if (m := re.match(r"#(\d+) CACHED", ln))}
     legacy = [ln for ln in lines if re.match(r"Step \d+/\d+ : ", ln)]
     if not steps and legacy:
