@@ -215,9 +215,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--registry", help="HOST:PORT of the local registry (default: the one `make engine` starts)")
     p.add_argument("--arch", action="append", choices=ARCHES, help="repeatable; default both")
     p.add_argument("--force", action="store_true", help="publish again even if the registry has it")
+    p.add_argument("--write-config", metavar="FILE",
+                   help="also write a build.py --config file mapping debian:bookworm (the smoke cell's base) to it")
     a = p.parse_args(argv)
     try:
-        print(publish(a.registry, tuple(a.arch or ARCHES), a.force))
+        ref = publish(a.registry, tuple(a.arch or ARCHES), a.force)
+        if a.write_config:
+            path = Path(a.write_config)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(f'# written by python -m builder.bases\n[bases]\n"debian:{SUITE}" = "{ref}"\n')
+            tmp.replace(path)
+        print(ref)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
