@@ -61,9 +61,9 @@ def emit(results, manifest_lists: dict[str, str], json_path: str | None = None, 
     if quiet:
         for r in results:
             if r.digest:
-                print(f"{r.pushed_ref}")
+                print(f"{r.tag} {r.pushed_ref}")
         for ref, d in manifest_lists.items():
-            print(f"{ref}@{d}")
+            print(f"manifest-list {ref}@{d}")
     else:
         print(table(results, manifest_lists), file=sys.stdout, flush=True)
     return data
