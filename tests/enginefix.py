@@ -35,6 +35,9 @@ from builder import bases, engine as eng, setup_engine  # noqa: E402
 FAKE_TOKEN = "hf_trainboxFAKEtoken0123456789abcdefXYZ"
 SECRET_ID = "hf_token"
 HOST_CERTS = Path("/usr/local/share/ca-certificates")
+# Seconds a test may take when it triggers the cold session builds (bases + x86 + arm64 under QEMU on 2 cores);
+# modules using these fixtures set it with pytest.mark.timeout(BUILD_TIMEOUT) over pyproject's 900 s default.
+BUILD_TIMEOUT = 5400
 
 
 @functools.cache

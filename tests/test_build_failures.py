@@ -10,12 +10,13 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from enginefix import ROOT, docker, engine, test_base  # noqa: F401
+from enginefix import BUILD_TIMEOUT, ROOT, docker, engine, test_base  # noqa: F401
 
 from builder import engine as eng
 from builder.errors import UserError
 
-pytestmark = pytest.mark.engine
+# a cold first build (debootstrap + the session images, arm64 under QEMU) runs inside the first test's setup
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(BUILD_TIMEOUT)]
 
 
 @dataclass(frozen=True)

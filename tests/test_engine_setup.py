@@ -10,12 +10,13 @@ import sys
 
 import pytest
 
-from enginefix import ROOT, engine  # noqa: F401
+from enginefix import BUILD_TIMEOUT, ROOT, engine  # noqa: F401
 
 from builder import setup_engine
 from builder.errors import UserError
 
-pytestmark = pytest.mark.engine
+# a cold first build (debootstrap + the session images, arm64 under QEMU) runs inside the first test's setup
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(BUILD_TIMEOUT)]
 
 
 def _free_port() -> int:

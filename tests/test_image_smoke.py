@@ -17,10 +17,11 @@ import uuid
 
 import pytest
 
-from enginefix import docker, engine, smoke_build, smoke_image  # noqa: F401
+from enginefix import BUILD_TIMEOUT, docker, engine, smoke_build, smoke_image  # noqa: F401
 from test_data import write_dolly, write_messages, write_verl_gsm8k
 
-pytestmark = pytest.mark.engine
+# a cold first build (debootstrap + the session images, arm64 under QEMU) runs inside the first test's setup
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(BUILD_TIMEOUT)]
 
 FAST = ["--per_device_train_batch_size", "2", "--logging_steps", "1", "--disable_tqdm", "true", "--report_to",
         "none", "--dataloader_num_workers", "0"]

@@ -11,13 +11,14 @@ import uuid
 
 import pytest
 
-from enginefix import (ROOT, build_args, docker, engine, registry, secret_file, smoke_arm64,  # noqa: F401
+from enginefix import (BUILD_TIMEOUT, ROOT, build_args, docker, engine, registry, secret_file, smoke_arm64,  # noqa: F401
                        smoke_build, smoke_cells, test_base, torch_wheelhouse)
 
 from builder import engine as eng
 from builder.errors import UserError
 
-pytestmark = pytest.mark.engine
+# a cold first build (debootstrap + the session images, arm64 under QEMU) runs inside the first test's setup
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(BUILD_TIMEOUT)]
 
 
 def skopeo_raw(ref: str) -> dict | None:

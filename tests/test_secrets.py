@@ -12,12 +12,14 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from enginefix import FAKE_TOKEN, SECRET_ID, docker, engine, secret_file, smoke_build, test_base  # noqa: F401
+from enginefix import (BUILD_TIMEOUT, FAKE_TOKEN, SECRET_ID, docker, engine, secret_file, smoke_build,  # noqa: F401
+                       test_base)
 
 from builder import engine as eng
 from builder.errors import UserError
 
-pytestmark = pytest.mark.engine
+# a cold first build (debootstrap + the session images, arm64 under QEMU) runs inside the first test's setup
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(BUILD_TIMEOUT)]
 
 
 @dataclass(frozen=True)
