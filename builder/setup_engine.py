@@ -215,6 +215,8 @@ def _ensure_registry(state: dict) -> None:
     if registry_answers(address):
         _log(f"registry answers at {address}; using it")
         return
+    if not _have("docker-registry") and _registry_container(state, address):
+        return
     if not _have("docker-registry"):
         _apt_install(["docker-registry"])
     binary = shutil.which("docker-registry") or "/usr/bin/docker-registry"
@@ -225,6 +227,28 @@ def _ensure_registry(state: dict) -> None:
     state["registry"] = address
     _save_state(state)
     _wait(lambda: registry_answers(address), f"the registry at {address}", 30, pid, "registry.log")
+
+
+REGISTRY_CONTAINER = "trainbox-registry"
+
+
+def _registry_container(state: dict, address: str) -> bool:
+    """A machine with Docker but without Debian's docker-registry: run the registry image instead (installs
+    nothing on the host). False when the image cannot be had (offline machine) -> fall back to the package."""
+    storage = cache_dir() / "registry"
+    storage.mkdir(parents=True, exist_ok=True)
+    subprocess.run([docker_cli(), "rm", "-f", REGISTRY_CONTAINER], capture_output=True)
+    r = subprocess.run([docker_cli(), "run", "-d", "--name", REGISTRY_CONTAINER, "-p", f"{address}:5000",
+                        "-v", f"{storage}:/var/lib/registry", "registry:2"], capture_output=True, text=True,
+                       timeout=300)
+    if r.returncode != 0:
+        return False
+    state["registry_container"] = REGISTRY_CONTAINER
+    state["registry"] = address
+    _save_state(state)
+    _wait(lambda: registry_answers(address), f"the registry container at {address}", 60)
+    _log(f"registry container {REGISTRY_CONTAINER} at {address}")
+    return True
 
 
 def _ensure_binfmt(state: dict) -> None:
@@ -282,6 +306,8 @@ def down() -> None:
     state = load_state()
     if "registry_pid" in state:
         _stop_pid(state.pop("registry_pid"), "registry")
+    if "registry_container" in state:
+        subprocess.run([docker_cli(), "rm", "-f", state.pop("registry_container")], capture_output=True)
     if "dockerd_pid" in state:
         _stop_pid(state.pop("dockerd_pid"), "dockerd", timeout=60)
     if state.pop("binfmt_enabled", False):
