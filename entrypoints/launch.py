@@ -238,7 +238,7 @@ def torchrun_command(p: Plan, module: str, argv: list[str]) -> list[str]:
     ]  # fmt: skip
 
 
-def _children(pid: int) -> list[int]:
+def _descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -250,7 +250,27 @@ def _children(pid: int) -> list[int]:
         except (OSError, ValueError, IndexError):
             continue
         children.setdefault(ppid, []).append(int(entry))
-    return children.get(pid, [])
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _ranks(torchrun_pid: int, module: str) -> list[int]:
+    """The rank processes under torchrun: descendants running `-m MODULE` (whatever wrapper, e.g. numactl, sits
+    between), so compile workers and other helpers never get a stray signal."""
+    found = []
+    for pid in _descendants(torchrun_pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if module.encode() in argv:
+            found.append(pid)
+    return found
 
 
 def _ignore_preempt_signals():
@@ -273,8 +293,7 @@ def run_torchrun(p: Plan, module: str, argv: list[str]) -> int:
     proc = subprocess.Popen(cmd, env=env, preexec_fn=_ignore_preempt_signals)
 
     def forward(signum, frame):
-        # Only torchrun's direct children are the ranks; their own helpers must not get a stray SIGUSR1.
-        for pid in _children(proc.pid):
+        for pid in _ranks(proc.pid, module):
             try:
                 os.kill(pid, signal.SIGUSR1)
             except ProcessLookupError:

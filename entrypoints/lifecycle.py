@@ -106,6 +106,8 @@ class PreemptionCallback(_callback_base()):
         self.started_at: float | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
+        # Again here: model/distributed set-up may have replaced our handlers since __init__.
+        install_signal_handlers()
         self.tokens_at_start = int(getattr(state, "num_input_tokens_seen", 0) or 0)
         self.step_at_start = int(state.global_step)
         self.started_at = time.time()

@@ -45,13 +45,16 @@ def _watchdog(p: subprocess.Popen, seconds: float) -> None:
     except subprocess.TimeoutExpired:
         pass
     print(f"STUCK {seconds}s after SIGTERM: dumping stacks", flush=True)
-    for pid in [p.pid, *_descendants(p.pid)]:
+    procs = [p.pid, *_descendants(p.pid)]  # before anything dies and its children are re-parented
+    for pid in procs:
         try:
-            os.kill(pid, signal.SIGUSR2)
-        except ProcessLookupError:
+            # Only our processes dump stacks on SIGUSR2; it would kill torchrun itself.
+            if b"entrypoints." in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(pid, signal.SIGUSR2)
+        except (OSError, ProcessLookupError):
             pass
     time.sleep(5)
-    for pid in [*_descendants(p.pid), p.pid]:
+    for pid in reversed(procs):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
