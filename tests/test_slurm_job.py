@@ -127,6 +127,7 @@ def test_cluster_up_is_idempotent(slurm):
 FAKE_ENROOT = r'''#!/bin/bash
 set -euo pipefail
 data="${ENROOT_DATA_PATH:?}"
+mkdir -p "$data"
 cmd="$1"; shift
 case "$cmd" in
 create)
