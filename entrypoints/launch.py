@@ -303,7 +303,11 @@ def run_torchrun(p: Plan, module: str, argv: list[str]) -> int:
     try:
         while True:
             try:
-                return proc.wait()
+                # Poll, not one blocking waitpid: once CUDA has started threads here, the kernel may deliver
+                # SIGTERM to one of them, and Python runs our handler only when the main thread runs bytecode.
+                return proc.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                continue
             except KeyboardInterrupt:
                 continue  # torchrun got the same SIGINT from the terminal and stops its workers
     finally:
