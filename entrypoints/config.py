@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -26,7 +27,7 @@ def _set_tensorboard_dir(value: Any) -> dict:
     return {}
 
 
-def _truthy(value: Any) -> bool:
+def truthy(value: Any) -> bool:
     if isinstance(value, bool):
         return value
     return str(value).strip().lower() in {"1", "true", "yes", "y", "on"}
@@ -37,14 +38,14 @@ LEGACY_TRAINING: dict[str, Translator] = {
     # warmup_steps < 1 is read as a fraction of the total steps, which is what warmup_ratio meant.
     "warmup_ratio": lambda v: {"warmup_steps": float(v)},
     "evaluation_strategy": lambda v: {"eval_strategy": str(v)},
-    "no_cuda": lambda v: {"use_cpu": _truthy(v)},
+    "no_cuda": lambda v: {"use_cpu": truthy(v)},
     "per_gpu_train_batch_size": lambda v: {"per_device_train_batch_size": int(v)},
     "per_gpu_eval_batch_size": lambda v: {"per_device_eval_batch_size": int(v)},
     "logging_dir": _set_tensorboard_dir,
     # Always true now (checkpoints are safetensors; the output dir is reused for resume).
     "save_safetensors": lambda v: {},
     "overwrite_output_dir": lambda v: {},
-    "include_tokens_per_second": lambda v: {"include_num_input_tokens_seen": _truthy(v)},
+    "include_tokens_per_second": lambda v: {"include_num_input_tokens_seen": truthy(v)},
 }
 
 # TRL renamed SFT's `max_seq_length` to `max_length`.
@@ -273,3 +274,32 @@ def explicit(obj) -> frozenset[str]:
 def configured_output_dir(args) -> str | None:
     """`args.output_dir` if the user set it, else None (so lifecycle.output_dir applies $OUTPUT_DIR / the default)."""
     return args.output_dir if "output_dir" in explicit(args) else None
+
+
+def set_explicit(obj, names) -> None:
+    """Record which options the user set on `obj` (for dataclasses built outside parse_args)."""
+    object.__setattr__(obj, _EXPLICIT_ATTR, frozenset(names))
+
+
+# Checks every training entrypoint runs before any model loads.
+REPORT_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "comet_ml": "comet_ml"}
+
+
+def check_model_path(spec: str | None, option: str = "--model_name_or_path") -> None:
+    if not spec:
+        raise UsageError(f"no model given: pass {option} PATH (a directory with config.json) or a hub id")
+    p = Path(os.path.expanduser(spec))
+    if p.exists():
+        if not (p / "config.json").is_file():
+            raise UsageError(f"model path {spec} has no config.json; point {option} at a saved model directory")
+        return
+    if spec.startswith(("/", "./", "../", "~")) or spec.count("/") > 1:
+        raise UsageError(f"model path {spec} does not exist; check {option} (and the container's mounts)")
+
+
+def check_report_to(report_to) -> None:
+    names = [report_to] if isinstance(report_to, str) else list(report_to or [])
+    for name in names:
+        pkg = REPORT_PACKAGES.get(name)
+        if pkg and importlib.util.find_spec(pkg) is None:
+            raise UsageError(f"--report_to {name} needs the {pkg} package, which this image lacks; use tensorboard or none")

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 
 from entrypoints import config, data, launch, lifecycle, rewards
 from entrypoints.errors import UsageError
-from entrypoints.sft import LaunchArguments, check_model_path, check_report_to, resolve_resume
 
 PROG = "trainbox grpo"
 MODES = ("full", "lora", "qlora")
@@ -154,8 +153,8 @@ def grpo_legacy() -> dict:
     legacy["max_prompt_length"] = lambda v: {"max_prompt_tokens": int(v)}
     legacy["vllm_max_model_len"] = lambda v: {"vllm_max_model_length": int(v)}
     legacy["vllm_guided_decoding_regex"] = lambda v: {"vllm_structured_outputs_regex": str(v)}
-    legacy["wandb_log_unique_prompts"] = lambda v: {"log_unique_prompts": config._truthy(v)}
-    legacy["use_liger_loss"] = lambda v: {"use_liger_kernel": config._truthy(v)}
+    legacy["wandb_log_unique_prompts"] = lambda v: {"log_unique_prompts": config.truthy(v)}
+    legacy["use_liger_loss"] = lambda v: {"use_liger_kernel": config.truthy(v)}
     legacy["torch_dtype"] = lambda v: {"dtype": str(v)}  # transformers 5 renamed it
     # TRL places colocated vLLM on each process's own device now; a separate generation GPU is `vllm_mode server`.
     legacy["vllm_device"] = lambda v: {}
@@ -170,7 +169,7 @@ def parse(argv: list[str]):
     from trl import ModelConfig
 
     return config.parse_args(
-        (GRPOScriptArgs, LaunchArguments, _raw_config_class(), ModelConfig), argv, prog=PROG, legacy=grpo_legacy()
+        (GRPOScriptArgs, launch.LaunchArguments, _raw_config_class(), ModelConfig), argv, prog=PROG, legacy=grpo_legacy()
     )
 
 
@@ -190,7 +189,7 @@ def finalize(raw, processes: int, *, launcher: bool = False):
         args = cls(**values)
     except (ValueError, TypeError) as e:
         raise UsageError(f"invalid options: {e}".replace("\n", " ")) from None
-    object.__setattr__(args, config._EXPLICIT_ATTR, config.explicit(raw))  # keep "what the user set"
+    config.set_explicit(args, config.explicit(raw))  # keep "what the user set"
     return args
 
 
@@ -332,7 +331,7 @@ class Checked:
 
 def validate(script, args, model_args) -> Checked:
     """Every check that needs no model: model path, mode, rewards, rollouts, report_to, dataset and its columns."""
-    check_model_path(model_args.model_name_or_path)
+    config.check_model_path(model_args.model_name_or_path)
     mode = resolve_mode(script, model_args)
     refs = reward_refs(script)
     funcs = [rewards.load(r) for r in refs]
@@ -342,11 +341,11 @@ def validate(script, args, model_args) -> Checked:
             f"({', '.join(refs)})"
         )
     rollouts = resolve_rollouts(args)
-    check_report_to(args.report_to)
+    config.check_report_to(args.report_to)
     args.output_dir = lifecycle.output_dir(config.configured_output_dir(args))
     if args.resume_from_checkpoint:  # TrainingArguments' own option wins over --resume
         script.resume = args.resume_from_checkpoint
-    resume = resolve_resume(script.resume, args.output_dir)
+    resume = lifecycle.resolve_resume(script.resume, args.output_dir)
     ds = prepare_dataset(script, refs, funcs)
     if script.max_prompt_tokens is not None:
         ds = drop_long_prompts(ds, model_args.model_name_or_path, script.max_prompt_tokens, model_args.model_revision)

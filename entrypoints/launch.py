@@ -27,6 +27,16 @@ from dataclasses import dataclass, field
 
 from .errors import UsageError
 
+
+@dataclass
+class LaunchArguments:
+    """Launcher flags shared by every training entrypoint (else derived from Slurm, else one process)."""
+    nnodes: int | None = field(default=None, metadata={"help": "launcher: number of nodes (else from Slurm, else 1)"})
+    nproc_per_node: int | None = field(default=None, metadata={"help": "launcher: processes per node (GPUs, or 1 on CPU)"})
+    node_rank: int | None = field(default=None, metadata={"help": "launcher: this node's rank (else SLURM_NODEID)"})
+    master_addr: str | None = field(default=None, metadata={"help": "launcher: rendezvous host (else first Slurm node)"})
+    master_port: int | None = field(default=None, metadata={"help": "launcher: rendezvous port"})
+
 DEFAULT_PORT = 29500
 LAUNCH_FIELDS = ("nnodes", "nproc_per_node", "node_rank", "master_addr", "master_port")
 

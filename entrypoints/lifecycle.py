@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from .errors import UsageError
+
 DEFAULT_OUTPUT_DIR = "/workspace/outputs"
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -252,3 +254,13 @@ def finish(trainer, output_dir: str, started: float, name: str) -> None:
         line += f" artifacts {copied}"
     print(line, flush=True)
     sys.stdout.flush()
+
+
+def resolve_resume(resume: str, out: str) -> str | None:
+    if resume == "never":
+        return None
+    if resume == "auto":
+        return resume_checkpoint(out)
+    if not (Path(resume) / "trainer_state.json").is_file():
+        raise UsageError(f"--resume {resume}: not a complete checkpoint (no trainer_state.json); use auto, never or a checkpoint-N dir")
+    return resume

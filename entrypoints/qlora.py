@@ -53,7 +53,7 @@ def parse(argv: list[str], prog: str = "trainbox qlora"):
     from trl import ModelConfig, SFTConfig
 
     return cfg.parse_args(
-        (sft.DataArguments, QLoRAArguments, sft.LaunchArguments, ModelConfig, SFTConfig),
+        (sft.DataArguments, QLoRAArguments, launch.LaunchArguments, ModelConfig, SFTConfig),
         argv,
         prog=prog,
         legacy={**cfg.LEGACY_TRAINING, **cfg.LEGACY_SFT},
@@ -140,7 +140,7 @@ def train(data_args, q_args, model_args, training_args, name: str = "qlora") -> 
     tokenizer = sft.load_tokenizer(model_args.model_name_or_path, training_args)
     with training_args.main_process_first(desc="dataset"):
         train_ds = sft.prepare_dataset(data_args, training_args)
-    ckpt = sft.resolve_resume(data_args.resume, training_args.output_dir)
+    ckpt = lifecycle.resolve_resume(data_args.resume, training_args.output_dir)
     peft_config = _peft_config(model_args)
     if lifecycle.is_main_process():
         bits = "4-bit " + model_args.bnb_4bit_quant_type if model_args.load_in_4bit else ("8-bit" if model_args.load_in_8bit else "unquantized")

@@ -9,12 +9,10 @@ On GPUs with more than one process it shards with FSDP2; on CPU the Trainer runs
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from . import config as cfg
 from . import data, launch, lifecycle
@@ -36,38 +34,6 @@ class DataArguments:
     resume: str = field(
         default="auto", metadata={"help": "auto: last complete checkpoint in output_dir if any; never; or a checkpoint path"}
     )
-
-
-@dataclass
-class LaunchArguments:
-    nnodes: int | None = field(default=None, metadata={"help": "launcher: number of nodes (else from Slurm, else 1)"})
-    nproc_per_node: int | None = field(default=None, metadata={"help": "launcher: processes per node (GPUs, or 1 on CPU)"})
-    node_rank: int | None = field(default=None, metadata={"help": "launcher: this node's rank (else SLURM_NODEID)"})
-    master_addr: str | None = field(default=None, metadata={"help": "launcher: rendezvous host (else first Slurm node)"})
-    master_port: int | None = field(default=None, metadata={"help": "launcher: rendezvous port"})
-
-
-REPORT_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "comet_ml": "comet_ml"}
-
-
-def check_model_path(spec: str | None, option: str = "--model_name_or_path") -> None:
-    if not spec:
-        raise UsageError(f"no model given: pass {option} PATH (a directory with config.json) or a hub id")
-    p = Path(os.path.expanduser(spec))
-    if p.exists():
-        if not (p / "config.json").is_file():
-            raise UsageError(f"model path {spec} has no config.json; point {option} at a saved model directory")
-        return
-    if spec.startswith(("/", "./", "../", "~")) or spec.count("/") > 1:
-        raise UsageError(f"model path {spec} does not exist; check {option} (and the container's mounts)")
-
-
-def check_report_to(report_to) -> None:
-    names = [report_to] if isinstance(report_to, str) else list(report_to or [])
-    for name in names:
-        pkg = REPORT_PACKAGES.get(name)
-        if pkg and importlib.util.find_spec(pkg) is None:
-            raise UsageError(f"--report_to {name} needs the {pkg} package, which this image lacks; use tensorboard or none")
 
 
 def load_tokenizer(model_path: str, training_args):
@@ -97,16 +63,6 @@ def prepare_dataset(data_args: DataArguments, training_args):
         system_prompt=data_args.system_prompt,
         where=f"dataset {data_args.dataset}",
     )
-
-
-def resolve_resume(resume: str, out: str) -> str | None:
-    if resume == "never":
-        return None
-    if resume == "auto":
-        return lifecycle.resume_checkpoint(out)
-    if not (Path(resume) / "trainer_state.json").is_file():
-        raise UsageError(f"--resume {resume}: not a complete checkpoint (no trainer_state.json); use auto, never or a checkpoint-N dir")
-    return resume
 
 
 def distributed_strategy(training_args) -> str:
@@ -149,7 +105,7 @@ def parse(argv: list[str], prog: str = "trainbox sft"):
     from trl import ModelConfig, SFTConfig
 
     return cfg.parse_args(
-        (DataArguments, LaunchArguments, ModelConfig, SFTConfig),
+        (DataArguments, launch.LaunchArguments, ModelConfig, SFTConfig),
         argv,
         prog=prog,
         legacy={**cfg.LEGACY_TRAINING, **cfg.LEGACY_SFT},
@@ -162,12 +118,12 @@ def validate(data_args, model_args, training_args):
     if training_args.resume_from_checkpoint:
         # TrainingArguments' own option means the same as our --resume PATH.
         data_args.resume = training_args.resume_from_checkpoint
-    check_model_path(model_args.model_name_or_path)
-    check_report_to(training_args.report_to)
+    cfg.check_model_path(model_args.model_name_or_path)
+    cfg.check_report_to(training_args.report_to)
     if not data_args.dataset:
         raise UsageError("no dataset given: pass --dataset PATH (.parquet/.jsonl/.json/.csv file or directory) or a hub id")
     if data_args.resume not in ("auto", "never"):
-        resolve_resume(data_args.resume, training_args.output_dir)
+        lifecycle.resolve_resume(data_args.resume, training_args.output_dir)
 
 
 def check_before_launch(data_args, model_args, training_args) -> None:
@@ -198,7 +154,7 @@ def train(data_args, model_args, training_args, name: str = "sft") -> int:
     tokenizer = load_tokenizer(model_args.model_name_or_path, training_args)
     with training_args.main_process_first(desc="dataset"):
         train_ds = prepare_dataset(data_args, training_args)
-    ckpt = resolve_resume(data_args.resume, training_args.output_dir)
+    ckpt = lifecycle.resolve_resume(data_args.resume, training_args.output_dir)
     strategy = distributed_strategy(training_args)
     if lifecycle.is_main_process():
         print(
