@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PY ?= .venv/bin/python
 PIP ?= .venv/bin/pip
 
-.PHONY: setup system-deps test test-fast engine engine-stop render lock
+.PHONY: setup system-deps test test-fast engine engine-stop render lock bases workflow slurm slurm-stop bench
 
 # Debian packages the real-image, .sqsh and Slurm tests use (root; a no-op when all are present).
 SYSTEM_PACKAGES := docker.io docker-registry skopeo squashfs-tools squashfuse qemu-user-static binfmt-support \
@@ -38,3 +38,20 @@ engine: ## start (or reuse) a Docker engine, a local registry on 127.0.0.1, QEMU
 
 engine-stop: ## stop what `make engine` started
 	$(PY) -m builder.setup_engine down
+
+bases: ## debootstrapped bookworm bases (amd64 + arm64) in the local registry, and a --config file mapping to them
+	$(PY) -m builder.bases --write-config .cache/bases.toml
+
+workflow: ## regenerate .github/workflows/build.yml from matrix.toml
+	$(PY) -m builder.workflow
+
+# --- Slurm (owned by builder/slurm_cluster.py) ---
+slurm: ## start (or reuse) a one-node Slurm + munge on this machine
+	$(PY) -m builder.slurm_cluster up
+
+slurm-stop: ## stop what `make slurm` started
+	$(PY) -m builder.slurm_cluster down
+
+bench: ## figures, not tests: cold/warm rebuild and re-push, .sqsh export time and size
+	$(PY) benchmarks/rebuild.py
+	$(PY) benchmarks/sqsh_export.py trainbox:smoke-x86_64

@@ -475,6 +475,7 @@ def build_cells(cells, args) -> int:
             from builder import enroot
             dest = Path(args.sqsh) / f"{cell.tag}.sqsh"
             enroot.export_image(res.refs[0], dest, compression=getattr(args, "sqsh_compression", None),
+                                block_size=getattr(args, "sqsh_block_size", None),
                                 use_enroot=bool(getattr(args, "use_enroot", False)), progress=not quiet,
                                 arch=_platform_arch(cell.platform))
     if push:
