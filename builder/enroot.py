@@ -29,6 +29,8 @@ import time
 import uuid
 from pathlib import Path
 
+from builder.procs import pid_alive
+
 try:
     from builder.errors import UserError
 except ImportError:  # pragma: no cover - only while builder/errors.py is not in the tree yet
@@ -204,21 +206,11 @@ def _source_date_epoch() -> int | None:
     return int(raw)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _clean_stale_temps(dest: Path) -> None:
     """Remove temporaries left by exports of DEST that were SIGKILLed (their pid is gone)."""
     for p in dest.parent.glob(f".{dest.name}{TMP_MARK}*"):
         pid = p.name.rsplit(".", 1)[-1]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
 

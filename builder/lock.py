@@ -11,9 +11,9 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
+from builder import atomic
 from builder.errors import UserError
 from builder.matrix import ROOT, Cell
 
@@ -110,19 +110,6 @@ def is_fresh(cell: Cell, root: Path | str = ROOT) -> bool:
     return recorded_digest(Path(root) / cell.lock) == inputs_digest(cell)
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def lock_cells(cells: list[Cell], root: Path | str = ROOT, quiet: bool = False) -> int:
     """Lock every selected cell that can be locked from here; name each skipped one and why.
     Exit 0 when at least one cell was locked (or none was selected), 1 when every one was skipped."""
@@ -135,7 +122,7 @@ def lock_cells(cells: list[Cell], root: Path | str = ROOT, quiet: bool = False) 
             skipped += 1
             print(f"skipped {cell.tag}: {e}", file=sys.stderr)
             continue
-        _write_atomic(root / cell.lock, text)
+        atomic.write_text(root / cell.lock, text)
         locked += 1
         if not quiet:
             print(f"locked {cell.tag} -> {cell.lock} ({text.count('--hash=')} hashes)")

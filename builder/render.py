@@ -6,13 +6,11 @@ the committed files can be checked for freshness. The commit goes in at build ti
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import jinja2
 
-from builder import lock
+from builder import atomic, lock
 from builder.errors import UserError
 from builder.matrix import ROOT, Cell
 
@@ -111,15 +109,7 @@ def _write_atomic(path: Path, text: str) -> bool:
             return False
     except OSError:
         pass
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic.write_text(path, text)
     return True
 
 

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from builder import atomic
+
 COLUMNS = [  # (header, field, formatter)
     ("cell", "cell", str),
     ("tag", "tag", str),
@@ -46,11 +48,7 @@ def table(results, manifest_lists: dict[str, str] | None = None) -> str:
 
 
 def write_json(path: str | Path, data: dict) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
+    atomic.write_text(path, json.dumps(data, indent=2) + "\n")
 
 
 def emit(results, manifest_lists: dict[str, str], json_path: str | None = None, quiet: bool = False) -> dict:

@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -21,7 +20,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from builder import atomic
 from builder.errors import UserError
+from builder.procs import pid_alive, stop_pid
 
 DEFAULT_PORT = 5555
 # Debian's engine here has no iptables rights; the default bridge still works without NAT rules.
@@ -71,9 +72,7 @@ def load_state() -> dict:
 
 def _save_state(state: dict) -> None:
     path = _state_path()
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(state, indent=2) + "\n")
-    tmp.replace(path)
+    atomic.write_text(path, json.dumps(state, indent=2) + "\n")
 
 
 def _log(msg: str) -> None:
@@ -113,21 +112,6 @@ def binfmt_enabled() -> bool:
         return False
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie we forked still "exists"; treat it as gone.
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
-
-
 def _apt_install(packages: list[str]) -> None:
     if not packages:
         return
@@ -164,7 +148,7 @@ def _wait(predicate, what: str, timeout: float, pid: int | None = None, log_name
     while time.monotonic() < deadline:
         if predicate():
             return
-        if pid is not None and not _pid_alive(pid):
+        if pid is not None and not pid_alive(pid):
             break
         time.sleep(0.5)
     tail = ""
@@ -277,7 +261,7 @@ def up(tools: bool = True) -> dict:
     state = load_state()
     # Forget pids of processes that are gone (a previous session's machine).
     for key in ("dockerd_pid", "registry_pid"):
-        if key in state and not _pid_alive(state[key]):
+        if key in state and not pid_alive(state[key]):
             del state[key]
     _ensure_engine(state)
     if tools:
@@ -290,26 +274,14 @@ def up(tools: bool = True) -> dict:
     return {"registry": registry_address(), "docker": docker_cli(), "state": str(_state_path())}
 
 
-def _stop_pid(pid: int, what: str, timeout: float = 30) -> None:
-    if not _pid_alive(pid):
-        return
-    _log(f"stopping {what} (pid {pid})")
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and _pid_alive(pid):
-        time.sleep(0.3)
-    if _pid_alive(pid):
-        os.kill(pid, signal.SIGKILL)
-
-
 def down() -> None:
     state = load_state()
     if "registry_pid" in state:
-        _stop_pid(state.pop("registry_pid"), "registry")
+        stop_pid(state.pop("registry_pid"), log=_log, what="registry")
     if "registry_container" in state:
         subprocess.run([docker_cli(), "rm", "-f", state.pop("registry_container")], capture_output=True)
     if "dockerd_pid" in state:
-        _stop_pid(state.pop("dockerd_pid"), "dockerd", timeout=60)
+        stop_pid(state.pop("dockerd_pid"), timeout=60, log=_log, what="dockerd")
     if state.pop("binfmt_enabled", False):
         subprocess.run(["update-binfmts", "--disable", "qemu-aarch64"], capture_output=True)
     if state.pop("binfmt_mounted", False):

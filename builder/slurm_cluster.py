@@ -14,13 +14,14 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from builder.procs import pid_alive, stop_pid
 
 try:
     from builder.errors import UserError
@@ -74,17 +75,6 @@ def _apt_install(packages: list[str]) -> None:
         r = subprocess.run(argv, env=env, capture_output=True, text=True)
         if r.returncode != 0:
             raise UserError(f"{' '.join(argv)} failed: {r.stderr.strip()[-1500:]}")
-
-
-def _pid_alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[0] != "Z"
-    except (ProcessLookupError, OSError):
-        return False
 
 
 def munge_answers() -> bool:
@@ -196,7 +186,7 @@ def node_idle(conf: str) -> bool:
 
 def answers(state: dict) -> bool:
     conf = state.get("conf")
-    if not conf or not Path(conf).exists() or not _pid_alive(state.get("slurmctld_pid")):
+    if not conf or not Path(conf).exists() or not pid_alive(state.get("slurmctld_pid")):
         return False
     r = subprocess.run(["scontrol", "ping"], env=_env(conf), capture_output=True, text=True)
     return r.returncode == 0 and "UP" in r.stdout and node_idle(conf)
@@ -246,24 +236,12 @@ def up(cpus: int | None = None) -> dict:
     return {"conf": str(conf), "node": node, "dir": str(d)}
 
 
-def _stop(pid: int | None, what: str) -> None:
-    if not _pid_alive(pid):
-        return
-    os.kill(pid, signal.SIGTERM)
-    end = time.monotonic() + 30
-    while _pid_alive(pid) and time.monotonic() < end:
-        time.sleep(0.2)
-    if _pid_alive(pid):
-        _log(f"{what} (pid {pid}) ignored SIGTERM; SIGKILL")
-        os.kill(pid, signal.SIGKILL)
-
-
 def down() -> None:
     """Stop what up() started (slurmd, slurmctld, munged if we started it) and remove the temp dir."""
     state = load_state()
-    _stop(state.get("slurmd_pid"), "slurmd")
-    _stop(state.get("slurmctld_pid"), "slurmctld")
-    _stop(state.get("munged_pid"), "munged")
+    stop_pid(state.get("slurmd_pid"), log=_log, what="slurmd")
+    stop_pid(state.get("slurmctld_pid"), log=_log, what="slurmctld")
+    stop_pid(state.get("munged_pid"), log=_log, what="munged")
     if state.get("dir", "").startswith(tempfile.gettempdir()):
         shutil.rmtree(state["dir"], ignore_errors=True)
     _state_path().unlink(missing_ok=True)

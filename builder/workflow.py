@@ -16,6 +16,7 @@ from pathlib import Path
 
 import yaml
 
+from builder import atomic
 from builder.errors import UserError
 from builder.matrix import DEFAULT_MATRIX, load_matrix
 
@@ -117,11 +118,7 @@ def render(matrix_path: str | Path = DEFAULT_MATRIX) -> str:
 
 
 def write(path: Path = WORKFLOW, matrix_path: str | Path = DEFAULT_MATRIX) -> None:
-    text = render(matrix_path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    atomic.write_text(path, render(matrix_path))
 
 
 def check(path: Path = WORKFLOW, matrix_path: str | Path = DEFAULT_MATRIX) -> str:
