@@ -121,6 +121,18 @@ def test_help_lists_every_contract_flag():
         assert flag in out, flag
 
 
+def _fake_engine(monkeypatch, module):
+    """Stand in for builder.engine whether or not another test imported the real one already:
+    `from builder import engine` reads the package attribute first, sys.modules second."""
+    import builder
+
+    monkeypatch.setitem(sys.modules, "builder.engine", module)
+    if module is None:
+        monkeypatch.delattr(builder, "engine", raising=False)
+    else:
+        monkeypatch.setattr(builder, "engine", module, raising=False)
+
+
 def test_build_mode_renders_then_calls_the_engine(tmp_path, monkeypatch):
     seen = {}
 
@@ -129,7 +141,7 @@ def test_build_mode_renders_then_calls_the_engine(tmp_path, monkeypatch):
         seen["args"] = args
         seen["exists"] = all((tmp_path / c.dockerfile).is_file() for c in cells)
         return 7
-    monkeypatch.setitem(sys.modules, "builder.engine", types.SimpleNamespace(build_cells=build_cells))
+    _fake_engine(monkeypatch, types.SimpleNamespace(build_cells=build_cells))
     rc = cli.main(["smoke", "--output-dir", str(tmp_path), "--base", "debian:bookworm=local/b:1", "--push",
                    "--registry", "127.0.0.1:5555/t", "--builder", "legacy", "--secret", "id=a,src=/x", "--sqsh"])
     assert rc == 7
@@ -140,7 +152,7 @@ def test_build_mode_renders_then_calls_the_engine(tmp_path, monkeypatch):
 
 
 def test_build_mode_without_engine_exits_1(tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "builder.engine", None)   # import raises ImportError
+    _fake_engine(monkeypatch, None)   # import raises ImportError
     assert cli.main(["smoke-x86_64", "--output-dir", str(tmp_path)]) == 1
     assert "build engine (builder/engine.py) is not available" in capsys.readouterr().err
 
@@ -150,6 +162,6 @@ def test_user_error_from_the_engine_is_one_line(tmp_path, monkeypatch, capsys):
 
     def build_cells(cells, args):
         raise UserError("--push needs --registry")
-    monkeypatch.setitem(sys.modules, "builder.engine", types.SimpleNamespace(build_cells=build_cells))
+    _fake_engine(monkeypatch, types.SimpleNamespace(build_cells=build_cells))
     assert cli.main(["smoke-x86_64", "--output-dir", str(tmp_path)]) == 2
     assert capsys.readouterr().err == "error: --push needs --registry\n"
