@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from builder import setup_engine
+from builder import atomic, setup_engine
 from builder.errors import UserError
 
 SUITE = "bookworm"
@@ -221,10 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ref = publish(a.registry, tuple(a.arch or ARCHES), a.force)
         if a.write_config:
-            path = Path(a.write_config)
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(f'# written by python -m builder.bases\n[bases]\n"debian:{SUITE}" = "{ref}"\n')
-            tmp.replace(path)
+            atomic.write_text(a.write_config,
+                              f'# written by python -m builder.bases\n[bases]\n"debian:{SUITE}" = "{ref}"\n')
         print(ref)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
