@@ -15,6 +15,7 @@ Use: `from enginefix import engine, registry, test_base, smoke_image, smoke_buil
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
 import os
 import shutil
 import subprocess
@@ -41,6 +42,19 @@ BUILD_TIMEOUT = 5400
 
 
 @functools.cache
+@dataclass(frozen=True)
+class ThrowawayCell:
+    """The fields build_cell reads, for tests that build a small Dockerfile of their own (not a matrix cell)."""
+    name: str
+    tag: str
+    repository: str
+    base_image: str = "debian:bookworm"
+    arch: str = "x86_64"
+    platform: str = "linux/amd64"
+    dockerfile: str = "Dockerfile"
+    tags: list = field(default_factory=list, hash=False)
+
+
 def engine_info() -> dict:
     return setup_engine.up()
 

@@ -6,11 +6,10 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-from dataclasses import dataclass, field
 
 import pytest
 
-from enginefix import BUILD_TIMEOUT, ROOT, docker, engine, test_base  # noqa: F401
+from enginefix import BUILD_TIMEOUT, ROOT, ThrowawayCell, docker, engine, test_base  # noqa: F401
 
 from builder import engine as eng
 from builder import setup_engine
@@ -18,18 +17,6 @@ from builder.errors import UserError
 
 # a cold first build (debootstrap + the session images, arm64 under QEMU) runs inside the first test's setup
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(BUILD_TIMEOUT)]
-
-
-@dataclass(frozen=True)
-class Cell:
-    name: str
-    tag: str
-    base_image: str = "debian:bookworm"
-    arch: str = "x86_64"
-    platform: str = "linux/amd64"
-    dockerfile: str = "Dockerfile"
-    repository: str = "trainbox-failtest"
-    tags: list = field(default_factory=list, hash=False)
 
 
 def _ctx(tmp_path, body: str):
@@ -43,7 +30,8 @@ def _image_id(ref: str) -> str | None:
 
 
 def _build(ctx, tag, base, **kw):
-    return eng.build_cell(Cell(name=tag, tag=tag), builder=eng.choose_builder("auto"), context=ctx,
+    cell = ThrowawayCell(name=tag, tag=tag, repository="trainbox-failtest")
+    return eng.build_cell(cell, builder=eng.choose_builder("auto"), context=ctx,
                           bases={"debian:bookworm": base}, quiet=True, **kw)
 
 

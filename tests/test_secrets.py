@@ -8,12 +8,11 @@ import hashlib
 import json
 import subprocess
 import textwrap
-from dataclasses import dataclass, field
 
 import pytest
 
-from enginefix import (BUILD_TIMEOUT, FAKE_TOKEN, SECRET_ID, docker, engine, secret_file, smoke_build,  # noqa: F401
-                       test_base)
+from enginefix import (BUILD_TIMEOUT, FAKE_TOKEN, SECRET_ID, ThrowawayCell, docker, engine,  # noqa: F401
+                       secret_file, smoke_build, test_base)
 
 from builder import engine as eng
 from builder import setup_engine
@@ -21,18 +20,6 @@ from builder.errors import UserError
 
 # a cold first build (debootstrap + the session images, arm64 under QEMU) runs inside the first test's setup
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(BUILD_TIMEOUT)]
-
-
-@dataclass(frozen=True)
-class Cell:
-    name: str
-    tag: str
-    base_image: str = "debian:bookworm"
-    arch: str = "x86_64"
-    platform: str = "linux/amd64"
-    dockerfile: str = "Dockerfile"
-    repository: str = "trainbox-test"
-    tags: list = field(default_factory=list, hash=False)
 
 
 def leaks(image: str, needle: str) -> list[str]:
@@ -56,7 +43,8 @@ def _build(tmp_path, test_base, dockerfile: str, tag: str, **kw):  # noqa: F811
     ctx = tmp_path / tag
     ctx.mkdir()
     (ctx / "Dockerfile").write_text(textwrap.dedent(dockerfile))
-    return eng.build_cell(Cell(name=tag, tag=tag), builder=eng.choose_builder("auto"), context=ctx,
+    cell = ThrowawayCell(name=tag, tag=tag, repository="trainbox-test")
+    return eng.build_cell(cell, builder=eng.choose_builder("auto"), context=ctx,
                           bases={"debian:bookworm": test_base}, **kw)
 
 
