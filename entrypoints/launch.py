@@ -38,6 +38,7 @@ class LaunchArguments:
     master_port: int | None = field(default=None, metadata={"help": "launcher: rendezvous port"})
 
 DEFAULT_PORT = 29500
+TORCHRUN_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"  # not SIGTERM: see _signals_flag
 LAUNCH_FIELDS = ("nnodes", "nproc_per_node", "node_rank", "master_addr", "master_port")
 
 
@@ -244,8 +245,24 @@ def torchrun_command(p: Plan, module: str, argv: list[str]) -> list[str]:
         "--rdzv-id", p.rdzv_id,
         # A failed rank fails the job; restarts come from rerunning (resume from the last checkpoint).
         "--max-restarts", "0",
+        *_signals_flag(),
         "-m", module, *argv,
     ]  # fmt: skip
+
+
+def _signals_flag() -> list[str]:
+    """torchrun kills its workers on SIGTERM (Slurm's scancel signals every process of the step, torchrun too);
+    the workers must get to checkpoint instead. Newer torchrun sets its handled signals from this flag (it
+    overwrites TORCHELASTIC_SIGNALS_TO_HANDLE); older ones have no flag and read the variable."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch.distributed.run")
+    try:
+        with open(spec.origin) as f:
+            has_flag = "--signals-to-handle" in f.read()
+    except (AttributeError, TypeError, OSError):
+        has_flag = False
+    return ["--signals-to-handle", TORCHRUN_SIGNALS] if has_flag else []
 
 
 def _descendants(pid: int) -> list[int]:
@@ -299,11 +316,14 @@ def run_torchrun(p: Plan, module: str, argv: list[str]) -> int:
     )
     env = dict(os.environ)
     # torchrun must not re-register SIGTERM (its handler kills the workers); keep its other signals.
-    env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGINT,SIGHUP,SIGQUIT"
+    env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = TORCHRUN_SIGNALS
     proc = subprocess.Popen(cmd, env=env, preexec_fn=_ignore_preempt_signals)
 
     def forward(signum, frame):
-        for pid in _ranks(proc.pid, module):
+        ranks = _ranks(proc.pid, module)
+        # Said out loud: when a preemption does not stop training, this line tells which side dropped it.
+        os.write(2, f"[trainbox] launcher got {signal.Signals(signum).name}: SIGUSR1 to ranks {ranks}\n".encode())
+        for pid in ranks:
             try:
                 os.kill(pid, signal.SIGUSR1)
             except ProcessLookupError:

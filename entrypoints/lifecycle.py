@@ -45,9 +45,13 @@ def _handler(signum, frame):
         pass
 
 
-def install_signal_handlers() -> None:
+def claim_preempt_signals() -> None:
     for sig in PREEMPT_SIGNALS:
         signal.signal(sig, _handler)
+
+
+def install_signal_handlers() -> None:
+    claim_preempt_signals()
     # `kill -USR2 PID` prints every thread's Python stack to stderr: how to see where a stuck rank waits.
     try:
         faulthandler.register(signal.SIGUSR2, all_threads=True)
@@ -116,6 +120,10 @@ class PreemptionCallback(_callback_base()):
 
     def on_step_end(self, args, state, control, **kwargs):
         global _preempted
+        # And at every step: a native library loaded during the first steps can take SIGTERM/SIGUSR1 with its own
+        # sigaction (seen on H200 with FSDP2: both then went to a C handler and training never stopped). Python
+        # still reports our handler then, so re-installing (one syscall per signal) is the only sure way back.
+        claim_preempt_signals()
         if _agree(_preempt_requested, args):
             _preempted = True
             control.should_save = True

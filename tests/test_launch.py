@@ -83,6 +83,7 @@ def test_slurm_one_task_per_node():
     assert "-m torch.distributed.run --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d" in joined
     assert "--rdzv-endpoint gpu03:24242 --rdzv-id 4242" in joined
     assert joined.endswith("-m entrypoints.sft --max_steps 3")
+    assert "--signals-to-handle SIGINT,SIGHUP,SIGQUIT" in joined  # not SIGTERM: ranks checkpoint, torchrun waits
 
 
 def test_slurm_gpus_on_node_fallback(monkeypatch):

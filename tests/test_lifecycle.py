@@ -70,6 +70,27 @@ def test_signal_sets_save_and_stop_at_step_end(fresh, sig):
     assert lifecycle._checkpoint_saved == "/o/checkpoint-3"
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_step_end_takes_back_signals_a_native_library_took(fresh, sig):
+    """Triton's LLVM installs its own sigaction for SIGTERM/SIGUSR1 when it first compiles (seen on H200 under
+    FSDP2: training then ignored preemption). Python still reports our handler, so each step end re-installs it."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    cb = lifecycle.PreemptionCallback()
+    args, state, control = SimpleNamespace(output_dir="/o"), TrainerState(), TrainerControl()
+    libc.signal(int(sig), 1)  # SIG_IGN behind Python's back, as a C library's sigaction would be
+    assert signal.getsignal(sig) is lifecycle._handler  # Python cannot tell
+    cb.on_step_end(args, state, control)
+    os.kill(os.getpid(), sig)
+    time.sleep(0.05)
+    assert lifecycle.preempt_requested(), "the signal went to the native disposition, not to ours"
+    cb.on_step_end(args, state, control)
+    assert control.should_save and control.should_training_stop
+
+
 def test_exit_code(fresh, monkeypatch):
     assert lifecycle.exit_code() == 0
     monkeypatch.setattr(lifecycle, "_preempted", True)

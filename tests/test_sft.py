@@ -19,6 +19,12 @@ FAST = ["--max_length", "64", "--per_device_train_batch_size", "2", "--logging_s
         "--disable_tqdm", "true", "--report_to", "none", "--dataloader_num_workers", "0"]  # fmt: skip
 
 
+def descendants(pid):
+    from entrypoints.launch import _descendants
+
+    return _descendants(pid)
+
+
 def env_for(tmp_path, **extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OUTPUT_DIR", "ARTIFACT_DIR", "SAKURA_"))}
     env.update(
@@ -161,8 +167,11 @@ def test_sigterm_saves_checkpoint_and_rerun_resumes(tiny_model, tmp_path):
     assert loss_steps(final)[-3:] == [n, n + 1, n + 2]  # one continuous history, not a restart from step 1
 
 
-def test_two_processes_launcher_forwards_sigterm(tiny_model, tmp_path):
-    """`--nproc-per-node 2`: the launcher starts torchrun (gloo DDP); SIGTERM to it reaches both ranks, which save."""
+@pytest.mark.parametrize("target", ["launcher", "every process"])
+def test_two_processes_sigterm_reaches_both_ranks(tiny_model, tmp_path, target):
+    """`--nproc-per-node 2`: the launcher starts torchrun (gloo DDP). SIGTERM to the launcher (`docker stop`) is
+    forwarded to both ranks; SIGTERM to every process (Slurm's scancel) must not make torchrun kill the ranks
+    before they save. Either way both ranks checkpoint and the run exits 0."""
     data = write_messages(tmp_path / "chat.jsonl", 32)
     out = tmp_path / "out"
     args = ["--model_name_or_path", str(tiny_model), "--dataset", str(data), "--output_dir", str(out),
@@ -172,13 +181,17 @@ def test_two_processes_launcher_forwards_sigterm(tiny_model, tmp_path):
     for line in p.stdout:
         seen.append(line)
         if "'loss'" in line:
-            p.send_signal(signal.SIGTERM)
+            pids = [p.pid] + (descendants(p.pid) if target == "every process" else [])
+            for pid in pids:
+                os.kill(pid, signal.SIGTERM)
             break
     seen.append(p.stdout.read())
     log = "".join(seen)
     assert p.wait(timeout=120) == 0, log
     assert "torchrun nnodes=1 nproc_per_node=2" in log and "DDP over gloo, 2 processes (CPU)" in log
     assert log.count("got signal SIGUSR1") == 2  # forwarded to each rank
+    if target == "every process":
+        assert log.count("got signal SIGTERM") == 2 and "SignalException" not in log, log
     (ckpt,) = out.glob("checkpoint-*")
     assert state(ckpt)["global_step"] >= 1 and (ckpt / "model.safetensors").is_file()
 

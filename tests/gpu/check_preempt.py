@@ -1,7 +1,7 @@
 """GPU check for preemption: `sft` (or `qlora`) on all visible GPUs (FSDP2 with >1), SIGTERM to the launcher after
 the first logged step -> every rank checkpoints (sharded with FSDP2) and exits 0 -> a rerun resumes from that step.
 
-    python tests/gpu/check_preempt.py [--entrypoint sft|qlora] [--model PATH] [--json out.json]
+    python tests/gpu/check_preempt.py [--entrypoint sft|qlora] [--signal-all] [--model PATH] [--json out.json]
 """
 
 from __future__ import annotations
@@ -44,8 +44,18 @@ def _watchdog(p: subprocess.Popen, seconds: float) -> None:
         return
     except subprocess.TimeoutExpired:
         pass
-    print(f"STUCK {seconds}s after SIGTERM: dumping stacks", flush=True)
+    print(f"STUCK {seconds}s after SIGTERM: signal state, then stacks", flush=True)
     procs = [p.pid, *_descendants(p.pid)]  # before anything dies and its children are re-parented
+    for pid in procs:  # which process blocks, ignores or has pending what (hex masks, bit n-1 = signal n)
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:120].decode(errors="replace")
+            sig = [ln for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ln.startswith(("Sig", "Shd"))]
+            blk = set()
+            for t in Path(f"/proc/{pid}/task").iterdir():
+                blk |= {ln for ln in (t / "status").read_text().splitlines() if ln.startswith("SigBlk")}
+            print(f"  pid {pid}: {cmd}\n    " + " ".join(sig) + f"\n    threads' {sorted(blk)}", flush=True)
+        except OSError:
+            pass
     for pid in procs:
         try:
             # Only our processes dump stacks on SIGUSR2; it would kill torchrun itself.
@@ -67,6 +77,8 @@ def main() -> int:
     ap.add_argument("--model", help="saved model directory; default: build a ~100M Llama locally")
     ap.add_argument("--work", help="work directory (default: a temporary one)")
     ap.add_argument("--json", help="also write the result here")
+    ap.add_argument("--signal-all", action="store_true",
+                    help="SIGTERM every process of the run (launcher, torchrun, ranks), as Slurm's scancel does")
     ap.add_argument("--stuck-after", type=float, default=90, help="seconds after the signal before dumping stacks")
     a = ap.parse_args()
     work = Path(a.work or tempfile.mkdtemp(prefix="check-preempt-"))
@@ -92,13 +104,14 @@ def main() -> int:
             f.flush()
             if sent is None and "'loss'" in line:
                 sent = time.time()
-                p.send_signal(signal.SIGTERM)
+                for pid in [p.pid, *(_descendants(p.pid) if a.signal_all else [])]:
+                    os.kill(pid, signal.SIGTERM)
                 threading.Thread(target=_watchdog, args=(p, a.stuck_after), daemon=True).start()
     rc = p.wait()
     ckpts = sorted(out.glob("checkpoint-*"), key=lambda c: int(c.name.split("-")[1]))
     step = json.loads((ckpts[-1] / "trainer_state.json").read_text())["global_step"] if ckpts else None
     result = {"preempt_rc": rc, "checkpoint_step": step, "stop_after_signal_s": round(time.time() - sent, 1),
-              "first_run_s": round(time.time() - t0, 1)}  # fmt: skip
+              "first_run_s": round(time.time() - t0, 1), "signal_all": a.signal_all}  # fmt: skip
     if rc != 0 or step is None:
         print("".join(lines)[-20000:], file=sys.stderr)
         result.update(rc=1, summary=None)
