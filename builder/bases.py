@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from builder import atomic, setup_engine
-from builder.errors import UserError
+from builder.errors import UserError, reports_user_errors
 
 SUITE = "bookworm"
 # python3 + venv + certificates up front: saves the Dockerfile's apt step, which is slow under QEMU.
@@ -210,6 +210,7 @@ def publish(registry: str | None = None, arches: tuple[str, ...] = ARCHES, force
     return ref
 
 
+@reports_user_errors
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m builder.bases", description=__doc__.splitlines()[0])
     p.add_argument("--registry", help="HOST:PORT of the local registry (default: the one `make engine` starts)")
@@ -218,15 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write-config", metavar="FILE",
                    help="also write a build.py --config file mapping debian:bookworm (the smoke cell's base) to it")
     a = p.parse_args(argv)
-    try:
-        ref = publish(a.registry, tuple(a.arch or ARCHES), a.force)
-        if a.write_config:
-            atomic.write_text(a.write_config,
-                              f'# written by python -m builder.bases\n[bases]\n"debian:{SUITE}" = "{ref}"\n')
-        print(ref)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    ref = publish(a.registry, tuple(a.arch or ARCHES), a.force)
+    if a.write_config:
+        atomic.write_text(a.write_config,
+                          f'# written by python -m builder.bases\n[bases]\n"debian:{SUITE}" = "{ref}"\n')
+    print(ref)
     return 0
 
 

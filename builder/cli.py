@@ -6,7 +6,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-from builder.errors import UserError
+from builder.errors import UserError, reports_user_errors
 from builder.matrix import DEFAULT_MATRIX, ROOT, Cell, Matrix, load_matrix
 
 
@@ -148,12 +148,10 @@ def run(argv: list[str] | None = None) -> int:
     return engine.build_cells(cells, args)
 
 
+@reports_user_errors
 def main(argv: list[str] | None = None) -> int:
     try:
         return run(argv)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130

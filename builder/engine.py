@@ -24,7 +24,7 @@ from pathlib import Path
 from python_on_whales import DockerClient
 from python_on_whales.exceptions import DockerException
 
-from builder.errors import UserError
+from builder.errors import UserError, reports_user_errors
 
 ROOT = Path(__file__).resolve().parents[1]
 WHEELHOUSE = "wheelhouse"
@@ -522,6 +522,7 @@ def join_pushed(cell_names: list[str], registry: str, matrix_path: str | None = 
     return out
 
 
+@reports_user_errors
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -532,11 +533,7 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--matrix", default=None)
     m.add_argument("cells", nargs="+", help="cell names, e.g. smoke")
     a = p.parse_args(argv)
-    try:
-        join_pushed(a.cells, a.registry, a.matrix)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    join_pushed(a.cells, a.registry, a.matrix)
     return 0
 
 

@@ -29,13 +29,8 @@ import time
 import uuid
 from pathlib import Path
 
+from builder.errors import UserError, reports_user_errors
 from builder.procs import pid_alive
-
-try:
-    from builder.errors import UserError
-except ImportError:  # pragma: no cover - only while builder/errors.py is not in the tree yet
-    class UserError(Exception):
-        pass
 
 # mksquashfs compressor options. "lzo" is enroot's default (ENROOT_SQUASH_OPTIONS, enroot.in:88): data blocks are
 # left uncompressed (-noD) so every cluster's kernel/squashfuse reads it and starting is fast.
@@ -388,6 +383,7 @@ def threading_main() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
+@reports_user_errors
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m builder.enroot",
                                 description="Export an already-built image to an enroot .sqsh "
@@ -405,9 +401,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         export_image(a.image, a.dest, compression=a.compression, block_size=a.block_size, use_enroot=a.enroot,
                      progress=not a.quiet, tmp_dir=a.tmp_dir, arch=a.arch)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print(f"error: export of {a.image} interrupted; nothing written to {a.dest}", file=sys.stderr)
         return 130

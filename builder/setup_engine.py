@@ -21,7 +21,7 @@ import urllib.request
 from pathlib import Path
 
 from builder import atomic
-from builder.errors import UserError
+from builder.errors import UserError, reports_user_errors
 from builder.procs import pid_alive, stop_pid
 
 DEFAULT_PORT = 5555
@@ -302,22 +302,19 @@ def status() -> dict:
     }
 
 
+@reports_user_errors
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m builder.setup_engine", description=__doc__.splitlines()[0])
     parser.add_argument("action", choices=["up", "down", "status"])
     args = parser.parse_args(argv)
-    try:
-        if args.action == "up":
-            print(json.dumps(up()))
-        elif args.action == "down":
-            down()
-        else:
-            st = status()
-            print(json.dumps(st, indent=2))
-            return 0 if st["engine"] and st["registry_answers"] else 1
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if args.action == "up":
+        print(json.dumps(up()))
+    elif args.action == "down":
+        down()
+    else:
+        st = status()
+        print(json.dumps(st, indent=2))
+        return 0 if st["engine"] and st["registry_answers"] else 1
     return 0
 
 

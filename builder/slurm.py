@@ -20,11 +20,7 @@ from pathlib import Path
 
 import jinja2
 
-try:
-    from builder.errors import UserError
-except ImportError:  # pragma: no cover - only while builder/errors.py is not in the tree yet
-    class UserError(Exception):
-        pass
+from builder.errors import UserError, reports_user_errors
 
 TEMPLATES = Path(__file__).resolve().parent / "templates" / "slurm"
 ENTRYPOINTS = ("sft", "grpo")
@@ -198,6 +194,7 @@ def _env_pair(s: str) -> tuple[str, str]:
     return k, v
 
 
+@reports_user_errors
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m builder.slurm", description=__doc__.split("\n")[0])
     p.add_argument("--tag", required=True, help="the cell's image tag (names the job)")
@@ -225,22 +222,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-o", "--output", help="write here (else stdout)")
     p.add_argument("extra", nargs="*", help="more entrypoint options, after --")
     a = p.parse_args(argv)
-    try:
-        spec = JobSpec(
-            tag=a.tag, entrypoint=a.entrypoint, mode=a.mode, config=a.config, sqsh=a.sqsh, nodes=a.nodes,
-            gpus_per_node=a.gpus_per_node, nproc_per_node=a.nproc_per_node, partition=a.partition,
-            account=a.account, time=a.time, cpus_per_task=a.cpus_per_task,
-            mounts=tuple(parse_mount(m) for m in a.mount), data=a.data, outputs=a.outputs, hf_cache=a.hf_cache,
-            log_dir=a.log_dir, grace=a.grace, python=a.python, workdir=a.workdir,
-            env=tuple(_env_pair(e) for e in a.env), args=tuple(a.extra),
-        )
-        if a.output:
-            write(spec, a.output)
-        else:
-            sys.stdout.write(render(spec))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    spec = JobSpec(
+        tag=a.tag, entrypoint=a.entrypoint, mode=a.mode, config=a.config, sqsh=a.sqsh, nodes=a.nodes,
+        gpus_per_node=a.gpus_per_node, nproc_per_node=a.nproc_per_node, partition=a.partition,
+        account=a.account, time=a.time, cpus_per_task=a.cpus_per_task,
+        mounts=tuple(parse_mount(m) for m in a.mount), data=a.data, outputs=a.outputs, hf_cache=a.hf_cache,
+        log_dir=a.log_dir, grace=a.grace, python=a.python, workdir=a.workdir,
+        env=tuple(_env_pair(e) for e in a.env), args=tuple(a.extra),
+    )
+    if a.output:
+        write(spec, a.output)
+    else:
+        sys.stdout.write(render(spec))
     return 0
 
 

@@ -21,13 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from builder.errors import UserError, reports_user_errors
 from builder.procs import pid_alive, stop_pid
-
-try:
-    from builder.errors import UserError
-except ImportError:  # pragma: no cover - only while builder/errors.py is not in the tree yet
-    class UserError(Exception):
-        pass
 
 MUNGE_SOCKET = Path("/run/munge/munge.socket.2")
 MUNGE_KEY = Path("/etc/munge/munge.key")
@@ -252,22 +247,19 @@ def status() -> dict:
     return {"up": answers(state), **state}
 
 
+@reports_user_errors
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m builder.slurm_cluster", description=__doc__.split("\n")[0])
     p.add_argument("action", choices=["up", "down", "status"])
     p.add_argument("--cpus", type=int, default=None, help="CPUs of the node (default: this machine's)")
     a = p.parse_args(argv)
-    try:
-        if a.action == "up":
-            info = up(a.cpus)
-            print(f"export SLURM_CONF={info['conf']}")
-        elif a.action == "down":
-            down()
-        else:
-            print(json.dumps(status(), indent=1))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if a.action == "up":
+        info = up(a.cpus)
+        print(f"export SLURM_CONF={info['conf']}")
+    elif a.action == "down":
+        down()
+    else:
+        print(json.dumps(status(), indent=1))
     return 0
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from builder import atomic
-from builder.errors import UserError
+from builder.errors import UserError, reports_user_errors
 from builder.matrix import DEFAULT_MATRIX, load_matrix
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,24 +128,21 @@ def check(path: Path = WORKFLOW, matrix_path: str | Path = DEFAULT_MATRIX) -> st
     return "".join(difflib.unified_diff(have.splitlines(True), want.splitlines(True), str(path), "generated"))
 
 
+@reports_user_errors
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m builder.workflow", description=__doc__.splitlines()[0])
     p.add_argument("--matrix", default=str(DEFAULT_MATRIX))
     p.add_argument("--output", default=str(WORKFLOW))
     p.add_argument("--check", action="store_true", help="exit 1 with a diff if the file is stale")
     a = p.parse_args(argv)
-    try:
-        if a.check:
-            diff = check(Path(a.output), a.matrix)
-            if diff:
-                sys.stdout.write(diff)
-                print(f"{a.output} is stale: run `python -m builder.workflow`", file=sys.stderr)
-                return 1
-            return 0
-        write(Path(a.output), a.matrix)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if a.check:
+        diff = check(Path(a.output), a.matrix)
+        if diff:
+            sys.stdout.write(diff)
+            print(f"{a.output} is stale: run `python -m builder.workflow`", file=sys.stderr)
+            return 1
+        return 0
+    write(Path(a.output), a.matrix)
     return 0
 
 

@@ -165,3 +165,22 @@ def test_user_error_from_the_engine_is_one_line(tmp_path, monkeypatch, capsys):
     _fake_engine(monkeypatch, types.SimpleNamespace(build_cells=build_cells))
     assert cli.main(["smoke-x86_64", "--output-dir", str(tmp_path)]) == 2
     assert capsys.readouterr().err == "error: --push needs --registry\n"
+
+
+@pytest.mark.parametrize("module", ["bases", "engine", "enroot", "setup_engine", "slurm", "slurm_cluster", "workflow"])
+def test_every_module_cli_reports_user_errors_on_one_line(module, capsys, monkeypatch):
+    """Each `python -m builder.X` goes through errors.reports_user_errors: bad input -> one `error:` line, exit 2."""
+    import argparse
+    import importlib
+
+    from builder.errors import UserError
+
+    mod = importlib.import_module(f"builder.{module}")
+
+    def bad_input(self, *a, **k):
+        raise UserError("what went wrong", where="where", fix="how to fix")
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", bad_input)
+    assert mod.main([]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: where: what went wrong (how to fix)\n"
