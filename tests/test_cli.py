@@ -8,8 +8,8 @@ import pytest
 
 from builder import cli
 from builder.matrix import ROOT, load_matrix
+from brokenmatrix import write_broken
 
-DATA = Path(__file__).parent / "data"
 M = load_matrix(ROOT / "matrix.toml")
 
 
@@ -84,13 +84,15 @@ def test_dry_run_with_base_substitution(tmp_path):
                                   "rule_violation.toml"])
 @pytest.mark.parametrize("mode", [["--list"], ["--dry-run"], ["--explain"]])
 def test_bad_matrix_exit_2_one_line_nothing_written(tmp_path, name, mode):
-    p = build("--matrix", str(DATA / name), *mode, "--output-dir", str(tmp_path))
+    matrix = write_broken(name, tmp_path / "in")
+    out = tmp_path / "out"
+    p = build("--matrix", str(matrix), *mode, "--output-dir", str(out))
     assert p.returncode == 2
     assert p.stdout == ""
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and name in lines[0]
     assert "Traceback" not in p.stderr
-    assert not any(tmp_path.iterdir())
+    assert not out.exists() or not any(out.iterdir())
 
 
 @pytest.mark.parametrize("args, needle", [
