@@ -265,7 +265,8 @@ def _signals_flag() -> list[str]:
     return ["--signals-to-handle", TORCHRUN_SIGNALS] if has_flag else []
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children, their children, ...), from /proc."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -289,7 +290,7 @@ def _ranks(torchrun_pid: int, module: str) -> list[int]:
     """The rank processes under torchrun: descendants running `-m MODULE` (whatever wrapper, e.g. numactl, sits
     between), so compile workers and other helpers never get a stray signal."""
     found = []
-    for pid in _descendants(torchrun_pid):
+    for pid in descendants(torchrun_pid):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 argv = f.read().split(b"\0")

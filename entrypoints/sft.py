@@ -50,10 +50,12 @@ def load_tokenizer(model_path: str, training_args):
     return tok
 
 
-def prepare_dataset(data_args: DataArguments, training_args):
+def prepare_dataset(data_args: DataArguments, training_args, rows: int | None = None):
+    """The dataset as SFT rows; `rows` (or --max_samples) keeps only the first ones."""
     ds = data.load_table(data_args.dataset, split=data_args.dataset_split)
-    if data_args.max_samples:
-        ds = ds.select(range(min(data_args.max_samples, len(ds))))
+    rows = rows or data_args.max_samples
+    if rows:
+        ds = ds.select(range(min(rows, len(ds))))
     return data.to_sft(
         ds,
         fmt=data_args.dataset_format,
@@ -131,16 +133,7 @@ def check_before_launch(data_args, model_args, training_args) -> None:
     so a bad config is one `error:` line and exit 2 here, not a failure in every rank."""
     validate(data_args, model_args, training_args)
     load_tokenizer(model_args.model_name_or_path, training_args)
-    ds = data.load_table(data_args.dataset, split=data_args.dataset_split)
-    data.to_sft(
-        ds.select(range(min(8, len(ds)))),
-        fmt=data_args.dataset_format,
-        prompt_key=data_args.prompt_key,
-        response_key=data_args.response_key,
-        messages_key=data_args.messages_key,
-        system_prompt=data_args.system_prompt,
-        where=f"dataset {data_args.dataset}",
-    )
+    prepare_dataset(data_args, training_args, rows=8)
 
 
 def train(data_args, model_args, training_args, name: str = "sft") -> int:

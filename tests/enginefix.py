@@ -154,6 +154,19 @@ def smoke_image(smoke_build):
 
 
 @pytest.fixture(scope="session")
+def smoke_sqsh(smoke_image, tmp_path_factory):
+    """The x86_64 smoke image as an enroot .sqsh (lzo, fixed SOURCE_DATE_EPOCH), exported once per session."""
+    from builder.enroot import export_image
+
+    d = tmp_path_factory.mktemp("smoke-sqsh")
+    os.environ["SOURCE_DATE_EPOCH"] = "1700000000"
+    try:
+        return export_image(smoke_image, d / "smoke.sqsh", progress=False, arch="amd64")
+    finally:
+        del os.environ["SOURCE_DATE_EPOCH"]
+
+
+@pytest.fixture(scope="session")
 def smoke_arm64(engine):
     return build_smoke("aarch64")
 

@@ -426,18 +426,7 @@ def _with_epoch(fn):
 
 # ------------------------------------------------------------------ the smoke image (built once per session by enginefix)
 
-from enginefix import engine, smoke_build, smoke_image  # noqa: E402,F401  (session fixtures)
-
-
-@pytest.fixture(scope="session")
-def smoke_sqsh(smoke_image, tmp_path_factory):
-    d = tmp_path_factory.mktemp("smoke-sqsh")
-    os.environ["SOURCE_DATE_EPOCH"] = "1700000000"
-    try:
-        out = export_image(smoke_image, d / "smoke.sqsh", progress=False, arch="amd64")
-    finally:
-        del os.environ["SOURCE_DATE_EPOCH"]
-    return out
+from enginefix import engine, smoke_build, smoke_image, smoke_sqsh  # noqa: E402,F401  (session fixtures)
 
 
 @pytest.fixture(scope="session")

@@ -12,17 +12,12 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from entrypoints.launch import descendants
 from test_data import write_dolly, write_messages, write_verl_gsm8k
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--max_length", "64", "--per_device_train_batch_size", "2", "--logging_steps", "1",
         "--disable_tqdm", "true", "--report_to", "none", "--dataloader_num_workers", "0"]  # fmt: skip
-
-
-def descendants(pid):
-    from entrypoints.launch import _descendants
-
-    return _descendants(pid)
 
 
 def env_for(tmp_path, **extra):

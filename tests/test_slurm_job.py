@@ -163,15 +163,13 @@ start)
 esac
 '''
 
-from enginefix import engine, smoke_build, smoke_image  # noqa: E402,F401  (session fixtures)
+from enginefix import engine, smoke_build, smoke_image, smoke_sqsh  # noqa: E402,F401  (session fixtures)
 
 
 @pytest.mark.engine
-@pytest.mark.timeout(3600)  # may build the smoke image (once per session) and exports it
-def test_enroot_mode_job_runs_sft_inside_the_sqsh(slurm, smoke_image, tiny_model, tmp_path):
-    from builder.enroot import export_image
-
-    sqsh = export_image(smoke_image, tmp_path / "img" / "smoke.sqsh", progress=False)
+@pytest.mark.timeout(3600)  # may build the smoke image and export it (once per session, shared with test_enroot)
+def test_enroot_mode_job_runs_sft_inside_the_sqsh(slurm, smoke_sqsh, tiny_model, tmp_path):
+    sqsh = smoke_sqsh
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "enroot").write_text(FAKE_ENROOT)

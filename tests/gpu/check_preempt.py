@@ -18,23 +18,7 @@ import time
 from pathlib import Path
 
 from common import ROOT, build_model, report, run_entrypoint, write_chat_data
-
-
-def _descendants(pid: int) -> list[int]:
-    kids: dict[int, list[int]] = {}
-    for e in os.listdir("/proc"):
-        if e.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{e}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            kids.setdefault(ppid, []).append(int(e))
-    out, todo = [], [pid]
-    while todo:
-        for c in kids.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
+from entrypoints.launch import descendants
 
 
 def _watchdog(p: subprocess.Popen, seconds: float) -> None:
@@ -45,7 +29,7 @@ def _watchdog(p: subprocess.Popen, seconds: float) -> None:
     except subprocess.TimeoutExpired:
         pass
     print(f"STUCK {seconds}s after SIGTERM: signal state, then stacks", flush=True)
-    procs = [p.pid, *_descendants(p.pid)]  # before anything dies and its children are re-parented
+    procs = [p.pid, *descendants(p.pid)]  # before anything dies and its children are re-parented
     for pid in procs:  # which process blocks, ignores or has pending what (hex masks, bit n-1 = signal n)
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:120].decode(errors="replace")
@@ -104,7 +88,7 @@ def main() -> int:
             f.flush()
             if sent is None and "'loss'" in line:
                 sent = time.time()
-                for pid in [p.pid, *(_descendants(p.pid) if a.signal_all else [])]:
+                for pid in [p.pid, *(descendants(p.pid) if a.signal_all else [])]:
                     os.kill(pid, signal.SIGTERM)
                 threading.Thread(target=_watchdog, args=(p, a.stuck_after), daemon=True).start()
     rc = p.wait()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))  # entrypoints/, as the checks run it
 
 
 def build_model(dirpath: Path, hidden=768, layers=12, heads=12, kv_heads=4, intermediate=2048) -> Path:
