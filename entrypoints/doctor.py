@@ -154,6 +154,15 @@ if gpu():
     "vllm": """
 import vllm
 out['version'] = vllm.__version__
+if gpu():
+    # vLLM's compiled ops: a wheel built for another torch/CUDA, or without kernels for this GPU, fails here.
+    import torch
+    from vllm import _custom_ops as ops
+    x = torch.randn(4, 256, device='cuda', dtype=torch.float16)
+    y = torch.empty_like(x)
+    ops.rms_norm(y, x, torch.ones(256, device='cuda', dtype=torch.float16), 1e-6)
+    ref = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    out['op'] = bool(torch.allclose(y.float(), ref, atol=1e-2, rtol=1e-2))
 """,
     "bitsandbytes": """
 import bitsandbytes as bnb

@@ -7,7 +7,7 @@
 set -euo pipefail
 PY=${1:-$(command -v python3)}
 cd "$(dirname "$0")/../.."
-export PYTHONPATH=$PWD
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # keep carried wheels (trl, bitsandbytes, vllm) importable
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
@@ -68,6 +68,9 @@ want(code == m["exit_code"] == 0, f"matching record: exit 0 (got {code}; rows {[
 for r in ("gpu", "driver", "nccl", "torch", "attention"):
     want(rows.get(r, {}).get("status") == "ok", f"matching record: {r} row OK ({rows.get(r)})")
 want("gpu op" not in rows, "matching record: the float16 GPU matmul worked")
+vp = m["host"]["probes"].get("vllm", {})
+if "version" in vp:  # vllm installed here: its compiled ops must run on this GPU
+    want(vp.get("op") is True and rows.get("vllm", {}).get("status") == "ok", f"vllm {vp['version']}: rms_norm op ran ({rows.get('vllm')})")
 f = json.load(open(f"{tmp}/fa3.out"))
 rows3 = {c["name"]: c for c in f["checks"]}
 cc = m["host"]["probes"]["torch"]["devices"][0]["cc"]
