@@ -333,17 +333,22 @@ def _wait_for(pred, timeout=60):
 
 
 @pytest.mark.engine
+@pytest.mark.timeout(3600)  # may build the smoke image (once per session)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
-def test_killed_export_leaves_no_sqsh(test_image, tmp_path, sig):
+def test_killed_export_leaves_no_sqsh(smoke_image, test_image, tmp_path, sig):
     dest = tmp_path / "k.sqsh"
-    # A slow compressor and tiny blocks keep mksquashfs busy long enough to be caught writing.
-    p = subprocess.Popen([PY, "-m", "builder.enroot", test_image, str(dest), "--compression", "xz",
-                          "--block-size", "4K", "--quiet"], cwd=ROOT, stderr=subprocess.PIPE)
+    # The smoke image (~2 GB): mksquashfs runs for a minute or more, so the signal surely lands mid-write (the small
+    # test image could finish between seeing the temp file and sending the signal). SIGINT back to its default in
+    # the child: a harness that started us without job control may pass it down as ignored.
+    p = subprocess.Popen([PY, "-m", "builder.enroot", smoke_image, str(dest), "--quiet"], cwd=ROOT,
+                         stderr=subprocess.PIPE, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     tmp_file = tmp_path / f".k.sqsh.tmp.{p.pid}"
-    assert _wait_for(tmp_file.exists), "export never started writing"
+    assert _wait_for(tmp_file.exists, timeout=600), "export never started writing"
+    time.sleep(0.5)
+    assert p.poll() is None, "the export ended before it could be interrupted"
     p.send_signal(sig)
-    p.wait(timeout=60)
-    assert p.returncode != 0
+    p.wait(timeout=120)
+    assert p.returncode != 0, p.stderr.read().decode(errors="replace")
     assert not dest.exists()
     assert not list(tmp_path.glob("*.sqsh"))
     if sig != signal.SIGKILL:
