@@ -1,7 +1,7 @@
 """GPU check for preemption: `sft` (or `qlora`) on all visible GPUs (FSDP2 with >1), SIGTERM to the launcher after
 the first logged step -> every rank checkpoints (sharded with FSDP2) and exits 0 -> a rerun resumes from that step.
 
-    python tests/gpu/check_preempt.py [--entrypoint sft|qlora] [--signal-all] [--model PATH] [--json out.json]
+    python tests/gpu/check_preempt.py [--entrypoint sft|qlora|grpo] [--signal-all] [--model PATH] [--json out.json]
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def _watchdog(p: subprocess.Popen, seconds: float) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--entrypoint", choices=("sft", "qlora"), default="sft")
+    ap.add_argument("--entrypoint", choices=("sft", "qlora", "grpo"), default="sft")
     ap.add_argument("--model", help="saved model directory; default: build a ~100M Llama locally")
     ap.add_argument("--work", help="work directory (default: a temporary one)")
     ap.add_argument("--json", help="also write the result here")
@@ -68,13 +68,20 @@ def main() -> int:
     work = Path(a.work or tempfile.mkdtemp(prefix="check-preempt-"))
     work.mkdir(parents=True, exist_ok=True)
     model = a.model or str(build_model(work / "llama-100m"))
-    data = write_chat_data(work / "chat.jsonl", rows=2048, words=256)
     out = work / "out"
-    args = ["--model_name_or_path", model, "--dataset", str(data), "--output_dir", str(out),
-            "--per_device_train_batch_size", "4", "--max_length", "256", "--logging_steps", "1",
-            "--save_steps", "100000", "--report_to", "none", "--disable_tqdm", "true"]  # fmt: skip
-    if a.entrypoint == "sft":
-        args += ["--bf16", "true"]
+    common = ["--model_name_or_path", model, "--output_dir", str(out), "--logging_steps", "1", "--save_steps", "100000",
+              "--report_to", "none", "--disable_tqdm", "true"]  # fmt: skip
+    if a.entrypoint == "grpo":  # gsm8k preset; rollouts as grpo picks them (vLLM colocate when installed)
+        from grpo_bench import write_gsm8k
+
+        data = write_gsm8k(work / "gsm8k.jsonl", rows=512)
+        args = common + ["--dataset", str(data), "--preset", "gsm8k", "--per_device_train_batch_size", "8",
+                         "--num_generations", "8", "--max_completion_length", "64", "--bf16", "true"]  # fmt: skip
+    else:
+        data = write_chat_data(work / "chat.jsonl", rows=2048, words=256)
+        args = common + ["--dataset", str(data), "--per_device_train_batch_size", "4", "--max_length", "256"]
+        if a.entrypoint == "sft":
+            args += ["--bf16", "true"]
     env = dict(os.environ, PYTHONPATH=f"{ROOT}:{os.environ.get('PYTHONPATH', '')}".rstrip(":"), PYTHONUNBUFFERED="1")
     log = work / "preempt.log"
     t0 = time.time()
