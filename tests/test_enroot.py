@@ -332,18 +332,32 @@ def _wait_for(pred, timeout=60):
     return False
 
 
+@pytest.fixture(scope="session")
+def slow_image(test_image, docker_engine, tmp_path_factory):
+    """The test image plus 128 MiB of random bytes: xz in 4K blocks takes seconds over it, so a signal sent after
+    the temp file appears lands mid-write (the bare test image once finished first under CI load)."""
+    tmp = tmp_path_factory.mktemp("slow")
+    with open(tmp / "blob", "wb") as f:
+        for _ in range(128):
+            f.write(os.urandom(2**20))
+    (tmp / "Dockerfile").write_text(f"FROM {test_image}\nCOPY blob /opt/blob\n")
+    ref = "trainbox-test/enroot-slow:1"
+    subprocess.run([docker_engine, "build", "-q", "-t", ref, str(tmp)], check=True, capture_output=True,
+                   env=dict(os.environ, DOCKER_BUILDKIT="0"))
+    return ref
+
+
 @pytest.mark.engine
-@pytest.mark.timeout(3600)  # may build the smoke image (once per session)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
-def test_killed_export_leaves_no_sqsh(smoke_image, test_image, tmp_path, sig):
+def test_killed_export_leaves_no_sqsh(slow_image, test_image, tmp_path, sig):
     dest = tmp_path / "k.sqsh"
-    # The smoke image (~2 GB): mksquashfs runs for a minute or more, so the signal surely lands mid-write (the small
-    # test image could finish between seeing the temp file and sending the signal). SIGINT back to its default in
-    # the child: a harness that started us without job control may pass it down as ignored.
-    p = subprocess.Popen([PY, "-m", "builder.enroot", smoke_image, str(dest), "--quiet"], cwd=ROOT,
-                         stderr=subprocess.PIPE, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # SIGINT back to its default in the child: a harness that started us without job control may pass it down as
+    # ignored, and a Python started that way rightly keeps ignoring it.
+    p = subprocess.Popen([PY, "-m", "builder.enroot", slow_image, str(dest), "--compression", "xz",
+                          "--block-size", "4K", "--quiet"], cwd=ROOT, stderr=subprocess.PIPE,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     tmp_file = tmp_path / f".k.sqsh.tmp.{p.pid}"
-    assert _wait_for(tmp_file.exists, timeout=600), "export never started writing"
+    assert _wait_for(tmp_file.exists, timeout=120), "export never started writing"
     time.sleep(0.5)
     assert p.poll() is None, "the export ended before it could be interrupted"
     p.send_signal(sig)
