@@ -15,11 +15,11 @@ Use: `from enginefix import engine, registry, test_base, smoke_image, smoke_buil
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
 import os
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -41,7 +41,6 @@ HOST_CERTS = Path("/usr/local/share/ca-certificates")
 BUILD_TIMEOUT = 5400
 
 
-@functools.cache
 @dataclass(frozen=True)
 class ThrowawayCell:
     """The fields build_cell reads, for tests that build a small Dockerfile of their own (not a matrix cell)."""
@@ -55,6 +54,7 @@ class ThrowawayCell:
     tags: list = field(default_factory=list, hash=False)
 
 
+@functools.cache
 def engine_info() -> dict:
     return setup_engine.up()
 

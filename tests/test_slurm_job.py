@@ -169,7 +169,6 @@ from enginefix import engine, smoke_build, smoke_image, smoke_sqsh  # noqa: E402
 @pytest.mark.engine
 @pytest.mark.timeout(3600)  # may build the smoke image and export it (once per session, shared with test_enroot)
 def test_enroot_mode_job_runs_sft_inside_the_sqsh(slurm, smoke_sqsh, tiny_model, tmp_path):
-    sqsh = smoke_sqsh
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "enroot").write_text(FAKE_ENROOT)
@@ -183,7 +182,7 @@ def test_enroot_mode_job_runs_sft_inside_the_sqsh(slurm, smoke_sqsh, tiny_model,
     # The config as the container sees it: the job dir is mounted at /job.
     cfg = (job / "sft.yaml").read_text().replace(str(job), "/job")
     (job / "sft.yaml").write_text(cfg)
-    spec = JobSpec(tag="smoke-x86_64", entrypoint="sft", mode="enroot", config="/job/sft.yaml", sqsh=str(sqsh),
+    spec = JobSpec(tag="smoke-x86_64", entrypoint="sft", mode="enroot", config="/job/sft.yaml", sqsh=str(smoke_sqsh),
                    nodes=1, gpus_per_node=0, nproc_per_node=2, time="15:00", log_dir=str(tmp_path),
                    mounts=(parse_mount(f"{job}:/job"),), env=(("HF_HUB_OFFLINE", "1"),))
     script = write(spec, tmp_path / "job.sh")

@@ -1,4 +1,4 @@
-"""GPU check for preemption: `sft` (or `qlora`) on all visible GPUs (FSDP2 with >1), SIGTERM to the launcher after
+"""GPU check for preemption: `sft`, `qlora` or `grpo` on all visible GPUs (FSDP2 with >1), SIGTERM to the launcher after
 the first logged step -> every rank checkpoints (sharded with FSDP2) and exits 0 -> a rerun resumes from that step.
 
     python tests/gpu/check_preempt.py [--entrypoint sft|qlora|grpo] [--signal-all] [--model PATH] [--json out.json]
