@@ -3,7 +3,8 @@
 Listing reads each module's docstring with `ast` (no import: `--help` stays instant and a module that isn't written
 yet, or needs torch, can't break it). Running: as PID 1 (`docker run`) it supervises the entrypoint as a child —
 forwards signals, reaps orphans, exits with the child's code (128+N if killed by signal N); otherwise it execs the
-entrypoint in place so signals and exit codes are native (pyxis/enroot, a shell, Slurm).
+entrypoint in place so signals and exit codes are native (pyxis/enroot, a shell, Slurm). Before an entrypoint
+starts, cache folders move off an unwritable $HOME (entrypoints/cachedirs.py).
 """
 
 from __future__ import annotations
@@ -185,6 +186,11 @@ def main(argv: list[str]) -> int:
         print(f"{PROG}: entrypoint {name!r} is not installed in this image ({module_file(name)} is missing); "
               f"`{PROG} --help` lists what is", file=sys.stderr)
         return 2
+    if name in PUBLIC:
+        # Before the entrypoint imports HF/torch: under enroot/pyxis defaults $HOME is read-only (cachedirs.py).
+        from entrypoints import cachedirs
+
+        cachedirs.apply()
     return run_child(child_command(name, args), child_env())
 
 
