@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from importlib import metadata
 
-from entrypoints import imageinfo
+from entrypoints import attention, imageinfo
 
 EXIT_OK, EXIT_BROKEN, EXIT_NO_GPU, EXIT_FALLBACK = 0, 1, 3, 4
 VERDICTS = {EXIT_OK: "ok", EXIT_BROKEN: "broken", EXIT_NO_GPU: "no-gpu", EXIT_FALLBACK: "fallback"}
@@ -125,6 +125,9 @@ if out['available']:
         out['nccl_error'] = f'{type(e).__name__}: {e}'
     x = torch.ones(64, 64, device='cuda', dtype=torch.float16)
     out['op'] = bool(((x @ x) == 64).all().item())
+    if gpu():
+        from entrypoints.attention import runtime_usable
+        out['varlen'] = runtime_usable('varlen') or 'ok'
 """,
     "fa3": """
 try:
@@ -316,8 +319,8 @@ def evaluate(info: dict | None, smi: dict, probes: dict[str, dict], installed: d
         add("gpu generation", "fallback", f"image built for {want}, this GPU is {generation(cc)} "
                                           f"(sm{cc[0]}{cc[1]}); use the {generation(cc)} image for full speed")
     if info is not None and cc:
-        backend, why = imageinfo.attention_for(info, cc)
-        add("attention", "ok" if backend == info.get("attention_backend") else "fallback", why)
+        choice = attention.decide(info, cc, lambda name: probed_usable(name, probes))
+        add("attention", "ok" if choice.name == info.get("attention_backend") else "fallback", choice.line())
     elif info is not None:
         add("attention", "no-gpu", f"image default {info.get('attention_backend')}; without a GPU: SDPA")
 
@@ -383,6 +386,23 @@ def evaluate(info: dict | None, smi: dict, probes: dict[str, dict], installed: d
         if ok:
             add("versions", "ok", f"{len(ok)} of {len(info['versions'])} match the record")
     return checks
+
+
+def probed_usable(name: str, probes: dict[str, dict]) -> str | None:
+    """attention.decide's `usable` from doctor's probes (the trainers run the same kernels in-process)."""
+    if name == "sdpa":
+        return None
+    if name == "varlen":
+        got = (probes.get("torch") or {}).get("varlen")
+        return None if got == "ok" else (got or "not probed (no GPU op allowed)")
+    p = probes.get(name)
+    if p is None:
+        return "not probed by doctor"
+    if "error" in p:
+        return p["error"]
+    if p.get("op") is False:
+        return "its test op gave a wrong result"
+    return None
 
 
 def exit_code(checks: list[Check]) -> int:

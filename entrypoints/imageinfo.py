@@ -97,17 +97,3 @@ def capabilities(info: dict | None) -> list[tuple[int, int]]:
 def has_ptx(info: dict | None) -> bool:
     raw = (info or {}).get("cuda_arch_list") or []
     return "+PTX" in (";".join(raw) if isinstance(raw, list) else str(raw))
-
-
-def attention_for(info: dict | None, capability: tuple[int, int] | None) -> tuple[str, str]:
-    """The attention backend to use on a GPU of `capability` and why: the image's choice, or SDPA when it can't run."""
-    wanted = (info or {}).get("attention_backend") or "sdpa"
-    if capability is None:
-        return "sdpa", "no GPU: SDPA (PyTorch's own attention)"
-    if wanted == "fa3" and capability[0] != 9:
-        return "sdpa", (f"FA3 needs a Hopper GPU (sm90); this one is sm{capability[0]}{capability[1]}: "
-                        "falls back to SDPA")
-    if wanted == "fa2" and capability < (8, 0):
-        return "sdpa", (f"FA2 needs Ampere or newer (sm80+); this one is sm{capability[0]}{capability[1]}: "
-                        "falls back to SDPA")
-    return wanted, f"image default {wanted}"

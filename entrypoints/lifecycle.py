@@ -78,8 +78,11 @@ def exit_code() -> int:
     return 0
 
 
-def _agree(flag: bool, args) -> bool:
-    """Max of `flag` over all ranks, so every rank saves at the same step (a lone rank would hang the collective)."""
+def _agree(flag: bool, group=None) -> bool:
+    """Max of `flag` over all ranks, so every rank saves at the same step (a lone rank would hang the collective).
+
+    Runs on CPU tensors over `group` (a gloo group beside NCCL): a GPU tensor would need a GPU->host copy, i.e. a
+    sync of the training stream, at every step."""
     try:
         import torch
         import torch.distributed as dist
@@ -87,12 +90,23 @@ def _agree(flag: bool, args) -> bool:
         return flag
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return flag
-    device = "cpu"
-    if "nccl" in str(dist.get_backend()):  # "nccl" or a combined "cpu:gloo,cuda:nccl"
-        device = getattr(args, "device", None) or torch.device("cuda", torch.cuda.current_device())
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item())
+
+
+def flag_group():
+    """A gloo process group for the preemption flag when the default group is NCCL-only; None = the default group
+    (already gloo, or a combined cpu:gloo,cuda:nccl backend). Every rank must call this, in the same order."""
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover
+        return None
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    if "gloo" in str(dist.get_backend()):
+        return None
+    return dist.new_group(backend="gloo")
 
 
 def _callback_base():
@@ -107,6 +121,7 @@ class PreemptionCallback(_callback_base()):
     def __init__(self):
         super().__init__()
         install_signal_handlers()
+        self.group = None
         self.tokens_at_start: int | None = None
         self.step_at_start: int | None = None
         self.started_at: float | None = None
@@ -114,6 +129,7 @@ class PreemptionCallback(_callback_base()):
     def on_train_begin(self, args, state, control, **kwargs):
         # Again here: model/distributed set-up may have replaced our handlers since __init__.
         install_signal_handlers()
+        self.group = flag_group()
         self.tokens_at_start = int(getattr(state, "num_input_tokens_seen", 0) or 0)
         self.step_at_start = int(state.global_step)
         self.started_at = time.time()
@@ -124,7 +140,7 @@ class PreemptionCallback(_callback_base()):
         # sigaction (seen on H200 with FSDP2: both then went to a C handler and training never stopped). Python
         # still reports our handler then, so re-installing (one syscall per signal) is the only sure way back.
         claim_preempt_signals()
-        if _agree(_preempt_requested, args):
+        if _agree(_preempt_requested, self.group):
             _preempted = True
             control.should_save = True
             control.should_training_stop = True
@@ -220,6 +236,15 @@ def _peak_gpu_gib() -> float | None:
     return None
 
 
+def _steady(trainer) -> str | None:
+    from .throughput import Throughput
+
+    for cb in getattr(getattr(trainer, "callback_handler", None), "callbacks", []):
+        if isinstance(cb, Throughput):
+            return cb.summary()
+    return None
+
+
 def summary(trainer, output_dir: str, started: float, name: str) -> str:
     """The one-line final summary (also used by tests)."""
     state = trainer.state
@@ -236,11 +261,15 @@ def summary(trainer, output_dir: str, started: float, name: str) -> str:
         f"steps {state.global_step}/{state.max_steps} (this run {state.global_step - step0})",
         f"wall {wall:.1f}s",
     ]
+    steady = _steady(trainer)
     steps_run = state.global_step - step0
-    if steps_run > 0:
-        parts.append(f"train {train_wall:.1f}s ({steps_run / train_wall:.3f} steps/s)")
-    if tokens_run > 0:
-        parts.append(f"tokens {tokens_run} ({tokens_run / train_wall:.1f} tokens/s)")
+    if steady:
+        parts.append(steady)
+    else:  # fewer than two steps (or no Throughput callback): the whole run's rates, start-up included
+        if steps_run > 0:
+            parts.append(f"train {train_wall:.1f}s ({steps_run / train_wall:.3f} steps/s, incl. start-up)")
+        if tokens_run > 0:
+            parts.append(f"tokens {tokens_run} ({tokens_run / train_wall:.1f} tokens/s, incl. start-up)")
     peak = _peak_gpu_gib()
     if peak is not None:
         parts.append(f"peak GPU memory {peak:.2f} GiB (rank 0)")

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from . import config as cfg
-from . import launch, lifecycle, sft
+from . import launch, lifecycle, sft, throughput
 from .errors import UsageError
 
 
@@ -81,30 +81,22 @@ def _peft_config(model_args):
     return get_peft_config(model_args)
 
 
-def load_quantized(model_args):
+def load_quantized(model_args, attn_implementation: str | None = None):
     import torch
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM
+    from trl import get_quantization_config
 
-    dtype = getattr(torch, model_args.dtype)
-    quant = None
-    if model_args.load_in_4bit:
-        quant = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type=model_args.bnb_4bit_quant_type,
-            bnb_4bit_use_double_quant=model_args.use_bnb_nested_quant,
-            bnb_4bit_compute_dtype=dtype,
-            bnb_4bit_quant_storage=model_args.bnb_4bit_quant_storage or "uint8",
-        )
-    elif model_args.load_in_8bit:
-        quant = BitsAndBytesConfig(load_in_8bit=True)
+    # TRL's own helper builds the BitsAndBytesConfig from ModelConfig (as `grpo` does): nf4, double quant, compute
+    # dtype = --dtype, storage = --bnb_4bit_quant_storage.
+    quant = get_quantization_config(model_args)
     # Each rank holds a whole (quantized) copy on its own device: DDP, not sharding.
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
     return AutoModelForCausalLM.from_pretrained(
         model_args.model_name_or_path,
-        dtype=dtype,
+        dtype=getattr(torch, model_args.dtype),
         quantization_config=quant,
         device_map={"": device},
-        attn_implementation=model_args.attn_implementation,
+        attn_implementation=attn_implementation or model_args.attn_implementation,
         revision=model_args.model_revision,
     )
 
@@ -150,15 +142,17 @@ def train(data_args, q_args, model_args, training_args, name: str = "qlora") -> 
             f"outputs {training_args.output_dir}" + (f", resuming from {ckpt}" if ckpt else ""),
             flush=True,
         )
-    model = load_quantized(model_args)
+    choice, facts = sft.tune(model_args, training_args, shards=1, checkpointing=False)
+    model = load_quantized(model_args, choice.impl)
     trainer = SFTTrainer(
         model=model,
         args=training_args,
         train_dataset=train_ds,
         processing_class=tokenizer,
         peft_config=peft_config,
-        callbacks=[lifecycle.PreemptionCallback()],
+        callbacks=[lifecycle.PreemptionCallback(), throughput.Throughput()],
     )
+    sft.finish_tuning(trainer, facts)
     trainer.train(resume_from_checkpoint=ckpt)
     if not lifecycle.was_preempted():
         trainer.save_model(training_args.output_dir)  # the adapter (adapter_config.json + weights)

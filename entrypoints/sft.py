@@ -14,8 +14,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from . import attention, data, launch, lifecycle, speed, throughput
 from . import config as cfg
-from . import data, launch, lifecycle
 from .errors import UsageError
 
 
@@ -128,6 +128,37 @@ def validate(data_args, model_args, training_args):
         lifecycle.resolve_resume(data_args.resume, training_args.output_dir)
 
 
+def _shards(training_args) -> int:
+    """Ranks the weights and optimizer states are sharded over (FSDP on GPUs), 1 otherwise."""
+    import torch
+
+    if training_args.fsdp and torch.cuda.is_available() and not training_args.use_cpu:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    return 1
+
+
+def tune(model_args, training_args, shards: int, checkpointing: bool = True):
+    """Attention kernel and speed defaults (speed.py) for this model and GPU, printed once; returns (choice, facts)."""
+    requested = model_args.attn_implementation if "attn_implementation" in cfg.explicit(model_args) else None
+    choice = attention.choose(requested)
+    facts = speed.model_facts(model_args.model_name_or_path, model_args.model_revision)
+    lines = speed.apply(training_args, model_args, choice, facts, shards=shards, checkpointing=checkpointing)
+    if lifecycle.is_main_process():
+        for line in lines:
+            print(f"[trainbox] {line}", flush=True)
+    return choice, facts
+
+
+def finish_tuning(trainer, facts) -> None:
+    """After the trainer is built: FSDP2 policies on accelerate's plugin, FLOPs per token for the summary's MFU."""
+    line = speed.tune_fsdp(trainer, activation_checkpointing=bool(trainer.args.gradient_checkpointing))
+    if line and lifecycle.is_main_process():
+        print(f"[trainbox] {line}", flush=True)
+    for cb in trainer.callback_handler.callbacks:
+        if isinstance(cb, throughput.Throughput):
+            cb.flops_per_token = throughput.flops_per_token(facts, throughput.example_lengths(trainer.train_dataset))
+
+
 def check_before_launch(data_args, model_args, training_args) -> None:
     """In the launcher, before torchrun: the tokenizer's chat template and the dataset's columns (on a few rows),
     so a bad config is one `error:` line and exit 2 here, not a failure in every rank."""
@@ -156,11 +187,12 @@ def train(data_args, model_args, training_args, name: str = "sft") -> int:
             flush=True,
         )
 
+    choice, facts = tune(model_args, training_args, shards=_shards(training_args))
     dtype = model_args.dtype if model_args.dtype in ("auto", None) else getattr(torch, model_args.dtype)
     model = AutoModelForCausalLM.from_pretrained(
         model_args.model_name_or_path,
         dtype=dtype,
-        attn_implementation=model_args.attn_implementation,
+        attn_implementation=choice.impl,
         revision=model_args.model_revision,
     )
     trainer = SFTTrainer(
@@ -168,8 +200,9 @@ def train(data_args, model_args, training_args, name: str = "sft") -> int:
         args=training_args,
         train_dataset=train_ds,
         processing_class=tokenizer,
-        callbacks=[lifecycle.PreemptionCallback()],
+        callbacks=[lifecycle.PreemptionCallback(), throughput.Throughput()],
     )
+    finish_tuning(trainer, facts)
     trainer.train(resume_from_checkpoint=ckpt)
     if not lifecycle.was_preempted():
         if trainer.is_fsdp_enabled:

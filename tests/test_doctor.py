@@ -68,7 +68,8 @@ def test_hopper_image_on_ampere_falls_back_to_sdpa_and_says_so():
     r = rows(checks)
     assert exit_code(checks) == EXIT_FALLBACK
     assert r["attention"].status == "fallback"
-    assert "FA3 needs a Hopper GPU" in r["attention"].detail and "SDPA" in r["attention"].detail
+    assert "FlashAttention 3: needs a Hopper GPU (sm90); this GPU is sm80" in r["attention"].detail
+    assert "attention: PyTorch SDPA" in r["attention"].detail
     assert r["gpu generation"].status == "fallback" and "use the ampere image" in r["gpu generation"].detail
     assert r["flash-attn 3"].status == "fallback"
 

@@ -1,0 +1,124 @@
+"""Steady-state throughput for the summary line: from the end of the first optimizer step to the end of the last,
+so loading, data preparation, the first step's compilation/warm-up and the final save are not in it.
+
+Tokens are the Trainer's count of non-padding input tokens (summed over ranks). MFU = model FLOPs per second over
+the GPUs' dense bf16 peak: per token 6 x matmul parameters (forward + backward) plus causal attention,
+6 x layers x (heads x head dim) x E[n^2]/E[n] for examples of n tokens. GPU time comes from CUDA events recorded at
+step ends, so measuring adds no host sync.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+# Dense bf16 peak per GPU in TFLOP/s (vendor data sheets, SXM parts unless named). TRAINBOX_PEAK_TFLOPS overrides.
+PEAK_TFLOPS = (
+    ("GH200", 989.4), ("H200", 989.4), ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.4), ("H800", 989.4),
+    ("B300", 2250.0), ("B200", 2250.0), ("GB200", 2500.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0),
+    ("A10", 125.0), ("L4", 121.0), ("RTX 4090", 165.2), ("RTX 6000 Ada", 364.2),
+)
+
+
+def peak_tflops(device_name: str) -> float | None:
+    env = os.environ.get("TRAINBOX_PEAK_TFLOPS")
+    if env:
+        try:
+            return float(env)
+        except ValueError:
+            return None
+    for key, value in PEAK_TFLOPS:
+        if key.lower() in device_name.lower():
+            return value
+    return None
+
+
+def flops_per_token(facts, lengths) -> float:
+    """6N + causal attention, averaged over examples of the given token lengths."""
+    lengths = [n for n in lengths if n > 0]
+    mean_ctx = (sum(n * n for n in lengths) / sum(lengths)) if lengths else 0.0
+    return 6.0 * facts.matmul_params + 6.0 * facts.layers * facts.attn_width * mean_ctx
+
+
+def example_lengths(dataset) -> list[int]:
+    """Token lengths of the examples in a (possibly packed: `seq_lengths`) tokenized dataset."""
+    cols = getattr(dataset, "column_names", None) or []
+    if "seq_lengths" in cols:
+        return [n for row in dataset["seq_lengths"] for n in row]
+    if "input_ids" in cols:
+        return [len(x) for x in dataset["input_ids"]]
+    return []
+
+
+def _callback_base():
+    from transformers import TrainerCallback
+
+    return TrainerCallback
+
+
+class Throughput(_callback_base()):
+    def __init__(self, flops_per_token: float | None = None):
+        super().__init__()
+        self.flops_per_token = flops_per_token
+        self.first: tuple | None = None  # (step, tokens, wall time, cuda event)
+        self.last: tuple | None = None
+
+    def _mark(self, state):
+        ev = None
+        try:
+            import torch
+
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record()
+        except ImportError:  # pragma: no cover
+            pass
+        return (int(state.global_step), int(getattr(state, "num_input_tokens_seen", 0) or 0), time.perf_counter(), ev)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        mark = self._mark(state)
+        if self.first is None:
+            self.first = mark
+        else:
+            self.last = mark
+        return control
+
+    def figures(self) -> dict | None:
+        """steps/s, tokens/s, TFLOP/s per GPU and MFU over the steady steps, or None before two steps ended."""
+        if self.first is None or self.last is None:
+            return None
+        s0, t0, w0, e0 = self.first
+        s1, t1, w1, e1 = self.last
+        seconds = w1 - w0
+        if e0 is not None and e1 is not None:
+            e1.synchronize()
+            seconds = e0.elapsed_time(e1) / 1000.0
+        seconds = max(seconds, 1e-9)
+        out = {"steps": s1 - s0, "seconds": seconds, "steps_per_s": (s1 - s0) / seconds,
+               "tokens_per_s": (t1 - t0) / seconds}
+        if self.flops_per_token and t1 > t0:
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            tflops = self.flops_per_token * out["tokens_per_s"] / world / 1e12
+            out["tflops_per_gpu"] = tflops
+            try:
+                import torch
+
+                if torch.cuda.is_available():
+                    peak = peak_tflops(torch.cuda.get_device_name())
+                    if peak:
+                        out["mfu"] = tflops / peak
+            except ImportError:  # pragma: no cover
+                pass
+        return out
+
+    def summary(self) -> str | None:
+        f = self.figures()
+        if f is None:
+            return None
+        s = (f"steady {f['steps']} steps in {f['seconds']:.1f}s: {f['steps_per_s']:.3f} steps/s, "
+             f"{f['tokens_per_s']:,.0f} real tokens/s")
+        if "tflops_per_gpu" in f:
+            s += f", {f['tflops_per_gpu']:.0f} TFLOP/s per GPU"
+        if "mfu" in f:
+            s += f", MFU {100 * f['mfu']:.1f} %"
+        return s

@@ -1,0 +1,82 @@
+"""The attention kernel per image record (attention.decide), as doctor and the trainers both use it, and the
+transformers registration of PyTorch's varlen kernel."""
+
+import pytest
+
+from entrypoints import attention
+
+
+def record(backend):
+    return {"attention_backend": backend}
+
+
+def usable_only(*names):
+    return lambda name: None if name in names else "not installed"
+
+
+HOPPER, AMPERE, BLACKWELL = (9, 0), (8, 0), (10, 0)
+
+
+@pytest.mark.parametrize("backend,cc,usable,want", [
+    ("fa3", HOPPER, ("fa3", "fa4", "fa2", "varlen"), "fa3"),       # Hopper image on Hopper: its FA3
+    ("fa3", HOPPER, ("fa2", "varlen"), "fa2"),                     # FA3 missing: the next that runs
+    ("fa3", HOPPER, ("varlen",), "varlen"),                        # no flash-attn at all: torch's varlen kernel
+    ("fa3", HOPPER, (), "sdpa"),                                   # nothing runs: SDPA
+    ("fa3", AMPERE, ("fa3", "fa2", "varlen"), "fa2"),              # FA3 can't run on sm80 even when installed
+    ("fa2", AMPERE, ("fa2", "varlen"), "fa2"),                     # Ampere image on Ampere
+    ("fa2", (8, 6), ("varlen",), "varlen"),
+    ("fa2", BLACKWELL, ("fa2", "varlen"), "varlen"),               # FA2 has no sm100 kernels
+    ("sdpa", BLACKWELL, ("varlen",), "varlen"),                    # Blackwell image: varlen flash, then SDPA
+    ("sdpa", BLACKWELL, ("fa4", "varlen"), "fa4"),                 # FA4 where someone installed it
+    ("sdpa", (7, 5), ("varlen",), "sdpa"),                         # varlen flash needs sm80+
+], ids=str)  # fmt: skip
+def test_choice_per_image_record(backend, cc, usable, want):
+    choice = attention.decide(record(backend), cc, usable_only(*usable))
+    assert choice.name == want
+    assert choice.impl == attention.KERNELS[want].impl
+    if want == backend:
+        assert choice.reason == "the image's default" and not choice.skipped
+    else:
+        assert backend in choice.reason or want == "sdpa"
+
+
+def test_fallback_names_what_was_skipped_and_why():
+    choice = attention.decide(record("fa3"), HOPPER, usable_only("varlen"))
+    line = choice.line()
+    assert line.startswith("attention: PyTorch varlen flash attention (trainbox_varlen)")
+    assert "FlashAttention 3: not installed" in line and "FlashAttention 2: not installed" in line
+
+
+def test_wrong_gpu_generation_is_named():
+    line = attention.decide(record("fa3"), AMPERE, usable_only("varlen")).line()
+    assert "FlashAttention 3: needs a Hopper GPU (sm90); this GPU is sm80" in line
+
+
+def test_no_gpu_is_sdpa_and_user_flag_wins():
+    assert attention.decide(record("fa3"), None, usable_only("fa3")).name == "sdpa"
+    assert attention.decide(None, None, usable_only()).impl == "sdpa"
+    user = attention.decide(record("fa3"), HOPPER, usable_only("fa3"), requested="eager")
+    assert (user.impl, user.reason) == ("eager", "set by --attn_implementation")
+    assert attention.decide(record("sdpa"), HOPPER, usable_only(), requested="fa2").impl == "flash_attention_2"
+
+
+def test_packing_needs_a_kernel_that_keeps_examples_apart():
+    assert attention.decide(record("fa3"), HOPPER, usable_only("fa3")).packed
+    assert attention.decide(record("fa3"), HOPPER, usable_only("varlen")).packed
+    assert not attention.decide(record("fa3"), HOPPER, usable_only()).packed  # dense-mask SDPA
+
+
+def test_runtime_usable_on_cpu_says_why_not():
+    # This machine has no GPU and no flash-attn: every kernel but SDPA says why it can't run.
+    assert attention.runtime_usable("sdpa") is None
+    assert "not installed" in attention.runtime_usable("fa3")
+    assert "not installed" in attention.runtime_usable("fa2")
+
+
+def test_varlen_registers_with_transformers():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    attention.register_varlen()
+    assert AttentionInterface._global_mapping[attention.VARLEN] is attention.varlen_attention_forward
+    assert attention.VARLEN in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
