@@ -42,12 +42,15 @@ def _job_fields(job_id: str, env: dict) -> dict:
     return dict(kv.split("=", 1) for kv in r.stdout.split() if "=" in kv)
 
 
-def run_job(script: Path, env: dict, timeout: float = 900) -> dict:
-    """sbatch, then poll scontrol until the job ends (sbatch --wait polls too slowly for a test)."""
+def submit(script: Path, env: dict) -> str:
     r = subprocess.run(["sbatch", "--parsable", str(script)], env=env, capture_output=True, text=True,
                        cwd=script.parent)
     assert r.returncode == 0, r.stderr
-    job_id = r.stdout.strip().split(";")[0]
+    return r.stdout.strip().split(";")[0]
+
+
+def wait_job(job_id: str, env: dict, timeout: float = 900) -> dict:
+    """Poll scontrol until the job ends (sbatch --wait polls too slowly for a test); its final fields."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         f = _job_fields(job_id, env)
@@ -56,6 +59,10 @@ def run_job(script: Path, env: dict, timeout: float = 900) -> dict:
         time.sleep(0.5)
     subprocess.run(["scancel", job_id], env=env)
     pytest.fail(f"job {job_id} did not finish in {timeout} s: {f}")
+
+
+def run_job(script: Path, env: dict, timeout: float = 900) -> dict:
+    return wait_job(submit(script, env), env, timeout)
 
 
 def _sft_setup(tmp: Path, model: Path, model_path: str | None = None) -> Path:
@@ -120,48 +127,20 @@ def test_cluster_up_is_idempotent(slurm):
 
 # ------------------------------------------------------------------ enroot mode, inside the exported smoke image
 
-# A stand-in for the enroot CLI (enroot itself is not packaged for Debian): create = unsquashfs, start = the mounts of
-# enroot's conf/mounts/10-system.fstab + 20-config.fstab and --mount in a private mount namespace, the env from
-# /etc/environment plus --env, then a login shell running /etc/rc with the arguments (bin/enroot-switchroot.c);
-# remove = rm -rf. The .sqsh, its /etc/rc and everything inside the image are the real thing.
-FAKE_ENROOT = r'''#!/bin/bash
-set -euo pipefail
-data="${ENROOT_DATA_PATH:?}"
-mkdir -p "$data"
-cmd="$1"; shift
-case "$cmd" in
-create)
-    name=; force=
-    while [ $# -gt 1 ]; do case "$1" in --name) name="$2"; shift 2 ;; --force) force=y; shift ;; *) break ;; esac; done
-    [ -n "$force" ] && rm -rf "$data/$name"
-    unsquashfs -q -n -d "$data/$name" "$1" > /dev/null ;;
-remove)
-    [ "$1" = --force ] && shift
-    rm -rf "${data:?}/$1" ;;
-start)
-    mounts=(); envs=()
-    while [ $# -gt 0 ]; do case "$1" in
-        --mount) mounts+=("$2"); shift 2 ;;
-        --env) envs+=("$2=${!2-}"); shift 2 ;;
-        *) break ;; esac; done
-    root="$data/$1"; shift
-    mapfile -t ienv < <(grep -v "^#" "$root/etc/environment")
-    exec unshare -m bash -c '
-        set -euo pipefail
-        root="$1"; shift; nm="$1"; shift; mounts=("${@:1:$nm}"); shift "$nm"
-        mount --make-rprivate /
-        for d in proc sys dev; do mkdir -p "$root/$d"; mount --rbind "/$d" "$root/$d"; done
-        for f in hosts hostname resolv.conf; do touch "$root/etc/$f"; mount --bind "/etc/$f" "$root/etc/$f"; done
-        mount -t tmpfs tmpfs "$root/tmp"
-        for m in ${mounts[@]+"${mounts[@]}"}; do
-            IFS=: read -r src dst _ <<< "$m"; mkdir -p "$root$dst"; mount --bind "$src" "$root$dst"
-        done
-        exec "$@"' _ "$root" "${#mounts[@]}" ${mounts[@]+"${mounts[@]}"} \
-        env -i ${ienv[@]+"${ienv[@]}"} HOME=/root ${envs[@]+"${envs[@]}"} \
-        chroot "$root" /bin/sh -l /etc/rc "$@" ;;
-*) echo "fake enroot: $cmd not supported" >&2; exit 1 ;;
-esac
-'''
+# enroot itself is in no package registry: tests/enroot_standin.sh plays it with enroot's defaults (read-only root, no
+# home mount, the caller as uid 0 of a user namespace, the environment cleared to the image's). The .sqsh, its /etc/rc
+# and everything inside the image are the real thing.
+ENROOT_STANDIN = ROOT / "tests" / "enroot_standin.sh"
+
+
+def enroot_path(tmp: Path) -> str:
+    """A PATH whose `enroot` is the stand-in (or the real one named by TRAINBOX_REAL_ENROOT)."""
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    real = os.environ.get("TRAINBOX_REAL_ENROOT")
+    (bin_dir / "enroot").symlink_to(real or ENROOT_STANDIN)
+    return f"{bin_dir}:{os.environ['PATH']}"
+
 
 from enginefix import engine, smoke_build, smoke_image, smoke_sqsh  # noqa: E402,F401  (session fixtures)
 
@@ -169,10 +148,6 @@ from enginefix import engine, smoke_build, smoke_image, smoke_sqsh  # noqa: E402
 @pytest.mark.engine
 @pytest.mark.timeout(3600)  # may build the smoke image and export it (once per session, shared with test_enroot)
 def test_enroot_mode_job_runs_sft_inside_the_sqsh(slurm, smoke_sqsh, tiny_model, tmp_path):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "enroot").write_text(FAKE_ENROOT)
-    (bin_dir / "enroot").chmod(0o755)
     job = tmp_path / "job"
     job.mkdir()
     import shutil
@@ -186,7 +161,7 @@ def test_enroot_mode_job_runs_sft_inside_the_sqsh(slurm, smoke_sqsh, tiny_model,
                    nodes=1, gpus_per_node=0, nproc_per_node=2, time="15:00", log_dir=str(tmp_path),
                    mounts=(parse_mount(f"{job}:/job"),), env=(("HF_HUB_OFFLINE", "1"),))
     script = write(spec, tmp_path / "job.sh")
-    env = dict(slurm, PATH=f"{bin_dir}:{os.environ['PATH']}", ENROOT_DATA_PATH=str(tmp_path / "containers"))
+    env = dict(slurm, PATH=enroot_path(tmp_path), ENROOT_DATA_PATH=str(tmp_path / "containers"))
     result = run_job(script, env)
     log = Path(result["StdOut"]).read_text(errors="replace")
     assert result["JobState"] == "COMPLETED" and result["ExitCode"] == "0:0", log[-3000:]

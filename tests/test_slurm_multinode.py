@@ -1,0 +1,122 @@
+"""The rendered sft job script on two Slurm nodes: two slurmd in their own network namespaces on this host
+(builder.slurm_cluster --netns-nodes 2), one task per node, torchrun's c10d rendezvous and gloo between the
+namespaces' addresses (nothing but those and loopback). Bare mode: the launcher from this venv; enroot mode: inside
+the smoke .sqsh through the enroot stand-in. A `scancel --signal=USR1` checkpoints the running job and a second
+submission of the same script resumes from that checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from builder import slurm_cluster
+from builder.slurm import JobSpec, parse_mount, write
+from test_slurm_job import _sft_setup, enroot_path, submit, wait_job
+
+pytestmark = pytest.mark.slurm
+ROOT = Path(__file__).resolve().parents[1]
+NODES = [slurm_cluster.netns_node(i) for i in (1, 2)]
+
+
+@pytest.fixture(scope="module")
+def slurm2():
+    """The cluster with two netns nodes; stopped afterwards only if this module started it."""
+    was_up = slurm_cluster.answers(slurm_cluster.load_state(), netns_nodes=2)
+    info = slurm_cluster.up(cpus=max(2, os.cpu_count() or 2), netns_nodes=2)
+    yield dict(os.environ, SLURM_CONF=info["conf"]), info["netns_partition"]
+    if not was_up:
+        slurm_cluster.down()
+
+
+def _config(tmp: Path, model: Path, max_steps: int, save_steps: int) -> Path:
+    cfg = _sft_setup(tmp, model)
+    text = re.sub(r"max_steps: \d+", f"max_steps: {max_steps}", cfg.read_text())
+    cfg.write_text(re.sub(r"save_steps: \d+", f"save_steps: {save_steps}", text))
+    return cfg
+
+
+def _assert_two_nodes(log: str, nnodes_line: str = "torchrun nnodes=2 nproc_per_node=1") -> None:
+    # One task per node, each in its own namespace: its launcher line and the node's own address.
+    for rank, node in enumerate(NODES):
+        assert f"{nnodes_line} node_rank={rank} rdzv=c10d tbx1:" in log, log[-4000:]
+        assert f"[trainbox] node {rank} on {node['name']}" in log, log[-4000:]
+    assert "2 processes" in log, log[-4000:]
+
+
+def test_two_node_bare_job_preempts_and_resumes(slurm2, tiny_model, tmp_path):
+    env, partition = slurm2
+    cfg = _config(tmp_path, Path(tiny_model), max_steps=60, save_steps=1000)
+    spec = JobSpec(tag="smoke-cpu", entrypoint="sft", mode="bare", config=str(cfg), nodes=2, gpus_per_node=0,
+                   nproc_per_node=1, time="15:00", partition=partition, python=sys.executable, workdir=str(ROOT),
+                   log_dir=str(tmp_path), env=(("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false"),
+                                               ("PYTHONPATH", str(ROOT / "tests" / "cpu_resume"))))
+    script = write(spec, tmp_path / "job.sh")
+
+    job_id = submit(script, env)
+    log_path = tmp_path / f"sft-smoke-cpu-{job_id}.out"
+    end = time.monotonic() + 600
+    while "'loss'" not in (log_path.read_text(errors="replace") if log_path.exists() else ""):
+        assert time.monotonic() < end, "training never logged a step"
+        time.sleep(0.5)
+    r = subprocess.run(["scancel", "--signal=USR1", job_id], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    job = wait_job(job_id, env)
+    log = log_path.read_text(errors="replace")
+    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", log[-4000:]
+    assert job["NumNodes"] == "2" and job["NodeList"] == "tbx[1-2]"
+    _assert_two_nodes(log)
+    m = re.search(r"\[trainbox\] sft preempted \(checkpoint saved\): steps (\d+)/60", log)
+    assert m, log[-4000:]
+    step = int(m.group(1))
+    assert 0 < step < 60 and (tmp_path / "out" / f"checkpoint-{step}" / "trainer_state.json").is_file()
+
+    # Same script again: resume=auto picks the checkpoint up, on both nodes.
+    job2_id = submit(script, env)
+    job2 = wait_job(job2_id, env)
+    log2 = (tmp_path / f"sft-smoke-cpu-{job2_id}.out").read_text(errors="replace")
+    assert job2["JobState"] == "COMPLETED" and job2["ExitCode"] == "0:0", log2[-4000:]
+    _assert_two_nodes(log2)
+    assert f"[trainbox] sft done: steps 60/60 (this run {60 - step})" in log2, log2[-4000:]
+    assert (tmp_path / "out" / "model.safetensors").stat().st_size > 0
+
+
+from enginefix import engine, smoke_build, smoke_image, smoke_sqsh  # noqa: E402,F401  (session fixtures)
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(3600)  # may build and export the smoke image (once per session)
+def test_two_node_enroot_job_runs_sft_inside_the_sqsh(slurm2, smoke_sqsh, tiny_model, tmp_path):
+    env, partition = slurm2
+    job = tmp_path / "job"
+    job.mkdir()
+    shutil.copytree(tiny_model, job / "model")
+    cfg = _config(job, job / "model", max_steps=4, save_steps=2)
+    cfg.write_text(cfg.read_text().replace(str(job), "/job"))  # as the container sees it
+    cache = tmp_path / "hf-cache"
+    cache.mkdir()
+    spec = JobSpec(tag="smoke-x86_64", entrypoint="sft", mode="enroot", config="/job/sft.yaml", sqsh=str(smoke_sqsh),
+                   nodes=2, gpus_per_node=0, nproc_per_node=1, time="15:00", partition=partition,
+                   log_dir=str(tmp_path), mounts=(parse_mount(f"{job}:/job"),), hf_cache=str(cache),
+                   env=(("HF_HUB_OFFLINE", "1"),))
+    script = write(spec, tmp_path / "job.sh")
+    env = dict(env, PATH=enroot_path(tmp_path), ENROOT_DATA_PATH=str(tmp_path / "containers"))
+    result = wait_job(submit(script, env), env, timeout=1500)
+    log = Path(result["StdOut"]).read_text(errors="replace")
+    assert result["JobState"] == "COMPLETED" and result["ExitCode"] == "0:0", log[-4000:]
+    _assert_two_nodes(log)
+    assert "[trainbox] sft done: steps 4/4" in log and "outputs /job/out" in log
+    # $HOME is read-only in the container: the other caches moved, HF_HOME stayed the job script's shared mount.
+    moved = [ln for ln in log.splitlines() if "is not writable" in ln]
+    assert moved and all("HF_HOME" not in ln for ln in moved), log[-4000:]
+    assert (cache / "datasets").is_dir()  # the datasets cache landed in the shared mount
+    assert json.loads((job / "out" / "checkpoint-4" / "trainer_state.json").read_text())["global_step"] == 4
+    assert list((tmp_path / "containers").iterdir()) == []
