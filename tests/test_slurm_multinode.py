@@ -115,8 +115,9 @@ def test_two_node_enroot_job_runs_sft_inside_the_sqsh(slurm2, smoke_sqsh, tiny_m
     _assert_two_nodes(log)
     assert "[trainbox] sft done: steps 4/4" in log and "outputs /job/out" in log
     # $HOME is read-only in the container: the other caches moved, HF_HOME stayed the job script's shared mount.
-    moved = [ln for ln in log.splitlines() if "is not writable" in ln]
-    assert moved and all("HF_HOME" not in ln for ln in moved), log[-4000:]
+    moved = [re.search(r"\(([A-Z_, ]+)\)", ln).group(1).split(", ") for ln in log.splitlines()
+             if "is not writable" in ln]
+    assert len(moved) == 2 and all("HF_HOME" not in names and "TRITON_CACHE_DIR" in names for names in moved), moved
     assert (cache / "datasets").is_dir()  # the datasets cache landed in the shared mount
     assert json.loads((job / "out" / "checkpoint-4" / "trainer_state.json").read_text())["global_step"] == 4
     assert list((tmp_path / "containers").iterdir()) == []
