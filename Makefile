@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PY ?= .venv/bin/python
 PIP ?= .venv/bin/pip
 
-.PHONY: setup system-deps test test-fast engine engine-stop render lock bases workflow slurm slurm-stop bench
+.PHONY: setup system-deps test test-fast test-gpu-image engine engine-stop render lock bases workflow slurm slurm-stop bench
 
 # Debian packages the real-image, .sqsh and Slurm tests use (root; a no-op when all are present).
 SYSTEM_PACKAGES := docker.io docker-registry skopeo squashfs-tools squashfuse qemu-user-static binfmt-support \
@@ -26,11 +26,15 @@ test: ## everything: unit, rendered files, real images (starts the engine itself
 test-fast: ## no engine, no Slurm
 	$(PY) -m pytest -ra -m "not engine and not slurm" tests
 
+test-gpu-image: ## build a real CUDA 13 image from the default index (several GB, ~30 min; not part of `make test`)
+	$(PY) -m pytest -ra -s -m gpuimage tests/test_gpu_image.py
+
 render: ## re-render every cell's Dockerfile into images/
 	$(PY) build.py --dry-run --quiet
 
-lock: ## re-lock what can be locked here (GPU cells need TORCH_INDEX_URL and VLLM_INDEX_URL)
+lock: ## re-lock what can be locked from the default index alone (cu129 cells need PyTorch's and vLLM's indexes)
 	$(PY) build.py --lock smoke
+	$(PY) build.py --lock --cuda 13.0 --gpu blackwell
 
 # --- engine (owned by builder/setup_engine.py) ---
 engine: ## start (or reuse) a Docker engine, a local registry on 127.0.0.1, QEMU binfmt for arm64

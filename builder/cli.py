@@ -23,9 +23,15 @@ def parser() -> argparse.ArgumentParser:
     mode.add_argument("--explain", action="store_true", help="print every excluded combination and why")
     mode.add_argument("--dry-run", action="store_true", help="render Dockerfiles and print the build plan")
     mode.add_argument("--lock", action="store_true", help="re-lock the selected cells' requirements")
+    mode.add_argument("--frozen", action="store_true",
+                      help="build only with committed, fresh locks (refuse instead of locking; what CI uses)")
     inp = p.add_argument_group("inputs")
     inp.add_argument("--matrix", type=Path, default=DEFAULT_MATRIX, metavar="FILE", help="matrix file")
-    inp.add_argument("--config", type=Path, metavar="FILE", help="TOML with a [bases] table of OLD = NEW images")
+    inp.add_argument("--config", type=Path, metavar="FILE",
+                     help="TOML with [bases] (OLD = NEW images) and/or [index] (NAME = URL) tables")
+    inp.add_argument("--index", action="append", default=[], metavar="NAME=URL",
+                     help="replace one of matrix.toml's [index] URLs (default, torch, vllm, flash), e.g. a mirror; "
+                          "also TRAINBOX_INDEX_<NAME>")
     inp.add_argument("--base", action="append", default=[], metavar="OLD=NEW",
                      help="build FROM NEW where the cell's base is OLD (repeatable; a BASE_IMAGE build arg)")
     inp.add_argument("--output-dir", type=Path, default=ROOT, metavar="DIR",
@@ -36,6 +42,11 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--registry", metavar="HOST:PORT/REPO", help="repository to tag and push to")
     b.add_argument("--wheelhouse", metavar="DIR", help="wheels to offer pip before any index (torch, FA3...)")
     b.add_argument("--builder", choices=["auto", "buildx", "buildkit", "legacy"], default="auto")
+    b.add_argument("--buildx-builder", metavar="NAME",
+                   help="buildx builder to use (e.g. one with a native arm64 node: source builds are then allowed "
+                        "for that arch)")
+    b.add_argument("--build-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra build arg, passed last (wins over the tool's own)")
     b.add_argument("--no-cache", action="store_true", help="build without the layer cache")
     b.add_argument("--report", metavar="FILE", help="write the build report (JSON) here")
     b.add_argument("--secret", action="append", default=[], metavar="id=ID,src=PATH", help="BuildKit secret")
@@ -47,18 +58,27 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def read_config(config: Path | None) -> dict:
+    if config is None:
+        return {}
+    try:
+        data = tomllib.loads(config.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise UserError(f"cannot read the config: {e.strerror or e}", where=str(config)) from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"not valid TOML: {e}", where=str(config)) from None
+    unknown = set(data) - {"bases", "index"}
+    if unknown:
+        raise UserError(f"unknown key {sorted(unknown)[0]!r}", where=str(config), fix="only [bases] and [index] are read")
+    if not isinstance(data.get("index", {}), dict):
+        raise UserError("[index] must map index names to URLs", where=f"{config}: index")
+    return data
+
+
 def parse_bases(pairs: list[str], config: Path | None) -> dict[str, str]:
     out: dict[str, str] = {}
     if config is not None:
-        try:
-            data = tomllib.loads(config.read_text(encoding="utf-8"))
-        except OSError as e:
-            raise UserError(f"cannot read the config: {e.strerror or e}", where=str(config)) from None
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise UserError(f"not valid TOML: {e}", where=str(config)) from None
-        unknown = set(data) - {"bases"}
-        if unknown:
-            raise UserError(f"unknown key {sorted(unknown)[0]!r}", where=str(config), fix="only [bases] is read")
+        data = read_config(config)
         bases = data.get("bases", {})
         if not isinstance(bases, dict) or not all(isinstance(v, str) and v for v in bases.values()):
             raise UserError("[bases] must map image names to image names", where=f"{config}: bases")
@@ -91,34 +111,65 @@ def cmd_explain(m: Matrix, quiet: bool) -> None:
         print(f"{e.describe():<44} rule={e.rule}: {e.reason}")
 
 
-def plan_lines(cells: list[Cell], bases: dict[str, str], paths: dict, root: Path = ROOT) -> list[str]:
-    from builder import lock
-    lines = [f"build plan: {len(cells)} image(s), context = repository root"]
+def plan_lines(cells: list[Cell], bases: dict[str, str], paths: dict, root: Path = ROOT,
+               overrides: dict[str, str] | None = None, frozen: bool = False, native: bool = False) -> list[str]:
+    from builder import engine, indexes, lock
+    lines = [f"build plan: {len(cells)} image(s), context = repository root, host = {engine.host_arch()}"]
     for i, c in enumerate(cells, 1):
         base = bases.get(c.base_image, c.base_image)
-        lines.append(f"{i}. {c.tag} ({c.platform})")
+        lines.append(f"{i}. {c.tag} ({c.platform}{', emulated (QEMU)' if c.arch != engine.host_arch() else ''})")
         lines.append(f"   dockerfile: {paths[c.tag]}")
         sub = f" (substituted for {c.base_image})" if base != c.base_image else ""
         lines.append(f"   base: {base}{sub}")
-        args = [f"BASE_IMAGE={base}"] if base != c.base_image else []
-        needs = lock.indexes(c)
-        extra = f" + {' '.join(needs)} (required)" if needs else ""
-        if c.torch_variant == "cpu" and "torch" in c.pins:
-            extra = f"; torch {c.pins['torch']}+cpu from the wheelhouse (--wheelhouse DIR) or TORCH_INDEX_URL"
-        lines.append(f"   build args: {' '.join(args) or '(defaults)'}{extra}")
+        args = engine.cell_build_args(c, bases=bases, index_overrides=overrides)
+        lines.append("   build args: " + " ".join(f"{k}={indexes.redact(v)}" for k, v in args.items()))
+        default = indexes.url(c, "default", overrides) or "the installer's default index"
+        for name in ["default", *indexes.needed(c)]:
+            lines.append(f"   index {name}: {indexes.redact(indexes.url(c, name, overrides)) or default}")
         lines.append(f"   tags: {' '.join(f'{c.repository}:{t}' for t in c.tags)}")
-        if not (root / c.lock).is_file():
-            state = f"missing: python build.py --lock {c.tag}" + (f" with {' and '.join(needs)} set" if needs else "")
+        st = lock.state(c, root)
+        locks = " + ".join(str(p) for p, _ in lock.wanted(c))
+        if st == "fresh":
+            step = "fresh, used as is"
+        elif frozen:
+            step = f"{st}: --frozen refuses to build (run python build.py --lock {c.tag})"
         else:
-            state = "fresh" if lock.is_fresh(c, root) else f"stale: python build.py --lock {c.tag}"
-        lines.append(f"   lock: {c.lock} ({state})")
+            step = f"{st}: locked automatically before the build (uv pip compile for {c.uv_platform}, python {c.python})"
+        lines.append(f"   lock: {locks} ({step})")
+        for line in _heavy_sources(c, overrides, native):
+            lines.append(f"   {line}")
     return lines
+
+
+def _heavy_sources(c: Cell, overrides, native: bool) -> list[str]:
+    """Where each multi-hundred-MB wheel comes from: the answer to 'does anything compile here?'."""
+    from builder import engine, indexes
+    out = []
+    for pkg, name in (("torch", "torch"), ("vllm", "vllm")):
+        if pkg in c.pins and c.torch_variant:
+            where = ("the wheelhouse (or TORCH_INDEX_URL's cpu variant)" if c.torch_variant == "cpu" else
+                     f"index {name}" if name in indexes.needed(c) else "the default index")
+            out.append(f"{pkg}: prebuilt wheel {c.requirement(pkg)} from {where}")
+    if c.flash:
+        a = c.attention
+        if c.flash["how"] == "index":
+            out.append(f"{a['package']}: prebuilt wheel {a['package']}=={a['version']} ({c.flash['flash_variant']} "
+                       f"build) from index flash, by hash ({c.attention_lock}); nothing compiles")
+        elif engine.compiles_under_emulation(c, native):
+            out.append(f"{a['package']}: no prebuilt {c.arch} wheel; compiled from source only on a native {c.arch} "
+                       f"builder: REFUSED here under emulation (build on a native runner or --buildx-builder)")
+        else:
+            out.append(f"{a['package']}: no prebuilt {c.arch} wheel; compiled from source natively in the "
+                       f"attention stage on {c.build_image}")
+    return out
 
 
 def run(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     m = load_matrix(args.matrix)
     bases = parse_bases(args.base, args.config)
+    from builder import indexes
+    args.index_overrides = indexes.parse_overrides(args.index, read_config(args.config).get("index"))
     # The engine reads args.base as OLD=NEW strings; fold the config's table in so both sources reach it.
     args.base = [f"{k}={v}" for k, v in bases.items()]
     if args.explain:
@@ -133,12 +184,13 @@ def run(argv: list[str] | None = None) -> int:
         return 0
     if args.lock:
         from builder import lock
-        return lock.lock_cells(cells, root=args.output_dir, quiet=args.quiet)
+        return lock.lock_cells(cells, root=args.output_dir, quiet=args.quiet, overrides=args.index_overrides)
     from builder import render
     paths = render.write_cells(cells, root=args.output_dir)
     if args.dry_run:
         if not args.quiet:
-            print("\n".join(plan_lines(cells, bases, paths, ROOT)))
+            print("\n".join(plan_lines(cells, bases, paths, ROOT, args.index_overrides, args.frozen,
+                                        bool(args.buildx_builder))))
         return 0
     try:
         from builder import engine

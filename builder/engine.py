@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -245,6 +246,7 @@ class BuildResult:
     pushed_layers: int = 0
     pushed_bytes: int = 0
     push_seconds: float = 0.0
+    blobs: dict = field(default_factory=dict)   # digest -> compressed size of the pushed manifest's config + layers
 
 
 def _stream(argv: list[str], env: dict, quiet: bool, prefix: str) -> tuple[int, list[str]]:
@@ -262,7 +264,7 @@ def _stream(argv: list[str], env: dict, quiet: bool, prefix: str) -> tuple[int, 
 
 def build_image(*, dockerfile: Path, context: Path, platform: str, builder: Builder, label: str,
                 build_args: dict[str, str] | None = None, secrets: list[str] | None = None, no_cache: bool = False,
-                quiet: bool = False, network: str = "host") -> tuple[str, list[str]]:
+                quiet: bool = False, network: str = "host", buildx_builder: str | None = None) -> tuple[str, list[str]]:
     """Build and return (image id, log lines); no tag. Raises UserError naming LABEL and the failing step."""
     build_args = build_args or {}
     secrets = secrets or []
@@ -274,6 +276,8 @@ def build_image(*, dockerfile: Path, context: Path, platform: str, builder: Buil
         env = dict(os.environ)
         if builder.kind == "buildx":
             argv = [builder.cli, "buildx", "build", "--load", "--progress=plain"]
+            if buildx_builder:
+                argv += ["--builder", buildx_builder]
         else:
             env["DOCKER_BUILDKIT"] = "1" if builder.kind == "buildkit" else "0"
             argv = [builder.cli, "build"]
@@ -309,25 +313,81 @@ def _platform_arch(platform: str) -> str:
     return platform.split("/")[1]
 
 
+def host_arch() -> str:
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower(), platform.machine().lower())
+
+
+def parse_build_args(pairs: list[str] | None) -> dict[str, str]:
+    out = {}
+    for p in pairs or []:
+        key, sep, value = p.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            raise UserError(f"--build-arg {p!r}: expected KEY=VALUE (e.g. --build-arg MAX_JOBS=4)")
+        out[key] = value
+    return out
+
+
+def vcs_ref(context: Path = ROOT) -> str:
+    """The checkout's commit for the revision label; a snapshot context (not a git checkout) uses the repository's."""
+    for d in (context, ROOT):
+        r = subprocess.run(["git", "-C", str(d), "rev-parse", "HEAD"], capture_output=True, text=True)
+        if r.returncode == 0 and r.stdout.strip():
+            return r.stdout.strip()
+    return "unknown"
+
+
+def compiles_under_emulation(cell, native_builder: bool = False) -> bool:
+    """A cell whose attention wheel is compiled from source, built for another arch than this host's without a
+    native builder (buildx --builder naming a node of that arch): QEMU would take many hours."""
+    flash = getattr(cell, "flash", None) or {}
+    return flash.get("how") == "source" and cell.arch != host_arch() and not native_builder
+
+
+def cell_build_args(cell, *, bases: dict[str, str] | None = None, index_overrides: dict[str, str] | None = None,
+                    extra: dict[str, str] | None = None, context: Path = ROOT) -> dict[str, str]:
+    """Every build arg the cell's Dockerfile reads: substituted bases, the index URLs (matrix defaults or overrides),
+    VCS_REF; then the --build-arg passthrough, which wins."""
+    from builder import indexes
+    bases = bases or {}
+    out: dict[str, str] = {}
+    base = getattr(cell, "base_image", None)
+    if base and base in bases:
+        out["BASE_IMAGE"] = bases[base]
+    build_image = getattr(cell, "build_image", None)
+    if build_image and build_image in bases and (getattr(cell, "flash", None) or {}).get("how") == "source":
+        out["BUILD_IMAGE"] = bases[build_image]
+    if hasattr(cell, "index_templates"):
+        out.update(indexes.build_args(cell, index_overrides))
+    out["VCS_REF"] = vcs_ref(context)
+    out.update(extra or {})
+    return out
+
+
 def build_cell(cell, *, builder: Builder, context: Path = ROOT, registry: str | None = None,
                bases: dict[str, str] | None = None, wheelhouse: str | None = None, secrets: list[str] | None = None,
-               no_cache: bool = False, quiet: bool = False) -> BuildResult:
+               no_cache: bool = False, quiet: bool = False, index_overrides: dict[str, str] | None = None,
+               extra_args: dict[str, str] | None = None, native_builder: bool = False,
+               buildx_builder: str | None = None) -> BuildResult:
     bases = bases or {}
     dockerfile = Path(cell.dockerfile)
     if not dockerfile.is_absolute():
         dockerfile = context / dockerfile
     if not dockerfile.exists():
         raise UserError(f"cell {cell.tag}: {dockerfile} does not exist; render it with `python build.py --dry-run`")
-    build_args = {}
+    if compiles_under_emulation(cell, native_builder):
+        raise UserError(f"cell {cell.tag} compiles {cell.attention['package']} from source and this host is "
+                        f"{host_arch()}: under QEMU that takes many hours, so it is refused",
+                        fix=f"build it on a native {cell.arch} machine (the generated workflow does), or with "
+                            "--buildx-builder NAME naming a buildx builder with a native node of that arch")
+    build_args = cell_build_args(cell, bases=bases, index_overrides=index_overrides, extra=extra_args,
+                                 context=context)
     base = getattr(cell, "base_image", None)
-    if base and base in bases:
-        build_args["BASE_IMAGE"] = bases[base]
     res = BuildResult(cell=cell.name, tag=cell.tag, arch=cell.arch, platform=cell.platform, builder=builder.kind)
     t0 = time.monotonic()
     with Wheelhouse(wheelhouse, context):
         image_id, lines = build_image(dockerfile=dockerfile, context=context, platform=cell.platform,
                                       builder=builder, label=cell.tag, build_args=build_args, secrets=secrets,
-                                      no_cache=no_cache, quiet=quiet)
+                                      no_cache=no_cache, quiet=quiet, buildx_builder=buildx_builder)
     res.seconds = round(time.monotonic() - t0, 1)
     res.steps, res.cached_steps = _count_cached(lines)
     client = builder.client()
@@ -396,6 +456,7 @@ def push_result(res: BuildResult, builder: Builder, quiet: bool = False) -> None
         raise UserError(f"push of cell {res.tag}: the registry does not show {ref} after the push")
     man, digest = got
     res.digest, res.pushed_ref = digest, f"{repo}@{digest}"
+    res.blobs = {b["digest"]: int(b["size"]) for b in [man.get("config", {}), *man.get("layers", [])] if b}
     # The manifest's layers are the image's diff ids in order, compressed: map the pushed ids to blob sizes.
     diff_ids = [str(d) for d in client.image.inspect(res.image_id).root_fs.layers or []]
     sizes = [int(layer["size"]) for layer in man.get("layers", [])]
@@ -453,8 +514,11 @@ def build_cells(cells, args) -> int:
     """The CLI's real build: build every cell, optionally push and join arches into manifest lists, report."""
     from builder import report
 
+    from builder import lock
+
     quiet = bool(getattr(args, "quiet", False))
-    builder = choose_builder(getattr(args, "builder", None) or "auto")
+    buildx_builder = getattr(args, "buildx_builder", None)
+    builder = choose_builder("buildx" if buildx_builder else (getattr(args, "builder", None) or "auto"))
     context = Path(getattr(args, "context", None) or ROOT)
     bases = parse_bases(getattr(args, "base", None))
     secrets = parse_secrets(getattr(args, "secret", None))
@@ -462,6 +526,14 @@ def build_cells(cells, args) -> int:
     push = bool(getattr(args, "push", False))
     if push and not registry:
         raise UserError("--push needs --registry HOST:PORT/REPO (e.g. --registry 127.0.0.1:5555/trainbox)")
+    index_overrides = getattr(args, "index_overrides", None) or {}
+    extra_args = parse_build_args(getattr(args, "build_arg", None))
+    for cell in cells:  # refuse before any lock or build work
+        if compiles_under_emulation(cell, bool(buildx_builder)):
+            build_cell(cell, builder=builder, context=context)
+    # The lock step: every missing or stale lock of the selection is resolved before the first build.
+    lock.ensure([c for c in cells if hasattr(c, "venv")], root=context, overrides=index_overrides,
+                frozen=bool(getattr(args, "frozen", False)), quiet=quiet)
     if not quiet:
         print(f"builder: {builder.kind} ({builder.cli})", flush=True)
     results: list[BuildResult] = []
@@ -469,7 +541,9 @@ def build_cells(cells, args) -> int:
     for cell in cells:
         res = build_cell(cell, builder=builder, context=context, registry=registry, bases=bases,
                          wheelhouse=getattr(args, "wheelhouse", None), secrets=secrets,
-                         no_cache=bool(getattr(args, "no_cache", False)), quiet=quiet)
+                         no_cache=bool(getattr(args, "no_cache", False)), quiet=quiet,
+                         index_overrides=index_overrides, extra_args=extra_args,
+                         native_builder=bool(buildx_builder), buildx_builder=buildx_builder)
         results.append(res)
         if getattr(args, "sqsh", None):
             from builder import enroot

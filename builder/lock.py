@@ -1,8 +1,12 @@
-"""Per-cell hash-locked requirements: locks/<tag>.txt from `uv pip compile --generate-hashes` for the cell's
-target platform and python (so aarch64 locks are made on an x86 host).
+"""Hash-locked requirements: `uv pip compile --generate-hashes` for a cell's target platform and python (so aarch64
+locks are made on an x86 host), through the indexes the cell needs (builder/indexes.py).
 
-Each lock starts with a header recording a hash of its inputs (pins, python, platform, indexes); `is_fresh()`
-recomputes it from the matrix without any network, which is what the freshness test checks.
+- locks/<venv>.txt: the shared venv (every cell of one CUDA, arch and stack uses the same file, hence the same layer).
+- locks/<tag>.attention.txt: a prebuilt FlashAttention wheel, by version and hash, installed in its own small layer.
+
+Each lock starts with a header recording a hash of its inputs (pins, python, platform, index names - never URLs);
+`is_fresh()` recomputes it without any network. `ensure()` is the build's lock step: it locks what is missing or
+stale before anything is built (all resolves first, then the writes, each atomic), or with `frozen` refuses.
 """
 from __future__ import annotations
 
@@ -13,45 +17,42 @@ import subprocess
 import sys
 from pathlib import Path
 
-from builder import atomic
+from builder import atomic, indexes
 from builder.errors import UserError
 from builder.matrix import ROOT, Cell
 
-HEADER = "# trainbox lock for cell {tag} ({platform}, python {python}); regenerate: python build.py --lock {tag}\n"
+HEADER = "# trainbox lock for {name} ({platform}, python {python}); regenerate: python build.py --lock {tag}\n"
 INPUTS = "# inputs-sha256: {digest}\n"
-
-
-class Skip(Exception):
-    """This cell can't be locked from here; the message names what is missing."""
+UV_TIMEOUT_S = "60"
 
 
 def requirements_in(cell: Cell) -> str:
     return "".join(f"{r}\n" for r in cell.requirements())
 
 
-def indexes(cell: Cell) -> list[str]:
-    """Env var names of the extra wheel indexes the cell's pins need (the default index is implied)."""
-    need = []
-    if cell.torch_variant and cell.torch_variant != "cpu" and "torch" in cell.pins:
-        need.append("TORCH_INDEX_URL")
-    if cell.cuda and "vllm" in cell.pins:
-        need.append("VLLM_INDEX_URL")
-    return need
+def attention_requirement(cell: Cell) -> str:
+    return f"{cell.attention['package']}=={cell.attention['version']}"
 
 
 def inputs_digest(cell: Cell) -> str:
-    """What the lock depends on; index URLs are named by variable and variant, never by value (may hold secrets)."""
+    """What the venv lock depends on; indexes are named, never given by URL (a mirror must not make it stale)."""
     parts = [requirements_in(cell), cell.python, cell.uv_platform, cell.torch_variant or "",
-             ",".join(indexes(cell)), "v1"]
+             ",".join(n for n in indexes.needed(cell) if n != "flash"), "v1"]   # flash: the attention lock's
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
-def find_links() -> list[str]:
-    """Local wheel directories offered to the resolver: the repo's wheelhouse and pip's configured find-links
-    (where the CPU torch wheel lives on development and CI machines)."""
+def attention_digest(cell: Cell) -> str:
+    parts = [attention_requirement(cell), cell.uv_platform, cell.flash["flash_variant"], "v1"]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def find_links(cell: Cell) -> list[str]:
+    """Local wheel directories offered to the resolver, for CPU-torch cells only (the CPU torch wheel lives there on
+    development and CI machines; a GPU cell must never resolve `torch==2.13.0` to a local +cpu build)."""
+    if cell.torch_variant != "cpu":
+        return []
     out = [str(ROOT / "wheelhouse")]
-    for entry in os.environ.get("PIP_FIND_LINKS", "").split():
-        out.append(entry)
+    out += os.environ.get("PIP_FIND_LINKS", "").split()
     if Path("/opt/wheels").is_dir() and "/opt/wheels" not in out:
         out.append("/opt/wheels")
     return [d for d in out if Path(d).is_dir()]
@@ -64,34 +65,53 @@ def uv_binary() -> str:
     raise UserError("uv is not installed", fix="pip install uv (it is in the dev extra: pip install -e '.[dev]')")
 
 
-def compile_lock(cell: Cell) -> str:
-    """The lock file text for a cell. Raises Skip when an index it needs is not configured."""
+def _uv(cell: Cell, what: str, requirements: str, args: list[str], urls: dict[str, str]) -> str:
     cmd = [uv_binary(), "pip", "compile", "-", "--quiet", "--generate-hashes", "--no-header",
-           "--python-version", cell.python, "--python-platform", cell.uv_platform, "--no-build"]
-    for d in find_links():
-        cmd += ["--find-links", d]
-    missing = [v for v in indexes(cell) if not os.environ.get(v)]
-    if missing:
-        raise Skip(f"needs {' and '.join(missing)} (torch {cell.pins.get('torch')}+{cell.torch_variant}"
-                   f"{' and the matching vLLM build' if 'VLLM_INDEX_URL' in missing else ''} are not on the default "
-                   f"index); set {' and '.join(missing)} to lock it")
-    for var in indexes(cell):
-        url = os.environ[var].rstrip("/")
-        cmd += ["--extra-index-url", f"{url}/{cell.torch_variant}" if var == "TORCH_INDEX_URL" else url]
-    if indexes(cell):
-        # The variant indexes also carry common packages (numpy...); take each package's best version anywhere.
-        cmd += ["--index-strategy", "unsafe-best-match"]
+           "--python-version", cell.python, "--python-platform", cell.uv_platform, "--no-build", *args]
     env = dict(os.environ)
     env.setdefault("SSL_CERT_FILE", "/etc/ssl/certs/ca-certificates.crt")
     env.setdefault("UV_NATIVE_TLS", "1")
-    proc = subprocess.run(cmd, input=requirements_in(cell), capture_output=True, text=True, env=env)
+    env.setdefault("UV_HTTP_TIMEOUT", UV_TIMEOUT_S)
+    proc = subprocess.run(cmd, input=requirements, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         msg = " ".join(proc.stderr.strip().splitlines()[-3:]) or f"exit {proc.returncode}"
-        raise UserError(f"uv pip compile failed for cell {cell.tag}: {msg}", fix="check the pins in matrix.toml")
-    body = proc.stdout
-    # Local wheel paths depend on the machine; the lock records names and hashes only.
-    return (HEADER.format(tag=cell.tag, platform=cell.uv_platform, python=cell.python)
+        named = ", ".join(f"{n} = {indexes.redact(u)}" for n, u in urls.items()) or "the default index only"
+        fix = ("if an index is not reachable from here, point it at a mirror (--index NAME=URL or "
+               "TRAINBOX_INDEX_<NAME>, see [index] in matrix.toml) or commit a lock made where it is reachable "
+               f"(python build.py --lock {cell.tag})")
+        raise UserError(f"cannot lock {what} for cell {cell.tag} through {named}: {indexes.redact(msg)[:500]}",
+                        fix=fix)
+    return proc.stdout
+
+
+def compile_lock(cell: Cell, overrides: dict[str, str] | None = None) -> str:
+    """The venv lock's text (no file is written)."""
+    args: list[str] = []
+    for d in find_links(cell):
+        args += ["--find-links", d]
+    urls = {n: indexes.url(cell, n, overrides) for n in indexes.needed(cell) if n != "flash"}
+    default = indexes.url(cell, "default", overrides)
+    if default:
+        args += ["--default-index", default]
+    for url in urls.values():
+        args += ["--extra-index-url", url]
+    if urls:
+        # The variant indexes also carry common packages (numpy...); take each package's best version anywhere.
+        args += ["--index-strategy", "unsafe-best-match"]
+    body = _uv(cell, f"locks/{cell.venv}.txt", requirements_in(cell), args,
+               {**({"default": default} if default else {}), **urls})
+    return (HEADER.format(name=cell.venv, platform=cell.uv_platform, python=cell.python, tag=cell.tag)
             + INPUTS.format(digest=inputs_digest(cell)) + body)
+
+
+def compile_attention_lock(cell: Cell, overrides: dict[str, str] | None = None) -> str:
+    """The prebuilt FlashAttention wheel by version and hash, from the flash index alone (no dependencies: it
+    builds against the venv's torch)."""
+    url = indexes.url(cell, "flash", overrides)
+    body = _uv(cell, str(cell.attention_lock), attention_requirement(cell) + "\n",
+               ["--no-deps", "--index-url", url], {"flash": url})
+    return (HEADER.format(name=f"{cell.tag}.attention", platform=cell.uv_platform, python=cell.python, tag=cell.tag)
+            + INPUTS.format(digest=attention_digest(cell)) + body)
 
 
 def recorded_digest(path: Path) -> str | None:
@@ -106,26 +126,71 @@ def recorded_digest(path: Path) -> str | None:
     return None
 
 
+def wanted(cell: Cell) -> list[tuple[Path, str]]:
+    """(lock path, digest it must record) for every lock the cell's build reads."""
+    out = [(cell.lock, inputs_digest(cell))]
+    if cell.attention_lock:
+        out.append((cell.attention_lock, attention_digest(cell)))
+    return out
+
+
+def state(cell: Cell, root: Path | str = ROOT) -> str:
+    """'fresh', 'missing' or 'stale' over all of the cell's locks."""
+    worst = "fresh"
+    for path, digest in wanted(cell):
+        got = recorded_digest(Path(root) / path)
+        if got is None:
+            return "missing"
+        if got != digest:
+            worst = "stale"
+    return worst
+
+
 def is_fresh(cell: Cell, root: Path | str = ROOT) -> bool:
-    return recorded_digest(Path(root) / cell.lock) == inputs_digest(cell)
+    return state(cell, root) == "fresh"
 
 
-def lock_cells(cells: list[Cell], root: Path | str = ROOT, quiet: bool = False) -> int:
-    """Lock every selected cell that can be locked from here; name each skipped one and why.
-    Exit 0 when at least one cell was locked (or none was selected), 1 when every one was skipped."""
-    root = Path(root)
-    locked, skipped = 0, 0
+def _texts(cells: list[Cell], root: Path, overrides, only_outdated: bool) -> dict[Path, str]:
+    """Resolve every lock the cells need (each shared file once); raises before anything is written."""
+    out: dict[Path, str] = {}
     for cell in cells:
-        try:
-            text = compile_lock(cell)
-        except Skip as e:
-            skipped += 1
-            print(f"skipped {cell.tag}: {e}", file=sys.stderr)
-            continue
-        atomic.write_text(root / cell.lock, text)
-        locked += 1
+        for path, digest in wanted(cell):
+            if path in out or (only_outdated and recorded_digest(root / path) == digest):
+                continue
+            out[path] = (compile_lock(cell, overrides) if path == cell.lock
+                         else compile_attention_lock(cell, overrides))
+    return out
+
+
+def lock_cells(cells: list[Cell], root: Path | str = ROOT, quiet: bool = False,
+               overrides: dict[str, str] | None = None) -> int:
+    """`--lock`: re-resolve every lock of the selected cells; all or nothing."""
+    root = Path(root)
+    texts = _texts(cells, root, overrides, only_outdated=False)
+    for path, text in texts.items():
+        atomic.write_text(root / path, text)
         if not quiet:
-            print(f"locked {cell.tag} -> {cell.lock} ({text.count('--hash=')} hashes)")
-    if skipped and not quiet:
-        print(f"{locked} locked, {skipped} skipped (see above)", file=sys.stderr)
-    return 1 if skipped and not locked else 0
+            print(f"locked {path} ({text.count('--hash=')} hashes)")
+    return 0
+
+
+def ensure(cells: list[Cell], root: Path | str = ROOT, overrides: dict[str, str] | None = None,
+           frozen: bool = False, quiet: bool = False) -> list[Path]:
+    """The build's lock step: lock what is missing or stale (returns the paths written); `frozen` refuses instead."""
+    root = Path(root)
+    if frozen:
+        bad = [(c, p, recorded_digest(root / p)) for c in cells for p, d in wanted(c)
+               if recorded_digest(root / p) != d]
+        if bad:
+            cell, path, got = bad[0]
+            raise UserError(f"--frozen: {path} is {'missing' if got is None else 'stale'} (cell {cell.tag}"
+                            f"{f' and {len(bad) - 1} more' if len(bad) > 1 else ''})",
+                            fix=f"run `python build.py --lock {cell.tag}` and commit the lock, or build without "
+                                "--frozen to lock automatically")
+        return []
+    texts = _texts(cells, root, overrides, only_outdated=True)
+    for path, text in texts.items():
+        atomic.write_text(root / path, text)
+        if not quiet:
+            print(f"lock: wrote {path} ({text.count('--hash=')} hashes)", flush=True)
+    return list(texts)

@@ -15,21 +15,22 @@ DEFAULT_MATRIX = ROOT / "matrix.toml"
 
 # The schema: every table's allowed keys and their types. Unknown keys are errors (typos must not pass silently).
 _TOP = {"schema": int, "naming": dict, "arch": dict, "cuda": dict, "gpu": dict, "torch_variant": dict,
-        "attention": dict, "stack": dict, "facts": dict, "expand": dict, "cell": list, "rule": list}
+        "attention": dict, "stack": dict, "facts": dict, "expand": dict, "cell": list, "rule": list, "index": dict}
 _REQUIRED_TOP = ("schema", "naming", "arch", "gpu", "torch_variant", "attention", "stack", "rule")
 _NAMING = {"repository": str, "tag": str, "cell_name": str, "version_tags": list, "version": str, "source": str}
 _ARCH = {"platform": str, "uv_platform": str}
-_CUDA = {"base_image": str, "python": str, "min_driver": str}
+_CUDA = {"base_image": str, "build_image": str, "python": str, "min_driver": str, "glibc": str}
 _GPU = {"sm": list, "cuda_arch_list": str, "attention": str, "min_cuda": str}
-_VARIANT = {"cuda": str, "arch_list": dict}
+_VARIANT = {"cuda": str, "arch_list": dict, "vllm": bool, "default_index": bool}
+# Wheel indexes: NAME -> URL template; the build arg each one becomes (see builder/indexes.py).
+INDEX_NAMES = ("default", "torch", "vllm", "flash")
 _ATTN = {"package": str, "version": str, "source": str, "source_subdir": str, "build_env": dict, "max_jobs": int,
-         "gpus": list, "sources": list}
-FLASH_SOURCES = ("wheelhouse", "index", "source")
+         "gpus": list, "prebuilt": dict}
 _STACK = {"packages": dict, "extends": str}
 _FACTS = {"vllm_torch": dict, "trl_vllm_extra": dict, "vllm_transformers": dict}
 _EXPAND = {"arch": list, "cuda": list, "gpu": list, "stack": str}
 _CELL = {"name": str, "arch": (str, list), "cuda": str, "gpu": str, "torch_variant": str, "base_image": str,
-         "python": str, "attention": str, "stack": (str, dict), "flash_sources": list}
+         "python": str, "attention": str, "stack": (str, dict)}
 _RULE = {"id": str, "reason": str}
 _TYPE_NAMES = {str: "a string", int: "an integer", list: "an array", dict: "a table", bool: "a boolean"}
 
@@ -62,6 +63,7 @@ class Cell:
     cuda: str | None
     gpu: str | None
     base_image: str
+    build_image: str | None   # the CUDA devel image, for a stage that compiles (never the runtime)
     python: str
     stack: str
     pins: dict = field(hash=False, compare=True)
@@ -75,6 +77,10 @@ class Cell:
     version: str
     source: str
     version_tags: tuple[str, ...]
+    venv: str                 # lock name: cells that share (CUDA, arch, stack, python) share locks/<venv>.txt
+    default_index: bool       # torch (and vLLM) come from the default index, no +variant local version
+    flash: dict | None = field(default=None, hash=False, compare=True)   # {"how": "index"|"source", ...}
+    index_templates: dict = field(default_factory=dict, hash=False, compare=False)
 
     @property
     def dockerfile(self) -> Path:
@@ -82,7 +88,12 @@ class Cell:
 
     @property
     def lock(self) -> Path:
-        return Path("locks") / f"{self.tag}.txt"
+        return Path("locks") / f"{self.venv}.txt"
+
+    @property
+    def attention_lock(self) -> Path | None:
+        """locks/<tag>.attention.txt: the prebuilt FlashAttention wheel, by version and hash (its own small layer)."""
+        return Path("locks") / f"{self.tag}.attention.txt" if self.flash and self.flash["how"] == "index" else None
 
     @property
     def tags(self) -> list[str]:
@@ -96,7 +107,7 @@ class Cell:
         """`name==version` with the torch wheel variant as the local version (torch==2.13.0+cu129)."""
         version = self.pins[package]
         # CUDA-12 cells need the variant builds of torch and vLLM (the default index has CUDA 13 builds only).
-        if self.torch_variant and (package == "torch" or (package == "vllm" and self.cuda)):
+        if self.torch_variant and not self.default_index and (package == "torch" or (package == "vllm" and self.cuda)):
             version = f"{version}+{self.torch_variant}"
         return f"{package}=={version}"
 
@@ -229,7 +240,7 @@ def _build(path: Path, data: dict) -> Matrix:
         _check_table(f"{f}: arch.{name}", t, _ARCH, tuple(_ARCH))
     cudas = data.get("cuda", {})
     for name, t in cudas.items():
-        _check_table(f"{f}: cuda.{name!r}", t, _CUDA, tuple(_CUDA))
+        _check_table(f"{f}: cuda.{name!r}", t, _CUDA, ("base_image", "python", "min_driver"))
         _version(f"{f}: cuda.{name!r}", name)
     gpus = data["gpu"]
     for name, t in gpus.items():
@@ -250,6 +261,8 @@ def _build(path: Path, data: dict) -> Matrix:
         for a in t["arch_list"]:
             if a not in arches:
                 raise UserError(f"unknown arch {a!r}", where=f"{w}.arch_list", fix=f"choose one of {', '.join(arches)}")
+        if t.get("vllm") and "cuda" not in t:
+            raise UserError("vllm = true needs a CUDA variant", where=f"{w}.vllm")
         if "cuda" in t and t["cuda"] not in cudas:
             raise UserError(f"unknown CUDA version {t['cuda']!r}", where=f"{w}.cuda",
                             fix=f"define [cuda.{t['cuda']!r}] or choose one of {', '.join(cudas)}")
@@ -260,8 +273,18 @@ def _build(path: Path, data: dict) -> Matrix:
         _str_table(f"{w}.build_env", t.get("build_env", {}))
         if "max_jobs" in t and t["max_jobs"] < 1:
             raise UserError("max_jobs must be >= 1", where=f"{w}.max_jobs")
-        if "sources" in t:
-            _flash_sources(f"{w}.sources", t["sources"])
+        for arch, table in t.get("prebuilt", {}).items():
+            if arch not in arches:
+                raise UserError(f"unknown arch {arch!r}", where=f"{w}.prebuilt", fix=f"choose one of {', '.join(arches)}")
+            for var, fvar in _str_table(f"{w}.prebuilt.{arch}", table).items():
+                if var not in variants or fvar not in variants:
+                    raise UserError(f"unknown torch variant in {var} = {fvar!r}", where=f"{w}.prebuilt.{arch}",
+                                    fix=f"choose from {', '.join(variants)}")
+        if t.get("package") and not (t.get("version") and (t.get("prebuilt") or t.get("source"))):
+            raise UserError("a backend with a package needs a version and a prebuilt table or a source",
+                            where=w)
+    index = data.get("index", {})
+    _check_table(f"{f}: index", index, {n: str for n in INDEX_NAMES})
     stacks = _resolve_stacks(f, data["stack"])
     facts = data.get("facts", {})
     _check_table(f"{f}: facts", facts, _FACTS)
@@ -303,7 +326,8 @@ def _build(path: Path, data: dict) -> Matrix:
         for arch, cuda, gpu in itertools.product(e_arch, e_cuda, e_gpu):
             attention = gpus[gpu]["attention"]
             variant = rules_mod.variant_for_cuda(ctx, cuda)
-            hit = rules_mod.check_cell(ctx, arch=arch, cuda=cuda, gpu=gpu, attention=attention, variant=variant)
+            hit = rules_mod.check_cell(ctx, arch=arch, cuda=cuda, gpu=gpu, attention=attention, variant=variant,
+                                       stack_pins=stacks[expand["stack"]])
             if hit:
                 exclusions.append(Exclusion(arch, cuda, gpu, None, hit[0], f"{rule_table[hit[0]]} ({hit[1]})"))
                 continue
@@ -312,7 +336,8 @@ def _build(path: Path, data: dict) -> Matrix:
             cells.append(_make_cell(f, data, naming, vtags, name=name, arch=arch, cuda=cuda, gpu=gpu,
                                     variant=variant, stack=expand["stack"], pins=stacks[expand["stack"]],
                                     attention=attention, base_image=cudas[cuda]["base_image"],
-                                    python=cudas[cuda]["python"]))
+                                    python=cudas[cuda]["python"],
+                                    venv=f"cu{cuda.replace('.', '')}-{expand['stack']}-{arch}"))
         # Non-default attention backends per GPU: what an explicit cell may not ask for, and why.
         for gpu in e_gpu:
             for attention in sorted(data["attention"]):
@@ -335,14 +360,6 @@ def _build(path: Path, data: dict) -> Matrix:
     if not cells:
         raise UserError("the matrix yields no cells", where=f, fix="see `python build.py --explain`")
     return Matrix(path=path, cells=tuple(cells), exclusions=tuple(exclusions), rules=rule_table, data=data)
-
-
-def _flash_sources(where: str, value: list) -> list[str]:
-    """Where a flash-attention wheel may come from, in order; a source build can only be the last resort."""
-    value = _str_list(where, value, FLASH_SOURCES)
-    if "source" in value and value[-1] != "source":
-        raise UserError("\"source\" must come last (it always succeeds or fails the build)", where=where)
-    return value
 
 
 def _resolve_stacks(f: str, table: dict) -> dict[str, dict[str, str]]:
@@ -398,9 +415,6 @@ def _explicit_cells(w, f, data, ctx, naming, vtags, stacks, c) -> list[Cell]:
                         fix=f"choose one of {', '.join(data['torch_variant'])}")
     if variant is None and cuda is not None:
         variant = rules_mod.variant_for_cuda(ctx, cuda)
-    flash_sources = _flash_sources(f"{w}.flash_sources", c["flash_sources"]) if "flash_sources" in c else None
-    if flash_sources and not data["attention"][attention].get("package"):
-        raise UserError(f"flash_sources is set but attention {attention!r} builds no wheel", where=f"{w}.flash_sources")
     stack_spec = c["stack"]
     out = []
     for arch in arches:
@@ -414,25 +428,31 @@ def _explicit_cells(w, f, data, ctx, naming, vtags, stacks, c) -> list[Cell]:
                 raise UserError(f"stack names arches the cell doesn't have: {', '.join(sorted(extra))}",
                                 where=f"{w}.stack")
         hit = rules_mod.check_cell(ctx, arch=arch, cuda=cuda, gpu=gpu, attention=attention, variant=variant,
-                                   explicit=True)
+                                   explicit=True, stack_pins=stacks[sname])
         if hit:
             raise UserError(f"cell {name!r} ({arch}) breaks rule {hit[0]!r}: {hit[1]} — {ctx.rules[hit[0]]}",
                             where=w, fix="change the cell or drop it")
         out.append(_make_cell(f, data, naming, vtags, name=name, arch=arch, cuda=cuda, gpu=gpu, variant=variant,
                               stack=sname, pins=stacks[sname], attention=attention, base_image=c["base_image"],
-                              python=c["python"], flash_sources=flash_sources))
+                              python=c["python"]))
     return out
 
 
-def _attention(table: dict, flash_sources) -> dict:
-    out = dict(table)
-    if out.get("package"):
-        out["sources"] = list(flash_sources or out.get("sources") or FLASH_SOURCES)
-    return out
+def _flash(table: dict, arch: str, variant: str | None) -> dict | None:
+    """Where the cell's FlashAttention wheel comes from: a prebuilt wheel on the flash index for this arch and torch
+    variant, else a source build (native builders only)."""
+    if not table.get("package"):
+        return None
+    fvar = table.get("prebuilt", {}).get(arch, {}).get(variant or "")
+    if fvar:
+        return {"how": "index", "flash_variant": fvar}
+    if table.get("source"):
+        return {"how": "source"}
+    return {"how": "none"}
 
 
 def _make_cell(f, data, naming, vtags, *, name, arch, cuda, gpu, variant, stack, pins, attention, base_image,
-               python, flash_sources=None) -> Cell:
+               python, venv=None) -> Cell:
     tag = _format(f"{f}: naming.tag", naming["tag"], name=name, arch=arch)
     if not tag or not all(ch.isalnum() or ch in "-_." for ch in tag) or len(tag) > 128:
         raise UserError(f"tag {tag!r} is not a valid image tag", where=f"{f}: naming.tag")
@@ -441,13 +461,21 @@ def _make_cell(f, data, naming, vtags, *, name, arch, cuda, gpu, variant, stack,
     version_tags = tuple(_format(f"{f}: naming.version_tags", t, **fields) for t in vtags
                          if "torch" in pins or "{torch}" not in t)
     arch_list = ""
+    cuda_t = data["cuda"][cuda] if cuda else {}
+    uv_platform = data["arch"][arch]["uv_platform"]
+    if cuda_t.get("glibc"):
+        uv_platform = f"{arch}-manylinux_{cuda_t['glibc'].replace('.', '_')}"
     if variant:
         arch_list = data["torch_variant"][variant]["arch_list"].get(arch, "")
     return Cell(
         name=name, tag=tag, arch=arch, platform=data["arch"][arch]["platform"],
-        uv_platform=data["arch"][arch]["uv_platform"], cuda=cuda, gpu=gpu, base_image=base_image, python=python,
+        uv_platform=uv_platform, cuda=cuda, gpu=gpu, base_image=base_image, python=python,
+        build_image=cuda_t.get("build_image"),
         stack=stack, pins=dict(sorted(pins.items())), torch_variant=variant if "torch" in pins else None,
         cuda_arch_list=data["gpu"][gpu]["cuda_arch_list"] if gpu else "", torch_arch_list=arch_list,
-        attention_backend=attention, attention=_attention(data["attention"][attention], flash_sources),
+        attention_backend=attention, attention=dict(data["attention"][attention]),
         min_driver=data["cuda"][cuda]["min_driver"] if cuda else None, repository=naming["repository"],
-        version=naming["version"], source=naming["source"], version_tags=version_tags)
+        version=naming["version"], source=naming["source"], version_tags=version_tags, venv=venv or tag,
+        default_index=bool(variant and data["torch_variant"][variant].get("default_index")),
+        flash=_flash(data["attention"][attention], arch, variant) if cuda else None,
+        index_templates=dict(data.get("index", {})))

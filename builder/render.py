@@ -10,16 +10,17 @@ from pathlib import Path
 
 import jinja2
 
-from builder import atomic, lock
+from builder import atomic, indexes
 from builder.errors import UserError
 from builder.matrix import ROOT, Cell
 
 TEMPLATES = ROOT / "images" / "templates"
 
-# OS packages per kind of cell: CUDA cells also compile (FA source builds, triton/torch JIT need a C compiler and
-# Python headers); CPU cells only need python.
+# OS packages of the runtime: CPU cells only need python; CUDA cells add what Triton's JIT needs at first use (a C
+# compiler and Python headers for its launcher stub). nvcc, git and the CUDA devel image live only in the stage that
+# compiles FlashAttention from source.
 _APT_BASE = ("ca-certificates", "python3", "python3-venv")
-_APT_GPU = ("build-essential", "git", "python3-dev")
+_APT_GPU = ("gcc", "libc6-dev", "python3-dev")
 
 
 def _env() -> jinja2.Environment:
@@ -37,13 +38,15 @@ def _label_value(value) -> str:
 def image_record(cell: Cell) -> dict:
     """/etc/trainbox/image.json: the contract's keys (CONTRIBUTING.md) plus a few extra facts."""
     versions = {p: cell.requirement(p).split("==", 1)[1] for p in cell.pins}
-    if cell.attention.get("package") and cell.attention.get("version"):
+    if cell.flash:
         versions[cell.attention["package"]] = cell.attention["version"]
     return {
         "cell": cell.name, "tag": cell.tag, "arch": cell.arch, "platform": cell.platform, "cuda": cell.cuda,
         "gpu": cell.gpu, "cuda_arch_list": cell.cuda_arch_list or None, "torch_variant": cell.torch_variant,
         "torch_arch_list": cell.torch_arch_list or None, "attention_backend": cell.attention_backend,
         "min_driver": cell.min_driver, "python": cell.python, "base_image": cell.base_image,
+        "attention_source": (f"{cell.flash['how']}" + (f" ({cell.flash['flash_variant']} build)"
+                             if cell.flash.get("flash_variant") else "")) if cell.flash else None,
         "image": cell.image, "version": cell.version, "versions": dict(sorted(versions.items())),
     }
 
@@ -51,27 +54,23 @@ def image_record(cell: Cell) -> dict:
 def _labels(cell: Cell, record: dict) -> list[tuple[str, str]]:
     out = [(f"io.trainbox.{k}", _label_value(record[k])) for k in
            ("cell", "tag", "arch", "cuda", "gpu", "cuda_arch_list", "torch_variant", "attention_backend",
-            "min_driver", "python")]
+            "attention_source", "min_driver", "python")]
     out += [(f"io.trainbox.version.{p}", _label_value(v)) for p, v in record["versions"].items()]
     return out
 
 
 def _flash(cell: Cell) -> dict | None:
-    a = cell.attention
-    if not a.get("package"):
+    if not cell.flash:
         return None
-    if cell.cuda is None:
-        raise UserError(f"cell {cell.tag}: attention {cell.attention_backend} needs a CUDA cell")
-    pkg = a["package"]
-    requirement = f"{pkg}=={a['version']}" if a.get("version") else pkg
-    if a.get("source"):
-        sub = f"#subdirectory={a['source_subdir']}" if a.get("source_subdir") else ""
-        source_requirement = f"{pkg} @ {a['source']}{sub}"
-    else:
-        source_requirement = requirement
-    return {"package": pkg, "requirement": requirement, "source_requirement": source_requirement,
-            "max_jobs": a.get("max_jobs", 4), "build_env": sorted(a.get("build_env", {}).items()),
-            "sources": a["sources"]}
+    a = cell.attention
+    if cell.flash["how"] == "none":
+        raise UserError(f"cell {cell.tag}: attention {cell.attention_backend} has no prebuilt {cell.arch} wheel and no "
+                        "source", where="matrix.toml", fix=f"add a source or a prebuilt entry to [attention."
+                        f"{cell.attention_backend}]")
+    sub = f"#subdirectory={a['source_subdir']}" if a.get("source_subdir") else ""
+    return {"how": cell.flash["how"], "package": a["package"], "version": a["version"],
+            "source_requirement": f"{a['package']} @ {a.get('source', '')}{sub}",
+            "max_jobs": a.get("max_jobs", 4), "build_env": sorted(a.get("build_env", {}).items())}
 
 
 def render(cell: Cell) -> str:
@@ -82,10 +81,14 @@ def render(cell: Cell) -> str:
     ctx = {
         "c": cell,
         "apt_packages": sorted(set(_APT_BASE + (_APT_GPU if cell.cuda else ()))),
-        "needs_torch_index": bool(cell.torch_variant and cell.torch_variant != "cpu"),
-        "needs_vllm_index": bool(cell.cuda and "vllm" in cell.pins),
         "cpu_torch": cell.torch_variant == "cpu" and "torch" in cell.pins,
-        "lock_vars": " and ".join(lock.indexes(cell)) or "nothing",
+        # Shared stages must not name the cell (they would differ between the cells that share them).
+        "lock_hint": (f"python build.py --lock --cuda {cell.cuda} --arch {cell.arch}" if cell.venv != cell.tag
+                      else f"python build.py --lock {cell.tag}"),
+        # The matrix's URLs as ARG defaults, so the committed Dockerfile builds without this tool.
+        "index_defaults": {"INDEX_URL": indexes.url(cell, "default"),
+                           **{indexes.ARGS[n]: indexes.url(cell, n) for n in indexes.needed(cell)}},
+        "deps_args": [indexes.ARGS[n] for n in indexes.needed(cell) if n != "flash"],
         "flash": _flash(cell),
         "ld_library_path": "/usr/local/nvidia/lib:/usr/local/nvidia/lib64" if cell.cuda else "/usr/local/lib",
         "labels": _labels(cell, record),

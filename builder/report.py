@@ -24,9 +24,25 @@ COLUMNS = [  # (header, field, formatter)
 ]
 
 
+def storage(results) -> dict | None:
+    """What a registry stores for the pushed images (each blob once) against the sum of the images' own sizes (every
+    image counted whole, as separate pulls or a registry without shared layers would): shared layers show here."""
+    pushed = [r for r in results if getattr(r, "blobs", None)]
+    if not pushed:
+        return None
+    unique: dict[str, int] = {}
+    for r in pushed:
+        unique.update(r.blobs)
+    stored, total = sum(unique.values()), sum(sum(r.blobs.values()) for r in pushed)
+    return {"images": len(pushed), "stored_bytes": stored, "images_bytes": total,
+            "ratio": round(stored / total, 4) if total else None,
+            "largest_image_bytes": max(sum(r.blobs.values()) for r in pushed)}
+
+
 def to_dict(results, manifest_lists: dict[str, str]) -> dict:
     return {"cells": [dataclasses.asdict(r) for r in results],
-            "manifest_lists": [{"ref": ref, "digest": d} for ref, d in manifest_lists.items()]}
+            "manifest_lists": [{"ref": ref, "digest": d} for ref, d in manifest_lists.items()],
+            "registry": storage(results)}
 
 
 def table(results, manifest_lists: dict[str, str] | None = None) -> str:
@@ -44,6 +60,11 @@ def table(results, manifest_lists: dict[str, str] | None = None) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     for ref, digest in (manifest_lists or {}).items():
         lines.append(f"manifest list {ref} {digest}")
+    s = storage(results)
+    if s:
+        lines.append(f"registry stores {s['stored_bytes'] / 1e6:.1f} MB for {s['images']} image(s) of "
+                     f"{s['images_bytes'] / 1e6:.1f} MB together ({100 * s['ratio']:.1f} %; the largest image alone: "
+                     f"{s['largest_image_bytes'] / 1e6:.1f} MB)")
     return "\n".join(lines)
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from builder.errors import UserError
 
 CELL_CHECKS = ("cuda-needs-gpu", "torch-variant-exists", "gpu-min-cuda", "torch-arch-list", "fa3-hopper-only",
-               "attention-supported")
+               "attention-supported", "vllm-variant-exists")
 STACK_CHECKS = ("vllm-pins-torch", "trl-vllm-extra", "vllm-transformers")
 CHECKS = CELL_CHECKS + STACK_CHECKS
 
@@ -68,7 +68,7 @@ def satisfies(version: str, spec: str, where: str) -> bool:
     return ok
 
 
-def _cell_detail(ctx: Context, rule: str, *, arch, cuda, gpu, attention, variant) -> str | None:
+def _cell_detail(ctx: Context, rule: str, *, arch, cuda, gpu, attention, variant, stack_pins=None) -> str | None:
     d = ctx.data
     if rule == "cuda-needs-gpu":
         if (cuda is None) != (gpu is None):
@@ -82,6 +82,12 @@ def _cell_detail(ctx: Context, rule: str, *, arch, cuda, gpu, attention, variant
                 return f"torch variant {variant} is built for CUDA {vcuda or 'none (CPU)'}, not {cuda}"
         if variant is not None and arch not in d["torch_variant"][variant]["arch_list"]:
             return f"torch variant {variant} has no {arch} wheels"
+    elif rule == "vllm-variant-exists":
+        # Only the expanded stack is known here; a cell whose stack has no vLLM is not affected (checked in
+        # check_cell through `stack_pins`).
+        if cuda is not None and variant is not None and stack_pins is not None and "vllm" in stack_pins:
+            if not d["torch_variant"][variant].get("vllm"):
+                return f"no vLLM {stack_pins['vllm']} build for torch variant {variant}"
     elif rule == "gpu-min-cuda":
         if gpu is not None and cuda is not None and _v(cuda) < _v(d["gpu"][gpu]["min_cuda"]):
             return f"{gpu} needs CUDA >= {d['gpu'][gpu]['min_cuda']}, cell has {cuda}"
@@ -103,11 +109,12 @@ def _cell_detail(ctx: Context, rule: str, *, arch, cuda, gpu, attention, variant
     return None
 
 
-def check_cell(ctx: Context, *, arch, cuda, gpu, attention, variant, explicit=False):
+def check_cell(ctx: Context, *, arch, cuda, gpu, attention, variant, explicit=False, stack_pins=None):
     """(rule id, detail) of the first enabled rule the combination breaks, else None."""
     for rule in CELL_CHECKS:
         if rule in ctx.rules:
-            detail = _cell_detail(ctx, rule, arch=arch, cuda=cuda, gpu=gpu, attention=attention, variant=variant)
+            detail = _cell_detail(ctx, rule, arch=arch, cuda=cuda, gpu=gpu, attention=attention, variant=variant,
+                                  stack_pins=stack_pins)
             if detail:
                 return rule, detail
     return None

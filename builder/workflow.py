@@ -1,9 +1,12 @@
 """The GitHub Actions workflow that builds and publishes every cell, generated from matrix.toml so it cannot drift.
 
 `python -m builder.workflow` rewrites .github/workflows/build.yml; `--check` exits 1 (with a diff) when the committed
-file differs from what the matrix gives. One job per (cell, arch) on a native runner of that arch, pushing with the
-registry credentials from repository secrets; then one job per multi-arch cell joins its arches into a manifest list
-(`python -m builder.engine manifest`, which refuses when an arch is missing from the registry).
+file differs from what the matrix gives. One job per venv (CUDA x arch x stack) on a native runner of that arch
+(arm64 on GitHub's arm64 runners: nothing is emulated, and a FlashAttention source build runs natively); the job
+builds that venv's cells one after another, so they share the venv layer byte for byte. It pushes with the registry
+credentials from repository secrets; then one job per multi-arch cell joins its arches into a manifest list
+(`python -m builder.engine manifest`, which refuses when an arch is missing from the registry). Index URLs are
+matrix.toml's (build.py reads them); repository variables TRAINBOX_INDEX_<NAME> replace them (a mirror).
 The registry comes from the repository variable TRAINBOX_REGISTRY (HOST[:PORT]/NAMESPACE), so no host is baked in.
 """
 
@@ -18,7 +21,7 @@ import yaml
 
 from builder import atomic
 from builder.errors import UserError, reports_user_errors
-from builder.matrix import DEFAULT_MATRIX, load_matrix
+from builder.matrix import DEFAULT_MATRIX, INDEX_NAMES, load_matrix
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKFLOW = ROOT / ".github" / "workflows" / "build.yml"
@@ -59,27 +62,36 @@ def workflow_dict(matrix_path: str | Path = DEFAULT_MATRIX) -> dict:
         if c.arch not in RUNNERS:
             raise UserError(f"cell {c.tag}: no GitHub runner known for arch {c.arch!r}", where=str(matrix_path),
                             fix=f"add it to RUNNERS in builder/workflow.py ({', '.join(RUNNERS)})")
-    include = [{"cell": c.name, "arch": c.arch, "tag": c.tag, "runner": RUNNERS[c.arch]} for c in cells]
+    groups: dict[str, list] = {}
+    for c in cells:
+        groups.setdefault(c.venv, []).append(c)
+    include = [{"venv": venv, "arch": g[0].arch, "cells": " ".join(c.name for c in g), "runner": RUNNERS[g[0].arch]}
+               for venv, g in sorted(groups.items())]
     multi = sorted({c.name for c in cells if sum(1 for d in cells if d.name == c.name) > 1})
     build = {
-        "name": "build ${{ matrix.tag }}",
+        "name": "build ${{ matrix.venv }}",
         "runs-on": "${{ matrix.runner }}",
         "timeout-minutes": 360,
         "strategy": {"fail-fast": False, "matrix": {"include": include}},
         "steps": [
             *_setup_steps(),
+            {"name": "Free disk space (a GPU venv is several GB, twice while it is copied into the runtime)",
+             "run": "sudo rm -rf /usr/share/dotnet /usr/local/lib/android /opt/ghc /opt/hostedtoolcache/CodeQL"},
             {"uses": "docker/setup-buildx-action@v3"},
             _login_step(),
-            {"name": "Build (and push) ${{ matrix.tag }}",
-             "env": {"CELL": "${{ matrix.cell }}", "ARCH": "${{ matrix.arch }}", "TAG": "${{ matrix.tag }}",
-                     "REGISTRY": REGISTRY_EXPR, "PUSH": "${{ " + PUSHING + " }}"},
+            {"name": "Lock (where needed), build (and push) ${{ matrix.venv }}",
+             "env": {"CELLS": "${{ matrix.cells }}", "ARCH": "${{ matrix.arch }}", "VENV": "${{ matrix.venv }}",
+                     "REGISTRY": REGISTRY_EXPR, "PUSH": "${{ " + PUSHING + " }}",
+                     **{f"TRAINBOX_INDEX_{n.upper()}": "${{ vars.TRAINBOX_INDEX_" + n.upper() + " }}"
+                        for n in INDEX_NAMES}},
              "run": "\n".join([
-                 'args=(--cell "$CELL" --arch "$ARCH" --report "report-$TAG.json")',
+                 'read -r -a cells <<< "$CELLS"',
+                 'args=("${cells[@]}" --arch "$ARCH" --report "report-$VENV.json")',
                  'if [ "$PUSH" = "true" ]; then args+=(--push --registry "$REGISTRY/trainbox"); fi',
                  'python build.py "${args[@]}"',
              ]) + "\n"},
             {"uses": "actions/upload-artifact@v4", "if": "always()",
-             "with": {"name": "report-${{ matrix.tag }}", "path": "report-${{ matrix.tag }}.json",
+             "with": {"name": "report-${{ matrix.venv }}", "path": "report-${{ matrix.venv }}.json\nlocks/\n",
                       "if-no-files-found": "ignore"}},
         ],
     }

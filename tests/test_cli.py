@@ -54,27 +54,36 @@ def test_dry_run_aarch64_writes_only_those_and_prints_a_plan(tmp_path):
     out = p.stdout
     assert out.startswith(f"build plan: {len(expected)} image(s)")
     for c in M.cells:
-        assert (f". {c.tag} (linux/arm64)" in out) == (c.arch == "aarch64")
-    assert "base: nvidia/cuda:12.9.1-devel-ubuntu24.04" in out
-    assert "build args: (defaults) + TORCH_INDEX_URL VLLM_INDEX_URL (required)" in out
-    assert "lock: locks/cu129-hopper-aarch64.txt (missing: python build.py --lock cu129-hopper-aarch64 with " \
-           "TORCH_INDEX_URL and VLLM_INDEX_URL set)" in out
-    assert "lock: locks/smoke-aarch64.txt (fresh)" in out
+        assert (f". {c.tag} (linux/arm64, emulated (QEMU))" in out) == (c.arch == "aarch64")
+    assert "base: nvidia/cuda:12.9.1-base-ubuntu24.04" in out
+    assert "build args: TORCH_INDEX_URL=https://download.pytorch.org/whl/cu129 " \
+           "VLLM_INDEX_URL=https://wheels.vllm.ai/0.31.0/cu129 VCS_REF=" in out
+    assert "lock: locks/cu129-gpu-aarch64.txt (missing: locked automatically before the build (uv pip compile " \
+           "for aarch64-manylinux_2_35, python 3.12))" in out
+    assert "lock: locks/smoke-aarch64.txt (fresh, used as is)" in out
     assert "tags: trainbox:cu129-hopper-aarch64 trainbox:cu129-hopper-aarch64-v0.1.0" in out
+    # No step compiles under emulation: where no prebuilt aarch64 wheel exists the plan refuses, naming the way out.
+    compiled = [ln for ln in out.splitlines() if "compiled from source" in ln]
+    assert compiled and all("REFUSED here under emulation" in ln for ln in compiled)
+    assert "torch: prebuilt wheel torch==2.13.0+cu129 from index torch" in out
+    assert "vllm: prebuilt wheel vllm==0.31.0 from the default index" in out   # cu130: the default build
     for f in written:   # identical to the committed files
         assert (tmp_path / f).read_bytes() == (ROOT / f).read_bytes()
 
 
 def test_dry_run_with_base_substitution(tmp_path):
     cfg = tmp_path / "bases.toml"
-    cfg.write_text('[bases]\n"nvidia/cuda:12.9.1-devel-ubuntu24.04" = "local/cuda:test"\n')
+    cfg.write_text('[bases]\n"nvidia/cuda:12.9.1-base-ubuntu24.04" = "local/cuda:test"\n'
+                   '[index]\nvllm = "https://user:secret@mirror.example/vllm/{vllm}/{variant}"\n')
     p = build("smoke", "cu129-hopper", "--arch", "x86_64", "--dry-run", "--output-dir", str(tmp_path / "out"),
               "--base", "debian:bookworm=127.0.0.1:5000/trainbox/base:bookworm", "--config", str(cfg))
     assert p.returncode == 0, p.stderr
     assert "base: 127.0.0.1:5000/trainbox/base:bookworm (substituted for debian:bookworm)" in p.stdout
-    assert "build args: BASE_IMAGE=127.0.0.1:5000/trainbox/base:bookworm; torch 2.13.0+cpu from the wheelhouse " \
-           "(--wheelhouse DIR) or TORCH_INDEX_URL" in p.stdout
-    assert "base: local/cuda:test (substituted for nvidia/cuda:12.9.1-devel-ubuntu24.04)" in p.stdout
+    assert "build args: BASE_IMAGE=127.0.0.1:5000/trainbox/base:bookworm VCS_REF=" in p.stdout
+    assert "torch: prebuilt wheel torch==2.13.0+cpu from the wheelhouse (or TORCH_INDEX_URL's cpu variant)" in p.stdout
+    assert "base: local/cuda:test (substituted for nvidia/cuda:12.9.1-base-ubuntu24.04)" in p.stdout
+    # the config's [index] replaces the matrix default; credentials never printed
+    assert "index vllm: https://***@mirror.example/vllm/0.31.0/cu129" in p.stdout and "secret" not in p.stdout
     # the rendered file is unchanged by the substitution
     rendered = (tmp_path / "out/images/smoke-x86_64/Dockerfile").read_bytes()
     assert rendered == (ROOT / "images/smoke-x86_64/Dockerfile").read_bytes()
@@ -186,3 +195,22 @@ def test_every_module_cli_reports_user_errors_on_one_line(module, capsys, monkey
     assert mod.main([]) == 2
     err = capsys.readouterr().err
     assert err == "error: where: what went wrong (how to fix)\n"
+
+
+def test_dry_run_of_a_cu129_hopper_cell_needs_no_argument():
+    """The main job's plan on a fresh clone: every build arg has a value, each index, the lock step, FA3 prebuilt."""
+    p = build("cu129-hopper-x86_64", "--dry-run", "--output-dir", str(ROOT))
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    assert "missing required" not in out.lower() and "(required)" not in out
+    head = f"TORCH_INDEX_URL=https://download.pytorch.org/whl/cu129 VLLM_INDEX_URL=https://wheels.vllm.ai/0.31.0/cu129 "
+    assert f"build args: {head}FLASH_INDEX_URL=https://download.pytorch.org/whl/cu126 VCS_REF=" in out
+    for name in ("default", "torch", "vllm", "flash"):
+        assert f"   index {name}: " in out
+    assert "lock: locks/cu129-gpu-x86_64.txt + locks/cu129-hopper-x86_64.attention.txt (" in out
+    assert "flash-attn-3: prebuilt wheel flash-attn-3==3.0.0 (cu126 build) from index flash, by hash" in out
+    assert "compiled from source" not in out
+    p = build("cu129-hopper-x86_64", "--dry-run", "--frozen", "--index", "torch=https://mirror.example/t/{variant}")
+    assert "--frozen refuses to build" in p.stdout and "index torch: https://mirror.example/t/cu129" in p.stdout
+    bad = build("cu129-hopper-x86_64", "--dry-run", "--index", "pytorch=https://x")
+    assert bad.returncode == 2 and "unknown index 'pytorch'" in bad.stderr and len(bad.stderr.splitlines()) == 1

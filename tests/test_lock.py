@@ -4,14 +4,19 @@ import hashlib
 import re
 from pathlib import Path
 
+import subprocess
+import sys
+
 import pytest
 
-from builder import lock
+from builder import indexes, lock
+from builder.errors import UserError
 from builder.matrix import ROOT, load_matrix
 
 M = load_matrix(ROOT / "matrix.toml")
 CELLS = {c.tag: c for c in M.cells}
-LOCKABLE_HERE = ("smoke-x86_64", "smoke-aarch64")   # no extra index needed
+# No extra index needed: the smoke cells and the CUDA 13 venvs (torch/vLLM's default builds are CUDA 13).
+LOCKABLE_HERE = ("smoke-x86_64", "smoke-aarch64", "cu130-blackwell-x86_64", "cu130-blackwell-aarch64")
 CPU_TORCH = Path("/opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl")
 
 
@@ -35,7 +40,8 @@ def test_lock_exists_is_fresh_and_covers_the_pins(tag):
     assert path.is_file(), f"missing {cell.lock}: run `python build.py --lock {tag}`"
     assert lock.is_fresh(cell), f"{cell.lock} is stale (matrix pins changed): run `python build.py --lock {tag}`"
     text = path.read_text()
-    assert text.startswith(f"# trainbox lock for cell {tag} ({cell.uv_platform}, python {cell.python})")
+    assert text.startswith("# trainbox lock for ")
+    assert f" {cell.venv} ({cell.uv_platform}, python {cell.python});" in text.splitlines()[0]
     reqs = parse(text)
     for pkg in cell.pins:
         assert pkg in reqs, pkg
@@ -60,10 +66,22 @@ def test_smoke_aarch64_is_the_light_profile():
 
 
 def test_no_stale_or_orphan_locks():
+    owners = {str(path): (c, digest) for c in CELLS.values() for path, digest in lock.wanted(c)}
     for p in (ROOT / "locks").glob("*.txt"):
-        tag = p.stem
-        assert tag in CELLS, f"{p} belongs to no cell"
-        assert lock.is_fresh(CELLS[tag]), f"{p} is stale"
+        rel = str(p.relative_to(ROOT))
+        assert rel in owners, f"{p} belongs to no cell"
+        assert lock.recorded_digest(p) == owners[rel][1], f"{p} is stale"
+
+
+def test_cells_of_one_cuda_arch_and_stack_share_one_venv_lock():
+    cu130 = [c for c in CELLS.values() if c.cuda == "13.0" and c.arch == "x86_64"]
+    assert {c.gpu for c in cu130} == {"ampere", "hopper", "blackwell"}
+    assert {c.lock for c in cu130} == {Path("locks/cu130-gpu-x86_64.txt")}
+    assert {lock.inputs_digest(c) for c in cu130} == {lock.inputs_digest(cu130[0])}
+    # the FA3 wheel is locked per cell, by version and hash, in its own file
+    hopper = CELLS["cu130-hopper-x86_64"]
+    assert hopper.attention_lock == Path("locks/cu130-hopper-x86_64.attention.txt")
+    assert [p for p, _ in lock.wanted(hopper)] == [hopper.lock, hopper.attention_lock]
 
 
 def test_digest_follows_the_inputs():
@@ -76,34 +94,44 @@ def test_digest_follows_the_inputs():
     assert lock.inputs_digest(cell) == lock.inputs_digest(dataclasses.replace(cell))
 
 
-def test_gpu_cells_need_their_indexes(monkeypatch):
-    monkeypatch.delenv("TORCH_INDEX_URL", raising=False)
-    monkeypatch.delenv("VLLM_INDEX_URL", raising=False)
-    cell = CELLS["cu129-hopper-aarch64"]
-    assert lock.indexes(cell) == ["TORCH_INDEX_URL", "VLLM_INDEX_URL"]
-    with pytest.raises(lock.Skip, match=r"needs TORCH_INDEX_URL and VLLM_INDEX_URL \(torch 2\.13\.0\+cu129"):
-        lock.compile_lock(cell)
-    assert lock.indexes(CELLS["smoke-x86_64"]) == []
+def test_gpu_cells_name_their_indexes():
+    assert indexes.needed(CELLS["cu129-blackwell-aarch64"]) == ["torch", "vllm"]
+    assert indexes.needed(CELLS["cu129-hopper-x86_64"]) == ["torch", "vllm", "flash"]
+    assert indexes.needed(CELLS["cu130-blackwell-x86_64"]) == []      # the default index's CUDA 13 builds
+    assert indexes.needed(CELLS["cu130-hopper-aarch64"]) == []        # FA3 compiled natively, no flash index
+    assert indexes.needed(CELLS["smoke-x86_64"]) == []
+    args = indexes.build_args(CELLS["cu129-hopper-x86_64"], {"torch": "https://m.example/t/{variant}"})
+    assert args == {"TORCH_INDEX_URL": "https://m.example/t/cu129", "VLLM_INDEX_URL": "https://wheels.vllm.ai/0.31.0/cu129",
+                    "FLASH_INDEX_URL": "https://download.pytorch.org/whl/cu126"}
+    env = {"TRAINBOX_INDEX_VLLM": "https://env.example/{vllm}", "TRAINBOX_INDEX_FLASH": ""}
+    over = indexes.parse_overrides(["flash=https://flag.example/{flash_variant}"], {"vllm": "https://cfg.example"}, env)
+    assert over == {"vllm": "https://cfg.example", "flash": "https://flag.example/{flash_variant}"}   # flag > config > env
+    with pytest.raises(UserError, match="unknown index 'pytorch'"):
+        indexes.parse_overrides(["pytorch=https://x"], env={})
 
 
-def test_lock_cells_names_what_it_skipped(tmp_path, monkeypatch, capsys):
-    monkeypatch.delenv("TORCH_INDEX_URL", raising=False)
-    monkeypatch.delenv("VLLM_INDEX_URL", raising=False)
-    real = lock.compile_lock
-
-    def offline(cell):
-        if not lock.indexes(cell):
-            return "# fake lock\n"   # keeps this test off the network; the real resolve is tested below
-        return real(cell)
-    monkeypatch.setattr(lock, "compile_lock", offline)
-    gpu = [CELLS["cu129-hopper-x86_64"], CELLS["cu126-ampere-aarch64"]]
-    assert lock.lock_cells(gpu, root=tmp_path) == 1
+def test_an_unreachable_index_is_one_clear_error_and_nothing_is_written(tmp_path):
+    """Locking a cu129 cell needs PyTorch's index; where it can't be reached: exit 2, one line naming the index and the
+    way out, no file. (A closed port on 127.0.0.1 stands for the unreachable host: same path, no DNS wait.)"""
+    p = subprocess.run([sys.executable, str(ROOT / "build.py"), "--lock", "cu129-blackwell-x86_64", "--output-dir",
+                        str(tmp_path), "--index", "torch=http://127.0.0.1:9/whl/{variant}"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 2, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+    assert "torch = http://127.0.0.1:9/whl/cu129" in p.stderr and "--index NAME=URL" in p.stderr
     assert not any(tmp_path.rglob("*"))
-    err = capsys.readouterr().err
-    assert "skipped cu129-hopper-x86_64: needs TORCH_INDEX_URL" in err and "skipped cu126-ampere-aarch64" in err
-    assert lock.lock_cells([CELLS["smoke-aarch64"], *gpu], root=tmp_path) == 0
-    assert sorted(p.name for p in (tmp_path / "locks").iterdir()) == ["smoke-aarch64.txt"]
-    assert "1 locked, 2 skipped" in capsys.readouterr().err
+
+
+def test_frozen_refuses_a_missing_or_stale_lock(tmp_path):
+    cell = CELLS["cu129-hopper-x86_64"]
+    with pytest.raises(UserError, match=r"--frozen: locks/cu129-gpu-x86_64.txt is missing \(cell cu129-hopper-x86_64"):
+        lock.ensure([cell], root=tmp_path, frozen=True)
+    smoke = CELLS["smoke-aarch64"]
+    (tmp_path / "locks").mkdir()
+    (tmp_path / smoke.lock).write_text((ROOT / smoke.lock).read_text().replace(lock.inputs_digest(smoke), "0" * 64))
+    with pytest.raises(UserError, match="is stale"):
+        lock.ensure([smoke], root=tmp_path, frozen=True)
+    assert lock.ensure([CELLS["smoke-x86_64"]], root=ROOT, frozen=True) == []   # committed and fresh: fine
 
 
 def test_relock_reproduces_the_committed_pins(tmp_path):
@@ -170,49 +198,3 @@ def test_fact_stack_needs_python_311():
     assert rc != 0 and "Python>=3.11" in out.replace(" ", "")
 
 
-def _fake_wheel(index: Path, name: str, version: str, tag: str, requires=()) -> str:
-    """A minimal valid wheel in a PEP 503 file:// index; returns its sha256."""
-    import zipfile
-    dist = f"{name}-{version}"
-    files = {f"{name}/__init__.py": "",
-             f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
-                                           + "".join(f"Requires-Dist: {r}\n" for r in requires),
-             f"{dist}.dist-info/WHEEL": f"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: false\nTag: {tag}\n"}
-    files[f"{dist}.dist-info/RECORD"] = "".join(f"{k},,\n" for k in files) + f"{dist}.dist-info/RECORD,,\n"
-    d = index / name
-    d.mkdir(parents=True)
-    fn = f"{dist}-{tag}.whl"
-    with zipfile.ZipFile(d / fn, "w") as z:
-        for k, v in sorted(files.items()):
-            z.writestr(zipfile.ZipInfo(k, (2020, 1, 1, 0, 0, 0)), v)
-    digest = hashlib.sha256((d / fn).read_bytes()).hexdigest()
-    (d / "index.html").write_text(f'<html><body><a href="{fn}#sha256={digest}">{fn}</a></body></html>\n')
-    return digest
-
-
-def test_gpu_cell_locks_through_its_variant_indexes(tmp_path, monkeypatch):
-    """The GPU lock path end to end, with stand-in torch/vLLM variant wheels in local indexes (the real ones are
-    GBs on indexes this machine can't reach); everything else resolves from the default index."""
-    cell = CELLS["cu129-hopper-x86_64"]
-    torch_hash = _fake_wheel(tmp_path / "torch" / "cu129", "torch", "2.13.0+cu129",
-                             "cp312-cp312-manylinux_2_28_x86_64", ["filelock"])
-    vllm_hash = _fake_wheel(tmp_path / "vllm", "vllm", "0.31.0+cu129", "cp38-abi3-manylinux_2_28_x86_64",
-                            ["torch==2.13.0"])
-    monkeypatch.setenv("TORCH_INDEX_URL", f"file://{tmp_path}/torch/")
-    monkeypatch.setenv("VLLM_INDEX_URL", f"file://{tmp_path}/vllm")
-    out = tmp_path / "out"
-    try:
-        rc = lock.lock_cells([cell], root=out, quiet=True)
-    except Exception as e:  # noqa: BLE001 - only a network failure may skip this
-        if re.search(r"(?i)connect|network|dns|timed out|fetch", str(e)):
-            pytest.skip(f"package index unreachable: {e}")
-        raise
-    assert rc == 0
-    text = (out / cell.lock).read_text()
-    reqs = parse(text)
-    assert reqs["torch"] == ("2.13.0+cu129", [torch_hash])
-    assert reqs["vllm"] == ("0.31.0+cu129", [vllm_hash])
-    for pkg in ("transformers", "trl", "peft", "accelerate", "bitsandbytes", "ninja", "wheel"):
-        assert reqs[pkg][0] == cell.pins[pkg]
-    assert str(tmp_path) not in text and "file://" not in text   # index URLs never land in the lock
-    assert lock.recorded_digest(out / cell.lock) == lock.inputs_digest(cell)

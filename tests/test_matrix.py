@@ -41,7 +41,9 @@ def test_cell_contract_fields(m):
         assert c.tag == f"{c.name}-{c.arch}"
         assert c.platform == {"x86_64": "linux/amd64", "aarch64": "linux/arm64"}[c.arch]
         assert c.dockerfile == Path("images") / c.tag / "Dockerfile"
-        assert c.lock == Path("locks") / f"{c.tag}.txt"
+        # GPU cells of one CUDA, arch and stack share one venv lock (and so one venv layer); others lock alone.
+        venv = f"cu{c.cuda.replace('.', '')}-{c.stack}-{c.arch}" if c.cuda else c.tag
+        assert c.venv == venv and c.lock == Path("locks") / f"{venv}.txt"
         assert c.repository == "trainbox"
         assert c.tags[0] == c.tag and all(t.startswith(c.tag + "-") for t in c.version_tags)
         assert c.attention_backend in ("fa3", "fa2", "sdpa")
@@ -51,6 +53,10 @@ def test_cell_contract_fields(m):
             assert c.gpu and c.min_driver and c.cuda_arch_list and c.base_image.startswith("nvidia/cuda:")
             assert c.cuda in c.base_image and c.torch_variant == "cu" + c.cuda.replace(".", "")
             assert c.python == "3.12" and "ubuntu24.04" in c.base_image
+            # The runtime sits on the small CUDA `base` image; compilers only in the devel image of a compile stage.
+            assert "-base-" in c.base_image and "-devel-" in c.build_image
+            # CUDA minor-version compatibility: any driver of the major family runs the image.
+            assert c.min_driver == {"12": "525.60.13", "13": "580.65.06"}[c.cuda.split(".")[0]]
         else:
             assert c.gpu is None and c.min_driver is None and c.cuda_arch_list == ""
 
@@ -159,7 +165,7 @@ def test_broken_matrices(name, needles, tmp_path):
     ('trl = "1.16.0"', 'trl = ">=1.16"', ["stack.train.packages.trl", "one exact version"]),
     ('id = "gpu-min-cuda"', 'id = "gpu-max-cuda"', ["rule[1].id", "unknown rule id"]),
     ('tag = "{name}-{arch}"', 'tag = "{name}-{os}"', ["naming.tag", "bad template"]),
-    ('tag = "{name}-{arch}"', 'tag = "{name}"', ["two cells have the tag 'cu126-ampere'", "{arch}"]),
+    ('tag = "{name}-{arch}"', 'tag = "{name}"', ["two cells have the tag 'cu129-ampere'", "{arch}"]),
     ('schema = 1', 'schema = 2', ["schema 2 is not supported"]),
     ('attention = "sdpa"\nmin_cuda', 'attention = "fa4"\nmin_cuda', ["gpu.blackwell.attention", "'fa4'"]),
     ('trl_vllm_extra = { "1.16.0" = ">=0.22.0,<=0.31.0" }', 'trl_vllm_extra = { "1.16.0" = ">=0.22.0,<=0.30.0" }',

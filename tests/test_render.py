@@ -88,8 +88,13 @@ def test_image_contract(tag):
     froms = [r for w, r in ins if w == "FROM"]
     assert froms[0] == "${BASE_IMAGE} AS base"
     stages = [r.split(" AS ")[1] for r in froms]
-    assert stages == (["base", "deps", "flash", "runtime"] if cell.attention.get("package")
-                      else ["base", "deps", "runtime"])
+    assert stages == (["base", "deps", "attention", "runtime"] if cell.flash else ["base", "deps", "runtime"])
+    # The runtime never sits on the CUDA devel image; only a source-build stage does.
+    assert "devel" not in cell.base_image and froms[-1] == "base AS runtime"
+    if cell.flash and cell.flash["how"] == "source":
+        assert "${BUILD_IMAGE} AS attention" in froms and f"ARG BUILD_IMAGE={cell.build_image}" in text
+    else:
+        assert "BUILD_IMAGE" not in text and "devel" not in text
     runtime = ins[words.index("FROM") + [i for i, w in enumerate(words[words.index("FROM"):]) if w == "FROM"][-1]:]
     env = " ".join(r for w, r in runtime if w == "ENV")
     for needle in ("PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
@@ -117,9 +122,10 @@ def test_image_contract(tag):
     last_copy = max(i for i, (w, r) in enumerate(ins) if w in ("COPY", "RUN", "ADD"))
     assert ins[last_copy] == ("COPY", "entrypoints/ /opt/trainbox/entrypoints/")
     assert {w for w, _ in ins[last_copy + 1:]} <= {"ARG", "LABEL"}
-    # Hash-checked install from the cell's lock, wheelhouse first.
-    assert f"COPY locks/.gitkeep locks/{tag}.tx[t] /tmp/trainbox/locks/" in text
-    assert f"-r /tmp/trainbox/locks/{tag}.txt" in text and f"python build.py --lock {tag}" in text
+    # Hash-checked install from the venv's lock, wheelhouse first.
+    assert f"COPY locks/.gitkeep locks/{cell.venv}.tx[t] /tmp/trainbox/locks/" in text
+    hint = f"--lock --cuda {cell.cuda} --arch {cell.arch}" if cell.cuda else f"--lock {tag}"
+    assert f"-r /tmp/trainbox/locks/{cell.venv}.txt" in text and f"python build.py {hint}" in text
     assert "--require-hashes" in text and "--find-links /tmp/trainbox/wheelhouse" in text
     assert "COPY images/certs/ /usr/local/share/ca-certificates/trainbox/" in text and "update-ca-certificates" in text
 
@@ -131,32 +137,53 @@ def test_no_buildkit_only_syntax(tag):
     assert "COPY --chmod" not in text and "COPY --link" not in text and "--platform=" not in text
 
 
-def test_fa3_stage_only_on_hopper():
+def test_attention_layer_only_where_a_flash_wheel_goes():
     for cell in M.cells:
         text = render.render(cell)
-        assert ("flash_attn_3" in text) == (cell.gpu == "hopper")
-        if cell.gpu == "hopper":
-            assert "ARG MAX_JOBS=8" in text and "FLASH_ATTENTION_DISABLE_FP8=TRUE" in text
-            assert 'TORCH_CUDA_ARCH_LIST="9.0a"' in text
-            assert "--find-links /tmp/trainbox/wheelhouse -d /tmp/trainbox/flash" in text   # prebuilt first
-            assert "#subdirectory=hopper" in text                                            # source fallback
-        if cell.gpu == "ampere":
-            assert '"flash-attn==2.8.3"' in text
-        if cell.gpu == "blackwell" or cell.gpu is None:
-            assert "AS flash" not in text
+        assert ("AS attention" in text) == (cell.gpu in ("hopper", "ampere"))
+        if not cell.flash:
+            continue
+        # one small layer into the shared venv, after the shared layers and before the per-cell record
+        copy = f"COPY --from=attention /tmp/trainbox/attention/ /opt/venv/lib/python{cell.python}/site-packages/"
+        assert copy in text and text.index("useradd") < text.index(copy) < text.index(f"COPY images/{cell.tag}/")
+        if cell.flash["how"] == "index":
+            assert f"COPY {cell.attention_lock} /tmp/trainbox/attention.txt" in text
+            assert f"ARG FLASH_INDEX_URL=https://download.pytorch.org/whl/{cell.flash['flash_variant']}" in text
+            assert "--require-hashes" in text.split("AS attention")[1] and "pip wheel" not in text
+        else:
+            assert "ARG MAX_JOBS=8" in text and "pip wheel --no-cache-dir --no-deps --no-build-isolation" in text
+            if cell.gpu == "hopper":
+                assert 'TORCH_CUDA_ARCH_LIST="9.0a"' in text and "FLASH_ATTENTION_DISABLE_FP8=TRUE" in text
+                assert "#subdirectory=hopper" in text
 
 
-def test_gpu_cells_require_their_indexes_at_build_time():
+def test_gpu_cells_name_their_indexes_as_arg_defaults():
     text = render.render(CELLS["cu129-hopper-aarch64"])
-    assert "ARG TORCH_INDEX_URL" in text and '"${TORCH_INDEX_URL%/}/cu129"' in text
-    assert "ARG VLLM_INDEX_URL" in text and "exit 2" in text
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu129\n" in text
+    assert "ARG VLLM_INDEX_URL=https://wheels.vllm.ai/0.31.0/cu129\n" in text
+    assert '--extra-index-url "${TORCH_INDEX_URL}"' in text and "exit 2" in text
+    cu130 = render.render(CELLS["cu130-blackwell-x86_64"])   # the default index has torch/vLLM's CUDA 13 builds
+    assert "TORCH_INDEX_URL" not in cu130 and "VLLM_INDEX_URL" not in cu130 and "ARG INDEX_URL=\n" in cu130
+    assert "build-essential" not in cu130 and "nvcc" not in cu130
     smoke = render.render(CELLS["smoke-x86_64"])
-    assert "build-essential" not in smoke
+    assert "build-essential" not in smoke and "gcc" not in smoke
     # CPU torch: the wheelhouse or an optional TORCH_INDEX_URL; a clear error when neither has it.
     assert "ARG TORCH_INDEX_URL=\n" in smoke and "${TORCH_INDEX_URL%/}/cpu" in smoke
     assert "ls /tmp/trainbox/wheelhouse/torch-2.13.0+cpu-*.whl" in smoke
     light = render.render(CELLS["smoke-aarch64"])
     assert "TORCH_INDEX_URL" not in light
+
+
+def test_cells_of_one_venv_render_the_same_shared_stages():
+    """What makes the venv layer byte-for-byte shared: hopper and blackwell of one CUDA and arch have the same base
+    and deps stages and the same runtime prefix up to the attention layer."""
+    a, b = (render.render(CELLS[t]) for t in ("cu130-hopper-x86_64", "cu130-blackwell-x86_64"))
+    cut = lambda s: s[s.index("ARG BASE_IMAGE"):s.index("# ---- attention") if "# ---- attention" in s
+                      else s.index("# ---- runtime")]   # noqa: E731
+    assert cut(a) == cut(b) and "blackwell" not in cut(b) and "hopper" not in cut(a)
+    ra, rb = (s[s.index("FROM base AS runtime"):s.index("# The attention layer") if "# The attention layer" in s
+              else s.index("COPY images/cu130-")] for s in (a, b))
+    assert ra == rb
 
 
 @pytest.mark.parametrize("tag", sorted(CELLS))
@@ -173,7 +200,11 @@ def test_image_record_matches_the_contract(tag, monkeypatch, tmp_path):
     if cell.gpu:
         assert imageinfo.capabilities(record)
     if "torch" in cell.pins:
-        assert record["versions"]["torch"] == f"2.13.0+{cell.torch_variant}"
+        want = "2.13.0" if cell.default_index else f"2.13.0+{cell.torch_variant}"
+        assert record["versions"]["torch"] == want
+    if cell.flash:   # the attention wheel's version is in the record and the labels
+        assert record["versions"][cell.attention["package"]] == cell.attention["version"]
+        assert record["attention_source"].startswith(cell.flash["how"])
 
 
 def test_write_cells_is_all_or_nothing(tmp_path, monkeypatch):
@@ -205,56 +236,3 @@ def test_dockerignore_keeps_junk_out_and_inputs_in():
     assert not any(re.match(r"!\.(venv|git)", ln) for ln in lines)
 
 
-def _explicit(tmp_path, sources, gpu="hopper", attention="fa3"):
-    text = (ROOT / "matrix.toml").read_text() + f'''
-[[cell]]
-name = "custom"
-arch = "aarch64"
-cuda = "12.9"
-gpu = "{gpu}"
-attention = "{attention}"
-base_image = "nvidia/cuda:12.9.1-devel-ubuntu24.04"
-python = "3.12"
-stack = "gpu"
-flash_sources = {sources}
-'''
-    p = tmp_path / "m.toml"
-    p.write_text(text)
-    return load_matrix(p)
-
-
-@pytest.mark.parametrize("sources, present, absent", [
-    (["wheelhouse"], ["no prebuilt flash_attn_3 wheel for cell custom-aarch64 (wheelhouse)", "--no-index"],
-     ["pip wheel", "FLASH_INDEX_URL", "MAX_JOBS"]),
-    (["source"], ['&& echo "flash: building from source', "ARG MAX_JOBS=8", "#subdirectory=hopper"],
-     ["pip download", "FLASH_INDEX_URL"]),
-    (["index", "wheelhouse"], ['&& if [ -n "${FLASH_INDEX_URL}" ]', "elif /opt/venv/bin/pip download", "exit 2"],
-     ["pip wheel", "MAX_JOBS"]),
-])
-def test_flash_sources_per_cell(tmp_path, sources, present, absent):
-    m = _explicit(tmp_path, json.dumps(sources))
-    cell = next(c for c in m.cells if c.tag == "custom-aarch64")
-    text = render.render(cell)
-    for needle in present:
-        assert needle in text, needle
-    flash = text[text.index("AS flash"):text.index("AS runtime")]
-    for needle in absent:
-        assert needle not in flash, needle
-    df = tmp_path / "Dockerfile"
-    df.write_text(text)
-    proc = subprocess.run([hadolint(), "--no-color", "--failure-threshold", "error", str(df)],
-                          capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout
-    sh = subprocess.run(["sh", "-n", "-c", flash.split("RUN ", 1)[1].replace("\\\n", " ")], capture_output=True)
-    assert sh.returncode == 0, sh.stderr   # the generated if/elif chain is valid shell
-
-
-@pytest.mark.parametrize("sources, gpu, attention, needle", [
-    ('["source", "wheelhouse"]', "hopper", "fa3", '"source" must come last'),
-    ('["pypi"]', "hopper", "fa3", "unknown value 'pypi'"),
-    ('[]', "hopper", "fa3", "must not be empty"),
-    ('["wheelhouse"]', "blackwell", "sdpa", "attention 'sdpa' builds no wheel"),
-])
-def test_bad_flash_sources(tmp_path, sources, gpu, attention, needle):
-    with pytest.raises(UserError, match=re.escape(needle)):
-        _explicit(tmp_path, sources, gpu=gpu, attention=attention)

@@ -33,9 +33,14 @@ def test_every_cell_is_built_and_every_multi_arch_cell_joined():
     wf = yaml.safe_load(workflow.WORKFLOW.read_text())
     cells = load_matrix().cells
     include = wf["jobs"]["build"]["strategy"]["matrix"]["include"]
-    assert sorted(i["tag"] for i in include) == sorted(c.tag for c in cells)
+    # one job per venv: its cells (all GPU generations of one CUDA, arch and stack) share the venv layer
+    built = sorted(f"{name}-{i['arch']}" for i in include for name in i["cells"].split())
+    assert built == sorted(c.tag for c in cells)
     for item in include:
+        assert {c.venv for c in cells if c.arch == item["arch"] and c.name in item["cells"].split()} == {item["venv"]}
+        # arm64 on GitHub's native arm64 runners: nothing in the workflow runs under QEMU
         assert item["runner"] == workflow.RUNNERS[item["arch"]]
+    assert workflow.RUNNERS["aarch64"].endswith("-arm") and "qemu" not in workflow.WORKFLOW.read_text().lower()
     multi = {c.name for c in cells if sum(d.name == c.name for d in cells) > 1}
     assert "smoke" in multi
     assert set(wf["jobs"]["manifest"]["strategy"]["matrix"]["cell"]) == multi
