@@ -109,6 +109,13 @@ def cmd_explain(m: Matrix, quiet: bool) -> None:
         print(f"{len(m.exclusions)} excluded combinations in {m.path}:")
     for e in m.exclusions:
         print(f"{e.describe():<44} rule={e.rule}: {e.reason}")
+    # What a host needs to run the cells: CUDA minor-version compatibility sets the floor, not the toolkit's GA driver.
+    by_driver: dict[str, list[str]] = {}
+    for cuda, spec in sorted(m.data.get("cuda", {}).items(), key=lambda kv: tuple(map(int, kv[0].split(".")))):
+        by_driver.setdefault(spec["min_driver"], []).append(cuda)
+    for driver, cudas in by_driver.items():
+        print(f"driver: CUDA {', '.join(cudas)} images run on any driver >= {driver} (CUDA minor-version "
+              f"compatibility: the wheels ship kernels for every GPU they support, no PTX JIT needed)")
 
 
 def plan_lines(cells: list[Cell], bases: dict[str, str], paths: dict, root: Path = ROOT,

@@ -305,6 +305,10 @@ def evaluate(info: dict | None, smi: dict, probes: dict[str, dict], installed: d
         elif need and vkey(driver) < vkey(need):
             add("driver", "fallback", f"driver {driver} (CUDA ≤ {top}) is older than CUDA {image_cuda}'s {need}: "
                                       "runs through minor-version compatibility (no PTX JIT); upgrade for full support")
+        elif MIN_DRIVER.get(image_cuda) and vkey(driver) < vkey(MIN_DRIVER[image_cuda]):
+            add("driver", "ok", f"{driver} (CUDA ≤ {top}) runs this CUDA {image_cuda} image through CUDA minor-version "
+                                f"compatibility (any {image_cuda.split('.')[0]}.x driver ≥ {need}; its wheels ship "
+                                "kernels for the GPU, no PTX JIT needed)")
         else:
             add("driver", "ok", f"{driver} (CUDA ≤ {top}) ≥ {need} needed by CUDA {image_cuda}")
     elif image_cuda and gpus:

@@ -43,6 +43,8 @@ def test_explain_lists_exclusions_with_reasons():
     assert len(bw) == 2 and all("rule=gpu-min-cuda" in ln and "CUDA >= 12.8" in ln for ln in bw)
     assert "rule=torch-variant-exists" in out and "no cu128 wheels" in out
     assert f"{len(M.exclusions)} excluded combinations" in out
+    assert "driver: CUDA 12.6, 12.8, 12.9 images run on any driver >= 525.60.13 (CUDA minor-version" in out
+    assert "driver: CUDA 13.0 images run on any driver >= 580.65.06" in out
 
 
 def test_dry_run_aarch64_writes_only_those_and_prints_a_plan(tmp_path):

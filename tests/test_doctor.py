@@ -291,3 +291,14 @@ def test_driver_version_from_proc_when_nvidia_smi_is_absent():
     # torch sees the GPU, nvidia-smi is absent, the driver comes from /proc: the driver check still runs
     checks = evaluate(record(), {"found": False, "gpus": [], "driver": "520.61.05"}, probes(), INSTALLED)
     assert rows(checks)["driver"].status == "fail"
+
+
+def test_a_cu129_image_runs_on_the_gh200_570_driver_by_minor_version_compatibility():
+    """The GH200 box of the user stories: CUDA 12.8, driver 570.148.08; the cu129 image's record says 525.60.13."""
+    checks = evaluate(record(cuda="12.9", min_driver="525.60.13"), smi(driver="570.148.08", cuda_max="12.8"),
+                      probes(), INSTALLED)
+    d = {c.name: c for c in checks}["driver"]
+    assert d.status == "ok" and "minor-version compatibility" in d.detail and "525.60.13" in d.detail
+    checks = evaluate(record(cuda="13.0", min_driver="580.65.06"), smi(driver="570.148.08", cuda_max="12.8"),
+                      probes(), INSTALLED)
+    assert {c.name: c for c in checks}["driver"].status == "fail"
