@@ -343,6 +343,14 @@ def compiles_under_emulation(cell, native_builder: bool = False) -> bool:
     return flash.get("how") == "source" and cell.arch != host_arch() and not native_builder
 
 
+def refuse_emulated_compile(cell, native_builder: bool = False) -> None:
+    if compiles_under_emulation(cell, native_builder):
+        raise UserError(f"cell {cell.tag} compiles {cell.attention['package']} from source and this host is "
+                        f"{host_arch()}: under QEMU that takes many hours, so it is refused",
+                        fix=f"build it on a native {cell.arch} machine (the generated workflow does), or with "
+                            "--buildx-builder NAME naming a buildx builder with a native node of that arch")
+
+
 def cell_build_args(cell, *, bases: dict[str, str] | None = None, index_overrides: dict[str, str] | None = None,
                     extra: dict[str, str] | None = None, context: Path = ROOT) -> dict[str, str]:
     """Every build arg the cell's Dockerfile reads: substituted bases, the index URLs (matrix defaults or overrides),
@@ -374,11 +382,7 @@ def build_cell(cell, *, builder: Builder, context: Path = ROOT, registry: str | 
         dockerfile = context / dockerfile
     if not dockerfile.exists():
         raise UserError(f"cell {cell.tag}: {dockerfile} does not exist; render it with `python build.py --dry-run`")
-    if compiles_under_emulation(cell, native_builder):
-        raise UserError(f"cell {cell.tag} compiles {cell.attention['package']} from source and this host is "
-                        f"{host_arch()}: under QEMU that takes many hours, so it is refused",
-                        fix=f"build it on a native {cell.arch} machine (the generated workflow does), or with "
-                            "--buildx-builder NAME naming a buildx builder with a native node of that arch")
+    refuse_emulated_compile(cell, native_builder)
     build_args = cell_build_args(cell, bases=bases, index_overrides=index_overrides, extra=extra_args,
                                  context=context)
     base = getattr(cell, "base_image", None)
@@ -529,8 +533,7 @@ def build_cells(cells, args) -> int:
     index_overrides = getattr(args, "index_overrides", None) or {}
     extra_args = parse_build_args(getattr(args, "build_arg", None))
     for cell in cells:  # refuse before any lock or build work
-        if compiles_under_emulation(cell, bool(buildx_builder)):
-            build_cell(cell, builder=builder, context=context)
+        refuse_emulated_compile(cell, bool(buildx_builder))
     # The lock step: every missing or stale lock of the selection is resolved before the first build.
     lock.ensure([c for c in cells if hasattr(c, "venv")], root=context, overrides=index_overrides,
                 frozen=bool(getattr(args, "frozen", False)), quiet=quiet)

@@ -216,3 +216,15 @@ def test_dry_run_of_a_cu129_hopper_cell_needs_no_argument():
     assert "--frozen refuses to build" in p.stdout and "index torch: https://mirror.example/t/cu129" in p.stdout
     bad = build("cu129-hopper-x86_64", "--dry-run", "--index", "pytorch=https://x")
     assert bad.returncode == 2 and "unknown index 'pytorch'" in bad.stderr and len(bad.stderr.splitlines()) == 1
+
+
+def test_a_source_build_under_emulation_is_refused_before_anything_runs(tmp_path):
+    """cu129-hopper-aarch64 has no prebuilt aarch64 FA3 wheel: on this x86 host the build stops at once (exit 2, one
+    line, the way out named), before any lock is resolved or any image step runs."""
+    from builder import engine
+    if engine.host_arch() != "x86_64":
+        pytest.skip("the refusal is for a host of another arch")
+    p = build("cu129-hopper-aarch64", "--builder", "legacy")
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "compiles flash-attn-3 from source" in p.stderr and "--buildx-builder" in p.stderr
+    assert not (ROOT / "locks" / "cu129-gpu-aarch64.txt").exists()

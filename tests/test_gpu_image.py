@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import pytest
 
 from enginefix import BUILD_TIMEOUT, ROOT, base_ref, docker, engine_info, install_certs
+from gpuvariant import write_test_matrix
 
 from builder import engine as eng, lock, render, setup_engine
 from builder.matrix import load_matrix
@@ -30,24 +31,12 @@ CELLS = ("cu130-blackwell-x86_64", "cu130-hopper-x86_64")
 IMPORTS = ("torch", "vllm", "transformers", "trl", "peft", "bitsandbytes", "accelerate", "liger_kernel")
 
 
-def _test_matrix(ctx: Path) -> Path:
-    text = (ROOT / "matrix.toml").read_text()
-    cuda13 = text.index('[cuda."13.0"]')
-    head, tail = text[:cuda13], text[cuda13:]
-    tail = tail.replace('python = "3.12"', 'python = "3.11"', 1)
-    text = (head + tail).replace('cuda_arch_list = "9.0a"\nattention = "fa3"', 'cuda_arch_list = "9.0a"\nattention = "sdpa"')
-    assert text.count('python = "3.11"') >= 2 and 'attention = "sdpa"\nmin_cuda = "12.3"' in text
-    path = ctx / "matrix.toml"
-    path.write_text(text)
-    return path
-
-
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     info = engine_info()
     install_certs()
     ctx = eng.snapshot_context(tmp_path_factory.mktemp("gpu-ctx"))
-    m = load_matrix(_test_matrix(ctx))
+    m = load_matrix(write_test_matrix(ctx))
     cells = m.select(list(CELLS))
     render.write_cells(cells, root=ctx)
     assert not lock.is_fresh(cells[0], ctx)     # missing or stale (python 3.11 here): the build must lock it
