@@ -236,3 +236,15 @@ def test_dockerignore_keeps_junk_out_and_inputs_in():
     assert not any(re.match(r"!\.(venv|git)", ln) for ln in lines)
 
 
+
+
+@pytest.mark.parametrize("tag", sorted(CELLS))
+def test_the_venv_reaches_the_runtime_only_through_the_copy(tag):
+    """A venv made in `base` would sit under the runtime's COPY of the locked one, and files pip removed in `deps`
+    (the seed setuptools' metadata) would survive there: `pip check` then saw setuptools 66 next to the locked 84."""
+    text = render.render(CELLS[tag])
+    base = text[text.index("AS base"):text.index("AS deps")]
+    assert "venv /opt/venv" not in base and "/opt/venv" not in base
+    deps = text[text.index("AS deps"):]
+    assert deps.index("python3 -m venv /opt/venv") < deps.index("pip install")
+    assert "COPY --from=deps /opt/venv /opt/venv" in text
