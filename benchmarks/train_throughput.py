@@ -1,0 +1,391 @@
+"""Ours vs the plain tool a user would run, each with its defaults, same data, same steps, one GPU, one run.
+
+    python benchmarks/train_throughput.py sft   [--steps 40] [--work DIR]   # trl sft vs trainbox sft (Llama-3.2-1B shape)
+    python benchmarks/train_throughput.py qlora [--steps 20]                # plain PEFT+bitsandbytes vs trainbox qlora (8B)
+    python benchmarks/train_throughput.py check                             # packed == alone with the GPU's kernel
+
+Models are random-init shapes built here, tokenizers are word-level ones built here (one token per word, so the
+generated lengths are the token lengths), data is chat `messages` JSONL. Lengths: "mix" is lognormal (median 350
+tokens, ~5 % over 1,500, capped at the max length), "uniform" is every row at the max length.
+
+Measured the same way for every run: a sitecustomize hook (benchmarks/_measure) adds a callback to any transformers
+Trainer that records, at each optimizer step end, a CUDA event and the trainer's count of real (non-padding) tokens,
+and at the end the peak allocated memory and the logged losses. Rates are from the end of the first `--skip` steps
+to the last step. MFU: (6N + 6 x layers x attention width x E[n^2]/E[n]) x real tokens/s / the GPU's dense bf16 peak,
+with N the matmul parameters and n the example lengths, so padding is never counted as work. A first process warms
+the GPU up; the runs then alternate (plain, ours, ours, plain).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SHAPES = {
+    # Llama-3.2-1B: 1.24 B parameters, tied embeddings.
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0,
+                     max_position_embeddings=4096),
+    # Llama-3.1-8B.
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0,
+                     max_position_embeddings=4096),
+}
+WORDS = 4000
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+
+
+def make_tokenizer(path: Path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<|pad|>", "<|bos|>", "<|end|>", "<|unk|>", "<|system|>", "<|user|>", "<|assistant|>"]
+    vocab = {t: i for i, t in enumerate(special + [f"w{i}" for i in range(WORDS)])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|unk|>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", bos_token="<|bos|>",
+                                   eos_token="<|end|>", unk_token="<|unk|>")
+    fast.chat_template = TEMPLATE
+    fast.save_pretrained(path)
+
+
+def make_model(path: Path, shape: str) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if (path / "config.json").is_file():
+        return path
+    conf = LlamaConfig(**SHAPES[shape], pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(conf).to(torch.bfloat16)
+    model.save_pretrained(path)
+    make_tokenizer(path)
+    del model
+    torch.cuda.empty_cache()
+    return path
+
+
+def lengths(kind: str, n: int, max_len: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    if kind == "uniform":
+        return [max_len] * n
+    mu, sigma = math.log(350), (math.log(1500) - math.log(350)) / 1.645  # median 350, P(>1500) = 5 %
+    return [max(16, min(max_len, int(rng.lognormvariate(mu, sigma)))) for _ in range(n)]
+
+
+# Template overhead per row: "<|user|> ... <|end|> <|assistant|> ... <|end|>" = 4 tokens around the words.
+OVERHEAD = 4
+
+
+def write_chat(path: Path, lens: list[int], seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / "train.jsonl", "w") as f:
+        for n in lens:
+            words = [f"w{rng.randrange(WORDS)}" for _ in range(max(2, n - OVERHEAD))]
+            cut = max(1, len(words) // 4)
+            f.write(json.dumps({"messages": [{"role": "user", "content": " ".join(words[:cut])},
+                                             {"role": "assistant", "content": " ".join(words[cut:])}]}) + "\n")
+    return path
+
+
+def flops_per_token(shape: str, lens: list[int]) -> float:
+    s = SHAPES[shape]
+    h, L, inter, V = s["hidden_size"], s["num_hidden_layers"], s["intermediate_size"], s["vocab_size"]
+    kv = h // s["num_attention_heads"] * s["num_key_value_heads"]
+    per_layer = h * h + 2 * h * kv + h * h + 3 * h * inter
+    n_matmul = L * per_layer + V * h  # + LM head (tied or not, it is one matmul per token)
+    ctx = sum(n * n for n in lens) / sum(lens)
+    return 6.0 * n_matmul + 6.0 * L * h * ctx
+
+
+MEASURE = '''
+import json, os, time
+_out = os.environ.get("BENCH_MEASURE")
+if _out:
+    import transformers
+    from transformers import TrainerCallback
+
+    class _Measure(TrainerCallback):
+        def __init__(self, trainer):
+            self.trainer, self.marks, self.losses = trainer, [], []
+        def on_step_end(self, args, state, control, **kw):
+            import torch
+            ev = torch.cuda.Event(enable_timing=True); ev.record()
+            self.marks.append((state.global_step, ev, self.trainer._bench_tokens.clone()))
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                self.losses.append((state.global_step, logs["loss"]))
+        def on_train_end(self, args, state, control, **kw):
+            import torch
+            torch.cuda.synchronize()
+            m = self.marks
+            skip = int(os.environ.get("BENCH_SKIP", "5"))
+            a, b = m[min(skip, len(m) - 2)], m[-1]
+            secs = a[1].elapsed_time(b[1]) / 1000
+            tok = int((b[2] - a[2]).item())
+            json.dump({"steps": b[0] - a[0], "seconds": secs, "real_tokens": tok,
+                       "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "losses": self.losses,
+                       "gradient_checkpointing": bool(args.gradient_checkpointing),
+                       "packing": bool(getattr(args, "packing", False)),
+                       "padding_free": bool(getattr(args, "padding_free", False)),
+                       "liger": bool(getattr(args, "use_liger_kernel", False)),
+                       "attn": str(getattr(self.trainer.model.config, "_attn_implementation", "?")),
+                       "param_dtype": str(next(self.trainer.model.parameters()).dtype)}, open(_out, "w"))
+
+    _init, _step = transformers.Trainer.__init__, transformers.Trainer.training_step
+    def __init__(self, *a, **k):
+        _init(self, *a, **k)
+        self.add_callback(_Measure(self))
+    def training_step(self, model, inputs, *a, **k):
+        # Real tokens of this micro-batch, summed on the GPU (no host sync): the mask where there is padding,
+        # every position of a padding-free (flattened) batch.
+        import torch
+        n = inputs["attention_mask"].sum() if "attention_mask" in inputs else torch.tensor(inputs["input_ids"].numel())
+        n = n.to(inputs["input_ids"].device, torch.int64)
+        self._bench_tokens = n if not hasattr(self, "_bench_tokens") else self._bench_tokens + n
+        return _step(self, model, inputs, *a, **k)
+    transformers.Trainer.__init__ = __init__
+    transformers.Trainer.training_step = training_step
+'''
+
+
+def measured_env(work: Path, label: str) -> tuple[dict, Path]:
+    hook = work / "_measure"
+    hook.mkdir(parents=True, exist_ok=True)
+    (hook / "sitecustomize.py").write_text(MEASURE)
+    out = work / f"{label}.json"
+    out.unlink(missing_ok=True)
+    env = dict(os.environ, BENCH_MEASURE=str(out), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join([str(hook), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return env, out
+
+
+def run(label: str, argv: list[str], work: Path, log: Path) -> dict:
+    env, out = measured_env(work, label)
+    t = time.time()
+    with open(log, "a") as f:
+        f.write(f"\n===== {label}: {' '.join(argv)}\n")
+        f.flush()
+        r = subprocess.run(argv, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+    if r.returncode != 0 or not out.is_file():
+        print(f"{label}: FAILED (exit {r.returncode}); see {log}", flush=True)
+        os.system(f"tail -n 30 {log}")
+        return {"label": label, "failed": True}
+    res = json.loads(out.read_text())
+    res.update(label=label, wall=time.time() - t)
+    return res
+
+
+def peak_tflops() -> float:
+    import torch
+
+    from entrypoints.throughput import peak_tflops as peak
+
+    return peak(torch.cuda.get_device_name()) or 989.4
+
+
+def show(res: dict, fpt: float, peak: float) -> dict:
+    if res.get("failed"):
+        return res
+    res["tokens_per_s"] = res["real_tokens"] / res["seconds"]
+    res["mfu"] = fpt * res["tokens_per_s"] / (peak * 1e12)
+    print(f"RESULT {json.dumps({k: v for k, v in res.items() if k != 'losses'})}", flush=True)
+    print(f"  {res['label']:<28} {res['tokens_per_s']:>9,.0f} real tok/s  MFU {100 * res['mfu']:5.1f} %  "
+          f"peak {res['peak_gib']:5.1f} GiB  attn={res['attn']} packing={res['packing']} "
+          f"padding_free={res['padding_free']} ckpt={res['gradient_checkpointing']} liger={res['liger']} "
+          f"params={res['param_dtype']}", flush=True)
+    return res
+
+
+def sft(a) -> None:
+    work = Path(a.work)
+    log = work / "sft.log"
+    model = make_model(work / "llama-1b", "llama-1b")
+    peak = peak_tflops()
+    common = ["--model_name_or_path", str(model), "--max_length", "2048", "--per_device_train_batch_size", "8",
+              "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none", "--seed", "0",
+              "--disable_tqdm", "true"]  # fmt: skip
+    py = sys.executable
+
+    def trl(data, out, steps):
+        return [py, "-m", "trl.cli.main", "sft", "--dataset_name", str(data), "--output_dir", str(out),
+                "--max_steps", str(steps), *common]
+
+    def ours(data, out, steps, *extra):
+        return [py, "-m", "entrypoints", "sft", "--dataset", str(data / "train.jsonl"), "--output_dir", str(out),
+                "--max_steps", str(steps), "--resume", "never", *common, *extra]
+
+    results = {}
+    for kind in a.kinds:
+        lens = lengths(kind, a.steps * 8 * 6, 2048)
+        data = write_chat(work / f"data-{kind}", lens)
+        fpt = flops_per_token("llama-1b", lens)
+        print(f"# sft {kind}: {len(lens)} rows, median {sorted(lens)[len(lens) // 2]} tokens, "
+              f"{100 * sum(n > 1500 for n in lens) / len(lens):.1f} % over 1,500; {fpt / 1e9:.2f} GFLOP/token", flush=True)
+        if a.loss_only:
+            results["mix-trl-0"] = show(run("mix-trl-0", trl(data, work / "o-lt", a.steps), work, log), fpt, peak)
+            label = "mix-ours-nopacking"
+            results[label] = show(run(label, ours(data, work / f"o-{label}", a.steps, "--packing", "false"), work,
+                                      log), fpt, peak)
+            break
+        if not results:  # warm-up process on a fresh GPU: not reported
+            run("warmup", ours(data, work / "o-warm", 8), work, log)
+        order = [("trl", trl), ("ours", ours), ("ours", ours), ("trl", trl)] if kind == "mix" else \
+            [("ours", ours), ("trl", trl)]
+        for i, (who, fn) in enumerate(order):
+            label = f"{kind}-{who}-{i}"
+            results[label] = show(run(label, fn(data, work / f"o-{label}", a.steps), work, log), fpt, peak)
+        if kind == "mix" and a.loss_check:
+            # Same batches as plain TRL (padded, no packing): the loss per step must match TRL's.
+            label = "mix-ours-nopacking"
+            # Same max_steps as the TRL runs: the learning-rate schedule decays over max_steps.
+            results[label] = show(run(label, ours(data, work / f"o-{label}", a.steps, "--packing", "false"), work,
+                                      log), fpt, peak)
+    summarize_sft(results)
+    json.dump(results, open(work / "sft-results.json", "w"), indent=1, default=str)
+
+
+def summarize_sft(results: dict) -> None:
+    def rate(prefix):
+        xs = [r["tokens_per_s"] for k, r in results.items()
+              if k.startswith(prefix) and k[len(prefix):].lstrip("-").isdigit() and "tokens_per_s" in r]
+        return sum(xs) / len(xs) if xs else None
+
+    for kind in ("mix", "uniform"):
+        o, t = rate(f"{kind}-ours"), rate(f"{kind}-trl")
+        if o and t:
+            print(f"SUMMARY sft {kind}: ours {o:,.0f} vs trl sft {t:,.0f} real tok/s = {o / t:.2f}x", flush=True)
+    mfu = [r["mfu"] for k, r in results.items() if k.startswith("uniform-ours") and "mfu" in r]
+    if mfu:
+        print(f"SUMMARY sft uniform 2048: ours MFU {100 * max(mfu):.1f} %", flush=True)
+    ref = results.get("mix-trl-0", {}).get("losses")
+    mine = results.get("mix-ours-nopacking", {}).get("losses")
+    if ref and mine:
+        pairs = [(a[1], b[1]) for a, b in zip(ref[:20], mine[:20])]
+        worst = max(abs(x - y) / abs(x) for x, y in pairs)
+        print(f"SUMMARY sft loss, first {len(pairs)} steps, same batches: max relative difference {100 * worst:.2f} % "
+              f"(trl {pairs[0][0]:.4f}->{pairs[-1][0]:.4f}, ours {pairs[0][1]:.4f}->{pairs[-1][1]:.4f})", flush=True)
+
+
+PLAIN_QLORA = '''
+"""A plain PEFT + bitsandbytes QLoRA script, as the PEFT/bitsandbytes docs show it: nf4 + double quant, bf16
+compute, LoRA r16 on all linear layers, gradient checkpointing, paged 8-bit AdamW, padded batches."""
+import sys, torch
+from datasets import load_dataset
+from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+from transformers import (AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, DataCollatorForLanguageModeling,
+                          Trainer, TrainingArguments)
+model_path, data, out, steps, max_len = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+tok = AutoTokenizer.from_pretrained(model_path)
+bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                         bnb_4bit_compute_dtype=torch.bfloat16)
+model = AutoModelForCausalLM.from_pretrained(model_path, quantization_config=bnb, dtype=torch.bfloat16,
+                                             device_map={"": 0})
+model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
+model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear",
+                                         task_type="CAUSAL_LM"))
+ds = load_dataset("json", data_files=data, split="train")
+ds = ds.map(lambda r: tok(tok.apply_chat_template(r["messages"], tokenize=False), truncation=True,
+                          max_length=max_len), remove_columns=ds.column_names)
+args = TrainingArguments(out, max_steps=steps, per_device_train_batch_size=4, learning_rate=2e-4, bf16=True,
+                         optim="paged_adamw_8bit", logging_steps=1, save_strategy="no", report_to="none",
+                         gradient_checkpointing=True, seed=0, disable_tqdm=True)
+Trainer(model=model, args=args, train_dataset=ds,
+        data_collator=DataCollatorForLanguageModeling(tok, mlm=False)).train()
+'''
+
+
+def qlora(a) -> None:
+    work = Path(a.work)
+    log = work / "qlora.log"
+    model = make_model(work / "llama-8b", "llama-8b")
+    peak = peak_tflops()
+    lens = lengths("mix", a.steps * 4 * 4, 1024)
+    data = write_chat(work / "data-qlora", lens)
+    fpt = flops_per_token("llama-8b", lens)
+    script = work / "plain_qlora.py"
+    script.write_text(PLAIN_QLORA)
+    print(f"# qlora: {len(lens)} rows capped at 1024, median {sorted(lens)[len(lens) // 2]} tokens", flush=True)
+    plain = [sys.executable, str(script), str(model), str(data / "train.jsonl"), str(work / "o-plain"), str(a.steps),
+             "1024"]
+    ours = [sys.executable, "-m", "entrypoints", "qlora", "--model_name_or_path", str(model), "--dataset",
+            str(data / "train.jsonl"), "--output_dir", str(work / "o-ours"), "--max_steps", str(a.steps),
+            "--max_length", "1024", "--per_device_train_batch_size", "4", "--logging_steps", "1", "--save_strategy",
+            "no", "--report_to", "none", "--seed", "0", "--resume", "never", "--disable_tqdm", "true"]  # fmt: skip
+    results = {}
+    for i, (who, argv) in enumerate([("plain", plain), ("ours", ours), ("ours", ours), ("plain", plain)][: a.runs]):
+        results[f"{who}-{i}"] = show(run(f"qlora-{who}-{i}", argv, work, log), fpt, peak)
+    o = [r for k, r in results.items() if k.startswith("ours") and "tokens_per_s" in r]
+    p = [r for k, r in results.items() if k.startswith("plain") and "tokens_per_s" in r]
+    if o and p:
+        ot, pt = sum(r["tokens_per_s"] for r in o) / len(o), sum(r["tokens_per_s"] for r in p) / len(p)
+        print(f"SUMMARY qlora 8B: ours {ot:,.0f} vs plain {pt:,.0f} real tok/s = {ot / pt:.2f}x; peak ours "
+              f"{max(r['peak_gib'] for r in o):.2f} GiB vs plain {max(r['peak_gib'] for r in p):.2f} GiB", flush=True)
+    json.dump(results, open(work / "qlora-results.json", "w"), indent=1, default=str)
+
+
+def check(a) -> None:
+    """Packed rows through the attention kernel this GPU gets == each example alone (bf16 tolerance)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    from entrypoints import attention
+
+    choice = attention.choose()
+    print(choice.line(), flush=True)
+    conf = LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
+                       num_key_value_heads=2, vocab_size=1000)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(conf).cuda().to(torch.bfloat16).eval()
+    model.set_attn_implementation(choice.impl)  # same weights, the chosen kernel
+    ref = LlamaForCausalLM(conf).cuda().to(torch.bfloat16).eval()
+    ref.load_state_dict(model.state_dict())
+    ref.set_attn_implementation("sdpa")
+    examples = [torch.randint(3, 1000, (n,)).tolist() for n in (300, 17, 1024, 5, 700)]
+    batch = {k: v.cuda() if hasattr(v, "cuda") else v for k, v in
+             DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)([{"input_ids": e} for e in examples]).items()}
+    with torch.no_grad():
+        packed = model(**{k: v for k, v in batch.items() if k != "labels" and k != "seq_idx"}, use_cache=False).logits[0]
+        start, worst = 0, 0.0
+        for e in examples:
+            alone = ref(input_ids=torch.tensor([e], device="cuda")).logits[0]
+            worst = max(worst, (packed[start:start + len(e)].float() - alone.float()).abs().max().item())
+            start += len(e)
+    ok = worst < 0.1
+    print(f"SUMMARY check: packed vs alone with {choice.impl}: max |logit diff| {worst:.4f} (bf16) -> "
+          f"{'OK' if ok else 'FAIL'}", flush=True)
+    if not ok:
+        raise SystemExit(1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=["sft", "qlora", "check"])
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--kinds", nargs="+", default=["mix", "uniform"], choices=["mix", "uniform"])
+    ap.add_argument("--runs", type=int, default=4, help="qlora: how many of plain, ours, ours, plain")
+    ap.add_argument("--no-loss-check", dest="loss_check", action="store_false")
+    ap.add_argument("--loss-only", action="store_true", help="sft: only plain TRL vs ours on the same padded batches")
+    ap.add_argument("--work", default=tempfile.mkdtemp(prefix="bench-"))
+    a = ap.parse_args()
+    Path(a.work).mkdir(parents=True, exist_ok=True)
+    {"sft": sft, "qlora": qlora, "check": check}[a.what](a)
+
+
+if __name__ == "__main__":
+    main()
