@@ -94,7 +94,12 @@ def decide(info: dict | None, capability: tuple[int, int] | None, usable: Callab
             continue
         why = None if name == "sdpa" else usable(name)  # SDPA is torch itself: always there
         if why is None:
-            reason = "the image's default" if name == wanted else f"first that runs here after the image's {wanted}"
+            if info is None:
+                reason = "no image record: the best that runs here"
+            elif name == wanted:
+                reason = "the image's default"
+            else:
+                reason = f"first that runs here after the image's {wanted}"
             return Choice(name, k.impl, reason, tuple(skipped))
         if name == wanted or name in ("fa2", "varlen"):  # worth telling; optional extras (fa4) are not
             skipped.append((name, why))
@@ -207,7 +212,11 @@ def _varlen_fn():
 def _varlen_call(fn, q, k, v, cu_q, cu_k, max_q, max_k, scale):
     """q/k/v (tokens, heads, dim). torch 2.10/2.11 say causal with `is_causal`, 2.12+ with a window; GQA likewise."""
     params = inspect.signature(fn).parameters
-    kw = {"scale": scale}
+    kw = {}
+    if "scale" in params:
+        kw["scale"] = scale
+    elif scale is not None and abs(scale - q.shape[-1] ** -0.5) > 1e-6:
+        raise ValueError(f"this torch's varlen_attn has no `scale` and the model scales by {scale}")
     if "window_size" in params:
         kw["window_size"] = (-1, 0)
     else:

@@ -237,10 +237,38 @@ def resolve_rollouts(args) -> str:
                           else "vllm not installed" if not has_vllm else "no GPU")
     if not args.use_vllm:
         return f"rollouts: transformers generate ({why})"
+    explicit = config.explicit(args)
+    if "vllm_mode" not in explicit:
+        args.vllm_mode = "colocate"  # said, not inherited: TRL's default could change under us
     if args.vllm_mode == "server":
         where = args.vllm_server_base_url or f"{args.vllm_server_host}:{args.vllm_server_port}"
         return f"rollouts: vLLM server at {where} ({why}; start it with `trl vllm-serve --model MODEL`)"
-    return f"rollouts: vLLM colocate, gpu_memory_utilization {args.vllm_gpu_memory_utilization} ({why})"
+    if "vllm_enable_sleep_mode" not in explicit:
+        # Colocated vLLM frees its weights and KV cache while the policy trains: the optimizer step gets the memory.
+        args.vllm_enable_sleep_mode = True
+    sized = ""
+    if "vllm_gpu_memory_utilization" not in explicit:
+        import torch
+
+        try:
+            total = torch.cuda.mem_get_info()[1] if torch.cuda.is_available() else None
+        except (RuntimeError, AssertionError):  # no usable CUDA after all: keep TRL's share
+            total = None
+        if total:
+            args.vllm_gpu_memory_utilization, sized = rollout_memory_share(total)
+    return (f"rollouts: vLLM colocate, sleep mode {'on' if args.vllm_enable_sleep_mode else 'off'}, "
+            f"gpu_memory_utilization {args.vllm_gpu_memory_utilization:.2f}{sized} ({why})")
+
+
+# vLLM's colocated share of the GPU: enough KV cache for a generation batch of long completions, the rest for
+# training. 24 GiB holds a 7-8B model's bf16 weights plus a few GB of KV cache; past that more cache buys little.
+ROLLOUT_BYTES = 24 * 2**30
+
+
+def rollout_memory_share(total_bytes: int) -> tuple[float, str]:
+    """gpu_memory_utilization for colocated vLLM on a GPU of `total_bytes`, and how it was sized."""
+    share = min(0.5, max(0.15, ROLLOUT_BYTES / total_bytes))
+    return round(share, 2), f" (sized: {share * total_bytes / 2**30:.0f} GiB of {total_bytes / 2**30:.0f} GiB)"
 
 
 def reward_refs(script) -> list[str]:

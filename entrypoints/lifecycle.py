@@ -293,11 +293,31 @@ def finish(trainer, output_dir: str, started: float, name: str) -> None:
     sys.stdout.flush()
 
 
+def allow_cpu_rank_locations() -> None:
+    """transformers resumes a multi-process CPU run with torch.load(map_location=args.device), i.e. "cpu:N", and
+    torch has no deserializer for that tag ("don't know how to restore data location ... cpu:0"): load it as CPU."""
+    global _cpu_locations_registered
+    if _cpu_locations_registered:
+        return
+    import torch.serialization
+
+    torch.serialization.register_package(
+        11, lambda obj: None, lambda obj, location: obj if str(location).startswith("cpu:") else None)
+    _cpu_locations_registered = True
+
+
+_cpu_locations_registered = False
+
+
 def resolve_resume(resume: str, out: str) -> str | None:
     if resume == "never":
         return None
     if resume == "auto":
-        return resume_checkpoint(out)
+        found = resume_checkpoint(out)
+        if found:
+            allow_cpu_rank_locations()
+        return found
     if not (Path(resume) / "trainer_state.json").is_file():
         raise UsageError(f"--resume {resume}: not a complete checkpoint (no trainer_state.json); use auto, never or a checkpoint-N dir")
+    allow_cpu_rank_locations()
     return resume

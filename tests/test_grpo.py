@@ -251,8 +251,10 @@ def test_rollout_choice_is_automatic_and_reported(monkeypatch):
     _, off, _ = parsed(["--num_generations", "4", "--per_device_train_batch_size", "4", "--use_vllm", "false"])
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "vllm" else real_find_spec(n, *a))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert grpo.resolve_rollouts(colocate).startswith("rollouts: vLLM colocate")
-    assert colocate.use_vllm is True
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (100 * 2**30, 141 * 2**30))
+    line = grpo.resolve_rollouts(colocate)
+    assert line.startswith("rollouts: vLLM colocate, sleep mode on, gpu_memory_utilization 0.17 (sized: 24 GiB of 141 GiB)")
+    assert colocate.use_vllm is True and colocate.vllm_mode == "colocate" and colocate.vllm_enable_sleep_mode
     assert "vLLM server at 0.0.0.0:8123" in grpo.resolve_rollouts(server)
     assert grpo.resolve_rollouts(off) == "rollouts: transformers generate (use_vllm set)"
     assert off.use_vllm is False
@@ -406,3 +408,13 @@ def test_two_processes_through_torchrun(tiny_model, gsm8k_file, tmp_path):
     assert "torchrun nnodes=1 nproc_per_node=2" in r.stdout
     assert "2 process(es)" in r.stdout
     assert "steps 2/2" in r.stdout and (out / "model.safetensors").is_file()
+
+
+def test_colocated_vllm_share_is_sized_from_the_gpu():
+    from entrypoints.grpo import rollout_memory_share
+
+    gib = 2**30
+    assert rollout_memory_share(141 * gib)[0] == 0.17  # H200: 24 GiB of 141
+    assert rollout_memory_share(80 * gib)[0] == 0.3  # H100
+    assert rollout_memory_share(24 * gib)[0] == 0.5  # a 24 GiB card: at most half for rollouts
+    assert rollout_memory_share(1000 * gib)[0] == 0.15  # floor

@@ -57,8 +57,7 @@ def test_two_node_bare_job_preempts_and_resumes(slurm2, tiny_model, tmp_path):
     cfg = _config(tmp_path, Path(tiny_model), max_steps=60, save_steps=1000)
     spec = JobSpec(tag="smoke-cpu", entrypoint="sft", mode="bare", config=str(cfg), nodes=2, gpus_per_node=0,
                    nproc_per_node=1, time="15:00", partition=partition, python=sys.executable, workdir=str(ROOT),
-                   log_dir=str(tmp_path), env=(("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false"),
-                                               ("PYTHONPATH", str(ROOT / "tests" / "cpu_resume"))))
+                   log_dir=str(tmp_path), env=(("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")))
     script = write(spec, tmp_path / "job.sh")
 
     job_id = submit(script, env)
