@@ -12,6 +12,14 @@ browser-reachable shell is rarely what anyone meant. Exception: uid 0 inside a u
 podman) is an unprivileged user outside, so it is allowed.
 
 Healthcheck: `trainbox healthcheck` reads the state file this writes (port, pid) and asks /api (no token needed).
+
+Quiet start: the auth probe asks /login without credentials (200 = the login form: auth is on; a redirect = the
+server let an anonymous user in), which the server logs at debug level, unlike a refused /api/status (a `403` warning
+at every start). The URL carrying a generated token is printed once, by this module (the server masks it).
+
+Examples: the notebooks shipped in the image (/opt/trainbox/entrypoints/examples) are copied to ROOT/examples at start
+when that folder does not exist yet and the root is writable (a mounted work folder gets them once; a user's own
+`examples` folder is never touched).
 """
 
 from __future__ import annotations
@@ -180,6 +188,43 @@ def http_status(url: str, timeout: float = 5.0) -> int | None:
         return None
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None  # report the 302 itself
+
+
+def auth_probe(base: str, timeout: float = 5.0) -> int | None:
+    """HTTP status of GET /login without credentials: 200 (the login form) when auth is on, 302 when it is off."""
+    opener = urllib.request.build_opener(_NoRedirect)
+    try:
+        with opener.open(urllib.request.Request(base + "/login"), timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+EXAMPLES = Path(__file__).resolve().parent / "examples"
+
+
+def seed_examples(root_dir: Path, source: Path = EXAMPLES) -> Path | None:
+    """Copy the shipped notebooks to ROOT/examples if that doesn't exist and ROOT is writable; the copy or None."""
+    dest = root_dir / "examples"
+    if not source.is_dir() or dest.exists() or not os.access(root_dir, os.W_OK):
+        return None
+    import shutil
+
+    tmp = root_dir / f".examples.tmp-{os.getpid()}"
+    try:
+        shutil.copytree(source, tmp, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        os.replace(tmp, dest)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return None
+    return dest
+
+
 def banner(port: int, auth: Auth) -> str:
     hosts = ["127.0.0.1", socket.gethostname()]
     if auth.source == "generated":
@@ -212,6 +257,9 @@ def main(argv: list[str]) -> int:
                          "pass --root-dir / JUPYTER_ROOT_DIR")
     auth = resolve_auth(env)
     allow_root = root_allowed(args.allow_root, env)
+    seeded = seed_examples(root_dir)
+    if seeded:
+        print(f"jupyter: example notebooks copied to {seeded}", file=sys.stderr, flush=True)
     cmd = build_command(port, args.ip, root_dir.resolve(), auth, allow_root, extra)
     state = state_file()
     prepare_state_dir(state)
@@ -225,11 +273,12 @@ def main(argv: list[str]) -> int:
             if time.monotonic() > deadline or not _alive(pid):
                 return  # the healthcheck will say it's down; the server's own log says why
             time.sleep(0.2)
-        status = http_status(base + "/api/status")
-        if status != 403:
+        status = auth_probe(base)
+        if status != 200:
             refused.append(status)
-            print(f"jupyter: error: the server answered /api/status without credentials (HTTP {status}): something "
-                  "(a jupyter_server_config file?) disabled authentication; stopping it", file=sys.stderr, flush=True)
+            print(f"jupyter: error: the server let a request without credentials in (/login answered HTTP {status} "
+                  "instead of the login form): something (a jupyter_server_config file?) disabled authentication; "
+                  "stopping it", file=sys.stderr, flush=True)
             os.kill(pid, 15)
             return
         print(banner(port, auth), file=sys.stderr, flush=True)
