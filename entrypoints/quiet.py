@@ -1,0 +1,38 @@
+"""Known-harmless library notices that look like errors, dropped so a normal start or run reads clean.
+
+- bitsandbytes on a CPU with AVX512-BF16: "Failed to load CPU gemm_4bit_forward from kernels-community: No module
+  named 'kernels'" at import; it falls back to its own CPU code (the optional `kernels` package is not in the image).
+- liger-kernel 0.8.x: "Backend impl '...' for op '...' could not be imported" per alternative backend (other vendors'
+  accelerators) whose dependencies are absent; liger still reports a missing implementation on its own when none is
+  left for an op.
+`install()` is idempotent; TRAINBOX_VERBOSE=1 keeps everything.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+DROP = {
+    "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward from kernels-community",),
+    "liger_kernel.backends.registry": ("Backend impl ",),
+}
+_installed = False
+
+
+class _Drop(logging.Filter):
+    def __init__(self, prefixes: tuple[str, ...]):
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, str) and record.msg.startswith(self.prefixes))
+
+
+def install() -> None:
+    global _installed
+    if _installed or os.environ.get("TRAINBOX_VERBOSE", "") not in ("", "0"):
+        return
+    for name, prefixes in DROP.items():
+        logging.getLogger(name).addFilter(_Drop(prefixes))  # the logger object exists before the library imports
+    _installed = True
