@@ -5,9 +5,10 @@ PIP ?= .venv/bin/pip
 
 .PHONY: setup system-deps test test-fast test-gpu-image engine engine-stop render lock bases workflow slurm slurm-stop bench
 
-# Debian packages the real-image, .sqsh and Slurm tests use (root; a no-op when all are present).
+# Debian packages the real-image, .sqsh, Slurm, browser (chromium) and compose (docker-compose) tests use (root;
+# a no-op when all are present).
 SYSTEM_PACKAGES := docker.io docker-registry skopeo squashfs-tools squashfuse qemu-user-static binfmt-support \
-	debootstrap slurm-wlm munge umoci iproute2 curl
+	debootstrap slurm-wlm munge umoci iproute2 curl chromium docker-compose
 
 setup: ## create .venv with the host package, the test tools and the smoke cell's training stack (CPU torch)
 	python3 -m venv .venv
