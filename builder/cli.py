@@ -109,6 +109,11 @@ def cmd_explain(m: Matrix, quiet: bool) -> None:
         print(f"{len(m.exclusions)} excluded combinations in {m.path}:")
     for e in m.exclusions:
         print(f"{e.describe():<44} rule={e.rule}: {e.reason}")
+    if "unsloth-fits" in m.rules:  # an optional flavour: says per stack whether it fits, excludes nothing
+        from builder.rules import unsloth_lines
+
+        for line in unsloth_lines(m.data.get("facts", {}), m.cells, m.rules["unsloth-fits"], str(m.path)):
+            print(line)
     # What a host needs to run the cells: CUDA minor-version compatibility sets the floor, not the toolkit's GA driver.
     by_driver: dict[str, list[str]] = {}
     for cuda, spec in sorted(m.data.get("cuda", {}).items(), key=lambda kv: tuple(map(int, kv[0].split(".")))):

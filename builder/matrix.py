@@ -27,7 +27,7 @@ INDEX_NAMES = ("default", "torch", "vllm", "flash")
 _ATTN = {"package": str, "version": str, "source": str, "source_subdir": str, "build_env": dict, "max_jobs": int,
          "gpus": list, "prebuilt": dict}
 _STACK = {"packages": dict, "extends": str}
-_FACTS = {"vllm_torch": dict, "trl_vllm_extra": dict, "vllm_transformers": dict}
+_FACTS = {"vllm_torch": dict, "trl_vllm_extra": dict, "vllm_transformers": dict, "unsloth": dict}
 _EXPAND = {"arch": list, "cuda": list, "gpu": list, "stack": str}
 _CELL = {"name": str, "arch": (str, list), "cuda": str, "gpu": str, "torch_variant": str, "base_image": str,
          "python": str, "attention": str, "stack": (str, dict)}

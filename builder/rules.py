@@ -13,7 +13,9 @@ from builder.errors import UserError
 CELL_CHECKS = ("cuda-needs-gpu", "torch-variant-exists", "gpu-min-cuda", "torch-arch-list", "fa3-hopper-only",
                "attention-supported", "vllm-variant-exists")
 STACK_CHECKS = ("vllm-pins-torch", "trl-vllm-extra", "vllm-transformers")
-CHECKS = CELL_CHECKS + STACK_CHECKS
+# Flavour rules say whether an optional add-on fits a cell; they never exclude the cell itself (--explain shows them).
+FLAVOUR_CHECKS = ("unsloth-fits",)
+CHECKS = CELL_CHECKS + STACK_CHECKS + FLAVOUR_CHECKS
 
 
 @dataclass(frozen=True)
@@ -156,3 +158,51 @@ def check_stack(ctx: Context, pins: dict):
             return "vllm-transformers", (f"vllm {vllm} needs transformers{spec}, "
                                          f"stack has transformers {pins['transformers']}")
     return None
+
+
+# The stack pins that unsloth's and unsloth-zoo's Requires-Dist bound ([facts] unsloth, read from their METADATA).
+UNSLOTH_PACKAGES = ("torch", "transformers", "trl", "peft", "bitsandbytes", "accelerate", "datasets")
+
+
+def _fits(version: str, spec: str, where: str) -> bool:
+    """satisfies() plus PEP 440's `!=X.Y.*` clauses (unsloth excludes whole datasets series that way)."""
+    plain = []
+    for clause in spec.split(","):
+        m = re.fullmatch(r"\s*!=\s*([0-9][0-9.]*)\.\*\s*", clause)
+        if m is None:
+            plain.append(clause)
+        elif _v(version)[: len(_v(m.group(1)))] == _v(m.group(1)):
+            return False
+    return satisfies(version, ",".join(plain), where) if plain else True
+
+
+def unsloth_conflicts(facts: dict, pins: dict, file: str = "matrix.toml") -> list[str] | None:
+    """None when the flavour doesn't apply (no training stack or no facts); else each pin outside Unsloth's range."""
+    spec = facts.get("unsloth")
+    if not spec or "trl" not in pins:
+        return None
+    return [f"{pkg} {pins[pkg]} is outside unsloth's {pkg}{spec[pkg]}" for pkg in UNSLOTH_PACKAGES
+            if pkg in spec and pkg in pins and not _fits(pins[pkg], spec[pkg], f"{file}: facts.unsloth.{pkg}")]
+
+
+def unsloth_lines(facts: dict, cells, reason: str, file: str = "matrix.toml") -> list[str]:
+    """--explain's lines on the Unsloth notebook flavour: per stack, the cells and whether it fits (which pins don't)."""
+    spec = facts.get("unsloth")
+    if not spec:
+        return []
+    lines = [f"unsloth flavour (unsloth {spec.get('version', '?')} + unsloth-zoo, their metadata) rule=unsloth-fits: "
+             f"{reason}"]
+    by_stack: dict[str, list] = {}
+    for c in cells:
+        by_stack.setdefault(c.stack, []).append(c)
+    for stack, group in by_stack.items():
+        tags = ", ".join(c.tag for c in group)
+        conflicts = unsloth_conflicts(facts, group[0].pins, file)
+        if conflicts is None:
+            verdict = "not offered (no training stack)"
+        elif conflicts:
+            verdict = "does not fit: " + "; ".join(conflicts)
+        else:
+            verdict = "fits"
+        lines.append(f"  stack {stack} ({tags}): {verdict}")
+    return lines

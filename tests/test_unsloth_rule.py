@@ -1,0 +1,38 @@
+"""The Unsloth notebook flavour rule (issue 12): unsloth/unsloth-zoo metadata ([facts] unsloth) against each stack's
+pins, reported by --explain; the cells' pins are never loosened to make it fit."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from builder import rules
+from builder.matrix import load_matrix as load
+
+from conftest import ROOT
+
+
+def test_wildcard_exclusions_and_plain_ranges():
+    spec = ">=3.4.1,<5.0.0,!=4.0.*,!=4.1.0"
+    assert rules._fits("4.3.0", spec, "t") and rules._fits("3.4.1", spec, "t")
+    assert not rules._fits("4.0.2", spec, "t") and not rules._fits("4.1.0", spec, "t")
+    assert not rules._fits("5.2.0", spec, "t")
+
+
+def test_conflicts_name_the_pins_and_a_fitting_stack_fits():
+    facts = load(ROOT / "matrix.toml").data["facts"]
+    gpu = next(c for c in load(ROOT / "matrix.toml").cells if c.stack == "gpu")
+    conflicts = rules.unsloth_conflicts(facts, gpu.pins)
+    assert any(c.startswith(f"trl {gpu.pins['trl']} ") for c in conflicts), conflicts
+    fitting = {**gpu.pins, "trl": "1.15.0", "datasets": "4.3.0"}
+    assert rules.unsloth_conflicts(facts, fitting) == []
+    assert rules.unsloth_conflicts(facts, {"jupyterlab": "4.6.6"}) is None  # no training stack: not offered
+
+
+def test_explain_says_per_stack_whether_unsloth_fits():
+    r = subprocess.run([sys.executable, "build.py", "--explain"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if "unsloth" in ln or ln.startswith("  stack ")]
+    assert lines[0].startswith("unsloth flavour (unsloth ") and "rule=unsloth-fits" in lines[0]
+    assert any("stack gpu (" in ln and "does not fit: trl 1.16.0" in ln for ln in lines), lines
+    assert any("stack light (" in ln and "not offered" in ln for ln in lines), lines
