@@ -90,12 +90,14 @@ def test_lock_resolves_from_a_local_simple_index_and_fails_cleanly_without_it(wh
         server = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port),
                                    "--directory", str(root)], stderr=f, stdout=f)
     try:
-        for _ in range(50):
+        deadline = time.monotonic() + 60   # a loaded CI box can take seconds to start python
+        while True:
             try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
                 break
             except OSError:
-                time.sleep(0.1)
+                assert server.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.2)
         p = _lock(tmp_path / "out", url)
         assert p.returncode == 0, p.stderr
     finally:
