@@ -9,6 +9,7 @@ $TRAINBOX_TEST_ARTIFACTS/browser (default: test-artifacts/browser in the reposit
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -36,7 +37,6 @@ FAST = "--per_device_train_batch_size 2 --logging_steps 1 --disable_tqdm true --
        "--dataloader_num_workers 0"
 SHOTS = Path(os.environ.get("TRAINBOX_TEST_ARTIFACTS", ROOT / "test-artifacts")) / "browser"
 # Lines of a normal start that would read as trouble to a user.
-PROFILE = tempfile.mkdtemp(prefix="trainbox-chromium-")  # a fresh browser profile per session
 NOISY = re.compile(r"^\[(W|E|C) |\b(403|500)\b|Traceback|error|Failed to load|could not be imported", re.I | re.M)
 
 
@@ -115,12 +115,17 @@ def _logs(name: str) -> str:
     return r.stdout + r.stderr
 
 
+@functools.cache
+def _profile() -> str:
+    return tempfile.mkdtemp(prefix="trainbox-chromium-")  # a fresh browser profile per session
+
+
 def _chromium(url: str, shot: Path | None = None, budget_ms: int = 30000, height: int = 800) -> str:
     """Headless Chromium (Debian's): the DOM after the page's scripts ran; a screenshot of it when asked."""
     exe = shutil.which("chromium") or shutil.which("chromium-browser")
     assert exe, "chromium is not installed: `make system-deps` installs Debian's"
     common = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
-              f"--window-size=1280,{height}", f"--virtual-time-budget={budget_ms}", f"--user-data-dir={PROFILE}"]
+              f"--window-size=1280,{height}", f"--virtual-time-budget={budget_ms}", f"--user-data-dir={_profile()}"]
     SHOTS.mkdir(parents=True, exist_ok=True)
     dom = subprocess.run([*common, "--dump-dom", url], capture_output=True, text=True, timeout=120)
     assert dom.returncode == 0, dom.stderr[-2000:]
