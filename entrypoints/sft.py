@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from . import attention, data, launch, lifecycle, speed, throughput
+from . import attention, data, launch, lifecycle, precision, speed, throughput
 from . import config as cfg
 from .errors import UsageError
 
@@ -201,6 +201,8 @@ def train(data_args, model_args, training_args, name: str = "sft") -> int:
         train_dataset=train_ds,
         processing_class=tokenizer,
         callbacks=[lifecycle.PreemptionCallback(), throughput.Throughput()],
+        optimizer_cls_and_kwargs=(precision.optimizer_for(SFTTrainer, training_args, model)
+                                  if getattr(training_args, "trainbox_master_weights", False) else None),
     )
     finish_tuning(trainer, facts)
     trainer.train(resume_from_checkpoint=ckpt)

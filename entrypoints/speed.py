@@ -7,9 +7,8 @@ What is decided here, each only when the user did not set it (`--option` or YAML
   could only do that through a dense mask over the whole packed batch, batches stay padded.
 - Liger kernels (RMSNorm, RoPE, SwiGLU; TRL keeps its own fused LM head + loss) where liger-kernel supports the model.
 - gradient checkpointing: off when the estimate below fits in 85 % of the GPU's free memory, else on.
-- precision: parameters stay float32 (master weights) under bf16 autocast. Pure bf16 weights would lose AdamW
-  updates smaller than bf16's resolution (8 bits of mantissa: an update below ~0.4 % of a weight vanishes, and with
-  learning rates of 1e-5 most of them are), so the run would quietly stop learning.
+- precision: bf16 weights with float32 master weights in the optimizer (precision.py says why) for one process per
+  model copy; FSDP2 keeps float32 shards and computes in bf16.
 
 The estimate (bytes): weights + grads + AdamW states = 16 per parameter (fp32; 8-bit optimizers 10), sharded over the
 FSDP ranks, plus bf16 weight copies under autocast (2 per parameter), plus activations without checkpointing:
@@ -162,14 +161,29 @@ def apply(args, model_args, choice, f: ModelFacts, *, shards: int, checkpointing
         args.include_num_input_tokens_seen = "non_padding"  # the summary's tokens/s counts real tokens only
     if on_gpu and "dataloader_num_workers" not in cfg.explicit(args):
         args.dataloader_num_workers = min(2, os.cpu_count() or 1)
-    if on_gpu:
-        weights = str(model_args.dtype or "float32")
-        if weights in ("auto", "None", "float32"):
-            lines.append("precision: float32 master weights, bf16 autocast compute" if args.bf16
-                         else "precision: float32")
-        else:
-            lines.append(f"precision: {weights} weights (set by you)")
+    lines.append(choose_precision(args, model_args, on_gpu, shards))
     return lines
+
+
+MASTER_WEIGHT_OPTIMS = ("adamw_torch", "adamw_torch_fused")
+
+
+def choose_precision(args, model_args, on_gpu: bool, shards: int) -> str:
+    """bf16 weights + float32 master weights in the optimizer (precision.py) for one process per model copy on a
+    GPU; sets model_args.dtype and args.trainbox_master_weights. FSDP keeps its own float32 shards."""
+    args.trainbox_master_weights = False
+    if "dtype" in cfg.explicit(model_args):
+        return f"precision: {model_args.dtype} weights (set by you)"
+    if not on_gpu or not args.bf16:
+        return "precision: float32" + (" (CPU)" if not on_gpu else "")
+    if shards > 1:
+        return "precision: float32 shards, bf16 compute, fp32 gradient reduction (FSDP2)"
+    optim = _optim_name(args)
+    if optim not in MASTER_WEIGHT_OPTIMS:
+        return f"precision: float32 weights under bf16 autocast (optim {optim} is not wrapped with master weights)"
+    model_args.dtype = "bfloat16"
+    args.trainbox_master_weights = True
+    return f"precision: bf16 weights, float32 master weights in the optimizer ({optim}); no autocast casts"
 
 
 def tune_fsdp(trainer, activation_checkpointing: bool) -> str | None:
