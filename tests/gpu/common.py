@@ -70,13 +70,15 @@ def run_entrypoint(name: str, args: list[str], log: Path) -> dict:
     if m:
         line = m.group(0)
         for key, pat in {
-            "steps_per_s": r"\(([\d.]+) steps/s\)",
-            "tokens_per_s": r"\(([\d.]+) tokens/s\)",
+            # The steady-state figures (first to last optimizer step); the whole-run ones when there are none.
+            "steps_per_s": r"([\d.]+) steps/s",
+            "tokens_per_s": r"([\d,.]+) (?:real )?tokens/s",
+            "mfu_pct": r"MFU ([\d.]+) %",
             "peak_gpu_gib": r"peak GPU memory ([\d.]+) GiB",
-            "train_s": r"train ([\d.]+)s",
+            "train_s": r"(?:steps in|train) ([\d.]+)s",
         }.items():
             if mm := re.search(pat, line):
-                result[key] = float(mm.group(1))
+                result[key] = float(mm.group(1).replace(",", ""))
     if rc != 0 or not m:
         print(text[-6000:], file=sys.stderr)
     return result
