@@ -130,7 +130,7 @@ def train(data_args, q_args, model_args, training_args, name: str = "qlora") -> 
     training_args.output_dir = lifecycle.output_dir(cfg.configured_output_dir(training_args))
     validate(data_args, model_args, training_args)
     tokenizer = sft.load_tokenizer(model_args.model_name_or_path, training_args)
-    with training_args.main_process_first(desc="dataset"):
+    with training_args.main_process_first(local=False, desc="dataset"):
         train_ds = sft.prepare_dataset(data_args, training_args)
     ckpt = lifecycle.resolve_resume(data_args.resume, training_args.output_dir)
     peft_config = _peft_config(model_args)
@@ -144,14 +144,17 @@ def train(data_args, q_args, model_args, training_args, name: str = "qlora") -> 
         )
     choice, facts = sft.tune(model_args, training_args, shards=1, checkpointing=False)
     model = load_quantized(model_args, choice.impl)
-    trainer = SFTTrainer(
-        model=model,
-        args=training_args,
-        train_dataset=train_ds,
-        processing_class=tokenizer,
-        peft_config=peft_config,
-        callbacks=[lifecycle.PreemptionCallback(), throughput.Throughput()],
-    )
+    # TRL tokenizes and packs inside the constructor, on every rank at once, into one datasets cache (shared by
+    # the nodes of a job on shared storage): the first process fills it, the others then read it.
+    with training_args.main_process_first(local=False, desc="tokenize and pack"):
+        trainer = SFTTrainer(
+            model=model,
+            args=training_args,
+            train_dataset=train_ds,
+            processing_class=tokenizer,
+            peft_config=peft_config,
+            callbacks=[lifecycle.PreemptionCallback(), throughput.Throughput()],
+        )
     sft.finish_tuning(trainer, facts)
     trainer.train(resume_from_checkpoint=ckpt)
     if not lifecycle.was_preempted():

@@ -176,7 +176,7 @@ def train(data_args, model_args, training_args, name: str = "sft") -> int:
     training_args.output_dir = lifecycle.output_dir(cfg.configured_output_dir(training_args))
     validate(data_args, model_args, training_args)
     tokenizer = load_tokenizer(model_args.model_name_or_path, training_args)
-    with training_args.main_process_first(desc="dataset"):
+    with training_args.main_process_first(local=False, desc="dataset"):
         train_ds = prepare_dataset(data_args, training_args)
     ckpt = lifecycle.resolve_resume(data_args.resume, training_args.output_dir)
     strategy = distributed_strategy(training_args)
@@ -195,15 +195,18 @@ def train(data_args, model_args, training_args, name: str = "sft") -> int:
         attn_implementation=choice.impl,
         revision=model_args.model_revision,
     )
-    trainer = SFTTrainer(
-        model=model,
-        args=training_args,
-        train_dataset=train_ds,
-        processing_class=tokenizer,
-        callbacks=[lifecycle.PreemptionCallback(), throughput.Throughput()],
-        optimizer_cls_and_kwargs=(precision.optimizer_for(SFTTrainer, training_args, model)
-                                  if getattr(training_args, "trainbox_master_weights", False) else None),
-    )
+    # TRL tokenizes and packs inside the constructor, on every rank at once, into one datasets cache (shared by
+    # the nodes of a job on shared storage): the first process fills it, the others then read it.
+    with training_args.main_process_first(local=False, desc="tokenize and pack"):
+        trainer = SFTTrainer(
+            model=model,
+            args=training_args,
+            train_dataset=train_ds,
+            processing_class=tokenizer,
+            callbacks=[lifecycle.PreemptionCallback(), throughput.Throughput()],
+            optimizer_cls_and_kwargs=(precision.optimizer_for(SFTTrainer, training_args, model)
+                                      if getattr(training_args, "trainbox_master_weights", False) else None),
+        )
     finish_tuning(trainer, facts)
     trainer.train(resume_from_checkpoint=ckpt)
     if not lifecycle.was_preempted():
