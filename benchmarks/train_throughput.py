@@ -102,14 +102,11 @@ def write_chat(path: Path, lens: list[int], seed: int = 0) -> Path:
     return path
 
 
-def flops_per_token(shape: str, lens: list[int]) -> float:
-    s = SHAPES[shape]
-    h, L, inter, V = s["hidden_size"], s["num_hidden_layers"], s["intermediate_size"], s["vocab_size"]
-    kv = h // s["num_attention_heads"] * s["num_key_value_heads"]
-    per_layer = h * h + 2 * h * kv + h * h + 3 * h * inter
-    n_matmul = L * per_layer + V * h  # + LM head (tied or not, it is one matmul per token)
-    ctx = sum(n * n for n in lens) / sum(lens)
-    return 6.0 * n_matmul + 6.0 * L * h * ctx
+def flops_per_token(model: Path, lens: list[int]) -> float:
+    """The entrypoints' own formula (6N + causal attention) for the model built here."""
+    from entrypoints import speed, throughput
+
+    return throughput.flops_per_token(speed.model_facts(str(model)), lens)
 
 
 MEASURE = '''
@@ -233,7 +230,7 @@ def sft(a) -> None:
     for kind in a.kinds:
         lens = lengths(kind, a.steps * 8 * 6, 2048)
         data = write_chat(work / f"data-{kind}", lens)
-        fpt = flops_per_token("llama-1b", lens)
+        fpt = flops_per_token(model, lens)
         print(f"# sft {kind}: {len(lens)} rows, median {sorted(lens)[len(lens) // 2]} tokens, "
               f"{100 * sum(n > 1500 for n in lens) / len(lens):.1f} % over 1,500; {fpt / 1e9:.2f} GFLOP/token", flush=True)
         if a.loss_only:
@@ -316,7 +313,7 @@ def qlora(a) -> None:
     peak = peak_tflops()
     lens = lengths("mix", a.steps * 4 * 4, 1024)
     data = write_chat(work / "data-qlora", lens)
-    fpt = flops_per_token("llama-8b", lens)
+    fpt = flops_per_token(model, lens)
     script = work / "plain_qlora.py"
     script.write_text(PLAIN_QLORA)
     print(f"# qlora: {len(lens)} rows capped at 1024, median {sorted(lens)[len(lens) // 2]} tokens", flush=True)

@@ -218,9 +218,10 @@ def copy_artifacts(src: str, dest_root: str, name: str) -> str:
     return str(final)
 
 
-def _find_callback(trainer) -> PreemptionCallback | None:
+def find_callback(trainer, cls=PreemptionCallback):
+    """The trainer's callback of type `cls`, or None."""
     for cb in getattr(getattr(trainer, "callback_handler", None), "callbacks", []):
-        if isinstance(cb, PreemptionCallback):
+        if isinstance(cb, cls):
             return cb
     return None
 
@@ -239,17 +240,15 @@ def _peak_gpu_gib() -> float | None:
 def _steady(trainer) -> str | None:
     from .throughput import Throughput
 
-    for cb in getattr(getattr(trainer, "callback_handler", None), "callbacks", []):
-        if isinstance(cb, Throughput):
-            return cb.summary()
-    return None
+    cb = find_callback(trainer, Throughput)
+    return cb.summary() if cb else None
 
 
 def summary(trainer, output_dir: str, started: float, name: str) -> str:
     """The one-line final summary (also used by tests)."""
     state = trainer.state
     wall = max(time.time() - started, 1e-9)
-    cb = _find_callback(trainer)
+    cb = find_callback(trainer)
     step0 = cb.step_at_start if cb and cb.step_at_start is not None else 0
     tokens = int(getattr(state, "num_input_tokens_seen", 0) or 0)
     tokens_run = tokens - ((cb.tokens_at_start or 0) if cb else 0)

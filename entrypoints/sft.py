@@ -154,9 +154,9 @@ def finish_tuning(trainer, facts) -> None:
     line = speed.tune_fsdp(trainer, activation_checkpointing=bool(trainer.args.gradient_checkpointing))
     if line and lifecycle.is_main_process():
         print(f"[trainbox] {line}", flush=True)
-    for cb in trainer.callback_handler.callbacks:
-        if isinstance(cb, throughput.Throughput):
-            cb.flops_per_token = throughput.flops_per_token(facts, throughput.example_lengths(trainer.train_dataset))
+    cb = lifecycle.find_callback(trainer, throughput.Throughput)
+    if cb:
+        cb.flops_per_token = throughput.flops_per_token(facts, throughput.example_lengths(trainer.train_dataset))
 
 
 def check_before_launch(data_args, model_args, training_args) -> None:
