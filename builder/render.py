@@ -1,4 +1,4 @@
-"""Cell -> Dockerfile text (template: images/templates/Dockerfile.j2) and the image record (image.json).
+"""Cell -> Dockerfile text (template: builder/templates/Dockerfile.j2) and the image record (image.json).
 
 Rendering is a pure function of the cell: no dates, no commit, no host facts, so two renders are byte-identical and
 the committed files can be checked for freshness. The commit goes in at build time (build arg VCS_REF).
@@ -14,7 +14,8 @@ from builder import atomic, indexes
 from builder.errors import UserError
 from builder.matrix import ROOT, Cell
 
-TEMPLATES = ROOT / "images" / "templates"
+# Package data next to this module, so an installed host package finds it too.
+TEMPLATES = Path(__file__).resolve().parent / "templates"
 
 # OS packages of the runtime: CPU cells only need python; CUDA cells add what Triton's JIT needs at first use (a C
 # compiler and Python headers for its launcher stub). nvcc, git and the CUDA devel image live only in the stage that
