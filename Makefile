@@ -37,25 +37,25 @@ lock: ## re-lock what can be locked from the default index alone (cu129 cells ne
 	$(PY) build.py --lock smoke
 	$(PY) build.py --lock --cuda 13.0 --gpu blackwell
 
-# --- engine (owned by builder/setup_engine.py) ---
+# --- engine (owned by builder/devengine.py) ---
 engine: ## start (or reuse) a Docker engine, a local registry on 127.0.0.1, QEMU binfmt for arm64
-	$(PY) -m builder.setup_engine up
+	$(PY) -m devenv.engine up
 
 engine-stop: ## stop what `make engine` started
-	$(PY) -m builder.setup_engine down
+	$(PY) -m devenv.engine down
 
 bases: ## debootstrapped bookworm bases (amd64 + arm64) in the local registry, and a --config file mapping to them
-	$(PY) -m builder.bases --write-config .cache/bases.toml
+	$(PY) -m devenv.bases --write-config .cache/bases.toml
 
 workflow: ## regenerate .github/workflows/build.yml from matrix.toml
 	$(PY) -m builder.workflow
 
-# --- Slurm (owned by builder/slurm_cluster.py) ---
+# --- Slurm (owned by builder/devslurm.py) ---
 slurm: ## start (or reuse) a one-node Slurm + munge on this machine
-	$(PY) -m builder.slurm_cluster up
+	$(PY) -m devenv.slurm up
 
 slurm-stop: ## stop what `make slurm` started
-	$(PY) -m builder.slurm_cluster down
+	$(PY) -m devenv.slurm down
 
 bench: ## figures, not tests: cold/warm rebuild and re-push, .sqsh export time and size
 	$(PY) benchmarks/rebuild.py

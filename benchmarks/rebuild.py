@@ -2,7 +2,7 @@
 
     python benchmarks/rebuild.py [--cell smoke] [--arch x86_64] [--skip-cold] [--json OUT]
 
-Starts the engine and registry (`builder.setup_engine up`) and uses the debootstrapped test base, like the tests.
+Starts the engine and registry (`devenv.engine up`) and uses the debootstrapped test base, like the tests.
 Works on a copy of the build context, so the working tree is never touched. Prints numbers; asserts nothing about
 speed.
 """

@@ -21,7 +21,7 @@ from builder.enroot import UserError, export_image  # noqa: E402
 
 
 def image_size(ref: str) -> int | None:
-    from builder.setup_engine import docker_cli
+    from builder.enroot import docker_cli
 
     r = subprocess.run([docker_cli(), "image", "inspect", "-f", "{{.Size}}", ref], capture_output=True, text=True)
     return int(r.stdout.strip()) if r.returncode == 0 else None

@@ -7,9 +7,10 @@ Our own path (no enroot needed, the usual build host) repeats enroot's `docker::
 enroot.in line 88). With `use_enroot=True` the real `enroot import` does the work instead.
 
 Differences from enroot, on purpose: SOURCE_DATE_EPOCH adds `-mkfs-time/-all-time` (enroot does that only for
-`docker://`, not `dockerd://`) so rebuilds are byte-identical; the file is written under a temporary name and renamed,
-so an interrupted export never leaves a `.sqsh`; symlinked /etc/{rc,fstab,...} are replaced, never followed out of
-the rootfs.
+`docker://`, not `dockerd://`) so rebuilds are byte-identical; the file is written through `entrypoints.atomic`
+(a temporary sibling named with host and pid, fsync, rename), so an interrupted export never leaves a `.sqsh` and
+exports from several nodes into one shared folder never delete each other's temporaries; symlinked
+/etc/{rc,fstab,...} are replaced, never followed out of the rootfs.
 
 CLI: `python -m builder.enroot IMAGE DEST.sqsh [--compression lzo|zstd|...] [--block-size 1M] [--enroot]`.
 """
@@ -24,13 +25,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
 
 from builder.errors import UserError, reports_user_errors
-from builder.procs import pid_alive
+from entrypoints import atomic
 
 # mksquashfs compressor options. "lzo" is enroot's default (ENROOT_SQUASH_OPTIONS, enroot.in:88): data blocks are
 # left uncompressed (-noD) so every cluster's kernel/squashfuse reads it and starting is fast.
@@ -45,7 +45,6 @@ COMPRESSION_OPTIONS: dict[str, list[str]] = {
 _BLOCK_SIZE_RE = re.compile(r"^(\d+)([KM]?)$")
 # enroot accepts only these characters in a dockerd:// reference (src/docker.sh, docker::daemon::import).
 _ENROOT_REF_RE = re.compile(r"^[A-Za-z0-9/._:-]+$")
-TMP_MARK = ".tmp."  # DEST's temporary sibling is ".<name>.tmp.<pid>": never ends in .sqsh
 
 
 def _log(msg: str) -> None:
@@ -53,9 +52,8 @@ def _log(msg: str) -> None:
 
 
 def docker_cli() -> str:
-    from builder.setup_engine import docker_cli as cli
-
-    return cli()
+    """The CLI that talks to the engine: $TRAINBOX_DOCKER, else the first `docker` on PATH."""
+    return os.environ.get("TRAINBOX_DOCKER") or shutil.which("docker") or "/usr/bin/docker"
 
 
 # ---------------------------------------------------------------- bash ${var@Q}, as enroot's /etc/rc uses it
@@ -201,12 +199,13 @@ def _source_date_epoch() -> int | None:
     return int(raw)
 
 
-def _clean_stale_temps(dest: Path) -> None:
-    """Remove temporaries left by exports of DEST that were SIGKILLed (their pid is gone)."""
-    for p in dest.parent.glob(f".{dest.name}{TMP_MARK}*"):
-        pid = p.name.rsplit(".", 1)[-1]
-        if pid.isdigit() and not pid_alive(int(pid)):
-            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+def _clean_stale_temps(dest: Path, *more_dirs) -> None:
+    """Remove temporaries of DEST left by exports on THIS host that were SIGKILLed (pid gone); never another
+    node's (a shared Lustre/NFS folder sees several hosts' exports, and their pids mean nothing here)."""
+    atomic.clean_stale(dest)
+    for d in more_dirs:
+        if d is not None:
+            atomic.clean_stale(Path(d) / dest.name)
 
 
 class _Terminated(BaseException):
@@ -336,45 +335,30 @@ def export_image(image_ref: str, dest_path, *, compression: str | None = "lzo", 
     opts = squash_options(compression, block_size)
     sde = _source_date_epoch()
     docker = docker or docker_cli()
-    _clean_stale_temps(dest)
+    _clean_stale_temps(dest, tmp_dir)
 
-    tmp_file = dest.parent / f".{dest.name}{TMP_MARK}{os.getpid()}"
-    work = Path(tempfile.mkdtemp(prefix=f".{dest.name}{TMP_MARK}", suffix=f".{os.getpid()}",
-                                 dir=tmp_dir or dest.parent))
+    work = atomic.temp_path(Path(tmp_dir or dest.parent).absolute() / dest.name, "work")
+    work.mkdir(parents=True)
     old_handlers = {}
     if threading_main():
         for sig in (signal.SIGTERM, signal.SIGHUP):
             old_handlers[sig] = signal.signal(sig, _raise_terminated)
     t0 = time.monotonic()
     try:
-        if use_enroot:
-            _export_enroot(image_ref, tmp_file, work, opts, sde, progress, docker, arch)
-        else:
-            _export_ours(image_ref, tmp_file, work, opts, sde, progress, docker, arch)
-        os.chmod(tmp_file, 0o644)
-        os.replace(tmp_file, dest)
+        with atomic.replacing(dest, 0o644) as tmp_file:
+            if use_enroot:
+                _export_enroot(image_ref, tmp_file, work, opts, sde, progress, docker, arch)
+            else:
+                _export_ours(image_ref, tmp_file, work, opts, sde, progress, docker, arch)
     except _Terminated as e:
         raise UserError(f"export of {image_ref} interrupted by signal {e.args[0]}; nothing written to {dest}") from e
     finally:
         for sig, h in old_handlers.items():
             signal.signal(sig, h)
-        tmp_file.unlink(missing_ok=True)
-        _rmtree(work)
+        atomic.remove(work)
     if progress:
         _log(f"{dest} ({dest.stat().st_size / 2**20:.1f} MiB, {time.monotonic() - t0:.1f} s)")
     return dest
-
-
-def _rmtree(path: Path) -> None:
-    """rmtree that also works as non-root on dirs the image made read-only (tar -p kept their modes)."""
-    def fix(func, p, exc):  # noqa: ARG001
-        try:
-            os.chmod(os.path.dirname(p), 0o700)
-            func(p)
-        except OSError:
-            pass
-
-    shutil.rmtree(path, onerror=fix)
 
 
 def threading_main() -> bool:

@@ -5,7 +5,7 @@ once) and cached between runs (debootstrap layers under $TRAINBOX_CACHE, the eng
 Use: `from enginefix import engine, registry, test_base, smoke_image, smoke_build, smoke_arm64  # noqa: F401`
 (or `pytest_plugins = ["enginefix"]` in conftest.py).
 
-- `engine`      {"registry": "127.0.0.1:PORT", "docker": CLI} after `python -m builder.setup_engine up`.
+- `engine`      {"registry": "127.0.0.1:PORT", "docker": CLI} after `python -m devenv.engine up`.
 - `test_base`   REGISTRY/trainbox/base:bookworm-KEY, amd64+arm64; `--base debian:bookworm=<it>` for the smoke cell.
 - `smoke_build` BuildResult of the smoke cell for x86_64 (full stack, CPU torch from a wheelhouse); `smoke_image`
                 its local ref (str), e.g. `trainbox:smoke-x86_64`.
@@ -29,7 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from builder import bases, engine as eng, setup_engine  # noqa: E402
+from builder import engine as eng  # noqa: E402
+from devenv import bases, engine as devengine  # noqa: E402
 
 # A known fake build-time credential: every smoke build gets it as a BuildKit secret; test_secrets proves it never
 # lands in a layer, a history entry or a label.
@@ -56,7 +57,7 @@ class ThrowawayCell:
 
 @functools.cache
 def engine_info() -> dict:
-    return setup_engine.up()
+    return devengine.up()
 
 
 @functools.cache
@@ -87,7 +88,7 @@ def smoke_cells() -> dict:
 def torch_wheelhouse(requirement: str) -> str:
     """A folder holding the smoke cell's torch wheel (cp311, manylinux x86_64): pip's own configuration finds it
     (find-links on the dev/CI machines, else $TORCH_INDEX_URL/cpu)."""
-    dest = setup_engine.cache_dir() / "wheelhouse" / requirement.replace("==", "-")
+    dest = devengine.cache_dir() / "wheelhouse" / requirement.replace("==", "-")
     if dest.is_dir() and any(dest.glob("torch-*.whl")):
         return str(dest)
     dest.mkdir(parents=True, exist_ok=True)
@@ -100,7 +101,7 @@ def torch_wheelhouse(requirement: str) -> str:
 
 
 def secret_file() -> Path:
-    path = setup_engine.cache_dir() / "fake-secret" / SECRET_ID
+    path = devengine.cache_dir() / "fake-secret" / SECRET_ID
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(FAKE_TOKEN)
     return path
@@ -172,8 +173,8 @@ def smoke_arm64(engine):
 
 
 def docker(*args: str, check: bool = True, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
-    """The engine's CLI (the one setup_engine talks to), output captured as text."""
-    r = subprocess.run([setup_engine.docker_cli(), *args], capture_output=True, text=True, timeout=timeout, **kw)
+    """The engine's CLI (the one devenv.engine started or found), output captured as text."""
+    r = subprocess.run([devengine.docker_cli(), *args], capture_output=True, text=True, timeout=timeout, **kw)
     if check and r.returncode != 0:
         raise AssertionError(f"docker {' '.join(args)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n"
                              f"{r.stderr[-3000:]}")

@@ -12,7 +12,7 @@ import pytest
 from enginefix import BUILD_TIMEOUT, ROOT, ThrowawayCell, docker, engine, test_base  # noqa: F401
 
 from builder import engine as eng
-from builder import setup_engine
+from devenv import engine as devengine
 from builder.errors import UserError
 
 # a cold first build (debootstrap + the session images, arm64 under QEMU) runs inside the first test's setup
@@ -37,7 +37,7 @@ def _build(ctx, tag, base, **kw):
 
 def test_bad_base_names_cell_and_from_step(tmp_path, engine):  # noqa: F811
     ctx = _ctx(tmp_path, "RUN true\n")
-    missing = f"{setup_engine.registry_address()}/trainbox/no-such-base:nope"
+    missing = f"{devengine.registry_address()}/trainbox/no-such-base:nope"
     with pytest.raises(UserError) as e:
         _build(ctx, "fail-base", missing)
     msg = str(e.value)

@@ -180,15 +180,17 @@ def test_user_error_from_the_engine_is_one_line(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().err == "error: --push needs --registry\n"
 
 
-@pytest.mark.parametrize("module", ["bases", "engine", "enroot", "setup_engine", "slurm", "slurm_cluster", "workflow"])
+@pytest.mark.parametrize("module", ["builder.engine", "builder.enroot", "builder.slurm", "builder.workflow",
+                                    "devenv.bases", "devenv.engine", "devenv.slurm"])
 def test_every_module_cli_reports_user_errors_on_one_line(module, capsys, monkeypatch):
-    """Each `python -m builder.X` goes through errors.reports_user_errors: bad input -> one `error:` line, exit 2."""
+    """Each `python -m builder.X` / `devenv.X` goes through errors.reports_user_errors: bad input -> one `error:`
+    line, exit 2."""
     import argparse
     import importlib
 
     from builder.errors import UserError
 
-    mod = importlib.import_module(f"builder.{module}")
+    mod = importlib.import_module(module)
 
     def bad_input(self, *a, **k):
         raise UserError("what went wrong", where="where", fix="how to fix")

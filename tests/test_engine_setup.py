@@ -1,4 +1,4 @@
-"""builder.setup_engine: idempotent up, status, and down stopping only what up started."""
+"""devenv.engine: idempotent up, status, and down stopping only what up started."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 
 from enginefix import BUILD_TIMEOUT, ROOT, engine  # noqa: F401
 
-from builder import setup_engine
 from builder.errors import UserError
+from devenv import engine as devengine
 
 # a cold first build (debootstrap + the session images, arm64 under QEMU) runs inside the first test's setup
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(BUILD_TIMEOUT)]
@@ -26,16 +26,16 @@ def _free_port() -> int:
 
 
 def _cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "builder.setup_engine", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "devenv.engine", *args], cwd=ROOT, capture_output=True,
                           text=True, env=env, timeout=300)
 
 
 def test_up_is_idempotent_and_status_answers(engine):  # noqa: F811
-    before = setup_engine.load_state()
+    before = devengine.load_state()
     again = _cli("up")
     assert again.returncode == 0, again.stderr
     assert json.loads(again.stdout)["registry"] == engine["registry"]
-    after = setup_engine.load_state()
+    after = devengine.load_state()
     # nothing new was started: same pids as before the second `up`
     assert {k: v for k, v in after.items() if k.endswith("_pid")} == \
            {k: v for k, v in before.items() if k.endswith("_pid")}
@@ -54,19 +54,19 @@ def test_down_stops_only_what_up_started(engine, tmp_path):  # noqa: F811
     assert up.returncode == 0, up.stderr
     state = json.loads((tmp_path / "cache" / "engine" / "state.json").read_text())
     assert set(k for k in state if k.endswith("_pid")) == {"registry_pid"}
-    assert setup_engine.registry_answers(f"127.0.0.1:{port}")
+    assert devengine.registry_answers(f"127.0.0.1:{port}")
     down = _cli("down", env=env)
     assert down.returncode == 0, down.stderr
-    assert not setup_engine.registry_answers(f"127.0.0.1:{port}")
-    assert setup_engine.engine_answers()
-    assert setup_engine.registry_answers(engine["registry"])
-    assert setup_engine.binfmt_enabled()
+    assert not devengine.registry_answers(f"127.0.0.1:{port}")
+    assert devengine.engine_answers()
+    assert devengine.registry_answers(engine["registry"])
+    assert devengine.binfmt_enabled()
 
 
 def test_bad_port_is_one_clear_error(monkeypatch):
     monkeypatch.setenv("TRAINBOX_REGISTRY_PORT", "fifty")
     with pytest.raises(UserError, match="TRAINBOX_REGISTRY_PORT"):
-        setup_engine.registry_address()
+        devengine.registry_address()
     r = _cli("up", env=dict(os.environ, TRAINBOX_REGISTRY_PORT="99999"))
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and "TRAINBOX_REGISTRY_PORT" in r.stderr

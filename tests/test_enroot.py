@@ -172,17 +172,17 @@ def test_use_enroot_without_enroot(tmp_path, monkeypatch):
 # ------------------------------------------------------------------ real images (engine)
 
 def _docker() -> str:
-    from builder.setup_engine import docker_cli
+    from builder.enroot import docker_cli
 
     return docker_cli()
 
 
 @pytest.fixture(scope="session")
 def docker_engine():
-    from builder import setup_engine
+    from devenv import engine as devengine
 
-    if not setup_engine.engine_answers():
-        setup_engine.up(tools=False)
+    if not devengine.engine_answers():
+        devengine.up(tools=False)
     return _docker()
 
 
@@ -356,8 +356,7 @@ def test_killed_export_leaves_no_sqsh(slow_image, test_image, tmp_path, sig):
     p = subprocess.Popen([PY, "-m", "builder.enroot", slow_image, str(dest), "--compression", "xz",
                           "--block-size", "4K", "--quiet"], cwd=ROOT, stderr=subprocess.PIPE,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
-    tmp_file = tmp_path / f".k.sqsh.tmp.{p.pid}"
-    assert _wait_for(tmp_file.exists, timeout=120), "export never started writing"
+    assert _wait_for(lambda: _sqsh_temps(tmp_path, "k.sqsh", p.pid), timeout=120), "export never started writing"
     time.sleep(0.5)
     assert p.poll() is None, "the export ended before it could be interrupted"
     p.send_signal(sig)
@@ -371,6 +370,57 @@ def test_killed_export_leaves_no_sqsh(slow_image, test_image, tmp_path, sig):
         # SIGKILL can't be caught: the next export of the same DEST removes the dead process's leftovers.
         export_image(test_image, dest, progress=False)
         assert [p.name for p in tmp_path.iterdir()] == ["k.sqsh"]
+
+
+def _sqsh_temps(folder: Path, name: str, pid: int, host: str | None = None) -> list[Path]:
+    """The squashfs temporaries (not the unpack folders) that export PID on HOST writes next to NAME."""
+    from entrypoints import atomic
+
+    host = host or atomic.host()
+    return [p for p in folder.glob(f".{name}.tmp.{host}.{pid}.*") if not p.name.endswith("_work")]
+
+
+def _export_as_host(host: str, image: str, dest: Path, **kw) -> subprocess.Popen:
+    """An export running under another host name (its own UTS namespace), in this pid space: how a second node
+    writing into the same shared folder looks from here, except that its pids are ours to see."""
+    cmd = [PY, "-m", "builder.enroot", image, str(dest), "--compression", "xz", "--block-size", "4K", "--quiet"]
+    return subprocess.Popen(["unshare", "--uts", "sh", "-c", f'hostname "$0" && exec "$@"', host, *cmd], cwd=ROOT,
+                            stderr=subprocess.PIPE, **kw)
+
+
+@pytest.mark.engine
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root for unshare --uts")
+def test_two_hosts_exporting_into_one_shared_folder(slow_image, test_image, tmp_path):
+    """Node A's export dies mid-write (SIGKILL): its pid is gone here, which is how a LIVE export of another node
+    looks from this one. This host's export of the same file must leave A's temporary alone (only A may judge its
+    own pids); A's next export cleans it."""
+    from entrypoints import atomic
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    dest = shared / "d.sqsh"
+    a = _export_as_host("node-a.cluster", slow_image, dest)
+    assert _wait_for(lambda: _sqsh_temps(shared, "d.sqsh", a.pid, "node-a.cluster"), timeout=120), \
+        a.stderr.read().decode(errors="replace") if a.poll() is not None else "node A never started writing"
+    a.kill()
+    a.wait(timeout=60)
+    left_by_a = sorted(shared.glob(".d.sqsh.tmp.node-a.cluster.*"))
+    assert left_by_a and not psutil.pid_exists(a.pid)
+
+    # This host (a different name, same pid space) exports the same file: A's temporaries survive.
+    assert atomic.host() != "node-a.cluster"
+    export_image(test_image, dest, progress=False)
+    assert dest.read_bytes()[:4] == b"hsqs"
+    assert sorted(shared.glob(".d.sqsh.tmp.node-a.cluster.*")) == left_by_a
+
+    # While node B (another name) exports, node A exports too; both finish, neither touched the other's files.
+    b = _export_as_host("node-b", test_image, shared / "d.sqsh")
+    a2 = _export_as_host("node-a.cluster", test_image, dest)
+    assert b.wait(timeout=300) == 0, b.stderr.read().decode(errors="replace")
+    assert a2.wait(timeout=300) == 0, a2.stderr.read().decode(errors="replace")
+    # A's second export removed A's dead leftovers (its own host, pid gone); nothing else is left.
+    assert [p.name for p in shared.iterdir()] == ["d.sqsh"]
+    assert dest.read_bytes()[:4] == b"hsqs"
 
 
 @pytest.mark.engine

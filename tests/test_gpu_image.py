@@ -23,7 +23,8 @@ import pytest
 from enginefix import BUILD_TIMEOUT, ROOT, base_ref, docker, engine_info, install_certs
 from gpuvariant import write_test_matrix
 
-from builder import engine as eng, lock, render, setup_engine
+from builder import engine as eng, lock, render
+from devenv import engine as devengine
 from builder.matrix import load_matrix
 
 pytestmark = [pytest.mark.gpuimage, pytest.mark.engine, pytest.mark.timeout(BUILD_TIMEOUT)]
@@ -52,7 +53,7 @@ def built(tmp_path_factory):
     figures = {"seconds_total": round(seconds, 1), "cells": [
         {k: r[k] for k in ("tag", "seconds", "size", "layers", "pushed_bytes", "push_seconds")}
         for r in report["cells"]], "registry": report["registry"]}
-    out = setup_engine.cache_dir() / "gpu-image-figures.json"
+    out = devengine.cache_dir() / "gpu-image-figures.json"
     out.write_text(json.dumps(figures, indent=2) + "\n")
     print(json.dumps(figures, indent=2))
     return SimpleNamespace(ctx=ctx, cells=cells, report=report, refs={r["tag"]: r["refs"][0] for r in report["cells"]})

@@ -15,8 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from builder import engine as eng, setup_engine
+import liveindex
+from builder import engine as eng
 from builder.matrix import ROOT, load_matrix
+from devenv import engine as devengine
+
+# the wheels come from the live default index (downloaded once, cached)
+pytestmark = pytest.mark.network
 
 CELL = "smoke-aarch64"   # the light stack: ~70 wheels, tens of MB, and an arch that is not the host's
 
@@ -28,7 +33,7 @@ def _norm(name: str) -> str:
 @pytest.fixture(scope="module")
 def wheels() -> Path:
     """The cell's locked wheels for aarch64/cp311, downloaded once (hash-checked) and cached."""
-    dest = setup_engine.cache_dir() / "pep503" / CELL
+    dest = devengine.cache_dir() / "pep503" / CELL
     done = dest / ".complete"
     if done.exists():
         return dest
@@ -41,7 +46,7 @@ def wheels() -> Path:
     env = dict(os.environ, PIP_CONFIG_FILE=os.devnull, PIP_CERT="/etc/ssl/certs/ca-certificates.crt")
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if p.returncode != 0 and re.search(r"(?i)connection|network|resolve|timed out", p.stderr):
-        pytest.skip(f"default index unreachable: {p.stderr.strip()[-200:]}")
+        liveindex.unreachable(p.stderr.strip()[-200:])
     assert p.returncode == 0, p.stderr[-2000:]
     done.touch()
     return dest

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+import liveindex
 from builder import indexes, lock
 from builder.errors import UserError
 from builder.matrix import ROOT, load_matrix
@@ -134,6 +135,7 @@ def test_frozen_refuses_a_missing_or_stale_lock(tmp_path):
     assert lock.ensure([CELLS["smoke-x86_64"]], root=ROOT, frozen=True) == []   # committed and fresh: fine
 
 
+@pytest.mark.network
 def test_relock_reproduces_the_committed_pins(tmp_path):
     """A real resolve for the aarch64 smoke cell from an x86 host (default index; no torch)."""
     cell = CELLS["smoke-aarch64"]
@@ -141,7 +143,7 @@ def test_relock_reproduces_the_committed_pins(tmp_path):
         text = lock.compile_lock(cell)
     except Exception as e:  # noqa: BLE001 - only a network failure may skip this
         if re.search(r"(?i)connect|network|dns|timed out|fetch", str(e)):
-            pytest.skip(f"package index unreachable: {e}")
+            liveindex.unreachable(str(e))
         raise
     new, old = parse(text), parse((ROOT / cell.lock).read_text())
     for pkg in cell.pins:
@@ -165,10 +167,11 @@ def _resolve(reqs: list[str], platform: str, python: str = "3.12") -> tuple[int,
                         "--python-version", python, "--python-platform", platform],
                        input="\n".join(reqs) + "\n", capture_output=True, text=True, env=env)
     if p.returncode != 0 and re.search(r"(?i)failed to fetch|connect|dns|timed out|network", p.stderr):
-        pytest.skip(f"package index unreachable: {p.stderr.strip()[:200]}")
+        liveindex.unreachable(p.stderr.strip()[:200])
     return p.returncode, p.stdout + p.stderr
 
 
+@pytest.mark.network
 @pytest.mark.parametrize("arch", ["x86_64", "aarch64"])
 def test_fact_default_torch_is_a_cuda13_build(arch):
     """Why every CUDA-12 cell needs TORCH_INDEX_URL: the default index's torch 2.13.0 pulls CUDA 13 packages."""
@@ -177,6 +180,7 @@ def test_fact_default_torch_is_a_cuda13_build(arch):
     assert re.search(r"^nvidia-cudnn-cu13==", out, re.M) and not re.search(r"^nvidia-\S+-cu12==", out, re.M)
 
 
+@pytest.mark.network
 def test_fact_vllm_pins_torch_and_transformers_fits():
     m = load_matrix(ROOT / "matrix.toml")
     gpu = next(c for c in m.cells if c.gpu).pins
@@ -187,11 +191,13 @@ def test_fact_vllm_pins_torch_and_transformers_fits():
     assert re.search(r"^cuda-toolkit==13\.", out, re.M), "vLLM's default build is CUDA 13: CUDA-12 cells need +cu12x"
 
 
+@pytest.mark.network
 def test_fact_trl_vllm_extra_rejects_newer_vllm():
     rc, out = _resolve(["trl[vllm]==1.16.0", "vllm==0.33.0"], "x86_64-manylinux_2_28")
     assert rc != 0 and "No solution found" in out
 
 
+@pytest.mark.network
 def test_fact_stack_needs_python_311():
     """Why GPU cells use Ubuntu 24.04 bases (python 3.12): the 22.04 images' python 3.10 can't carry trl 1.16."""
     rc, out = _resolve(["trl==1.16.0"], "x86_64-manylinux_2_28", python="3.10")

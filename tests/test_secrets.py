@@ -15,7 +15,7 @@ from enginefix import (BUILD_TIMEOUT, FAKE_TOKEN, SECRET_ID, ThrowawayCell, dock
                        secret_file, smoke_build, test_base)
 
 from builder import engine as eng
-from builder import setup_engine
+from devenv import engine as devengine
 from builder.errors import UserError
 
 # a cold first build (debootstrap + the session images, arm64 under QEMU) runs inside the first test's setup
@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(BUILD_TIMEOUT)]
 def leaks(image: str, needle: str) -> list[str]:
     """Where NEEDLE occurs in IMAGE: every layer's bytes (docker save), the history, the config (labels, env)."""
     found = []
-    save = subprocess.run([setup_engine.docker_cli(), "save", image], capture_output=True, check=True)
+    save = subprocess.run([devengine.docker_cli(), "save", image], capture_output=True, check=True)
     if needle.encode() in save.stdout:
         found.append("saved image (layers or config)")
     hist = docker("history", "--no-trunc", "--format", "{{.CreatedBy}}", image).stdout
@@ -86,5 +86,5 @@ def test_secret_specs_are_checked(tmp_path):
         eng.parse_secrets(["hf_token"])
     with pytest.raises(UserError, match="legacy builder"):
         eng.build_image(dockerfile=tmp_path / "Dockerfile", context=tmp_path, platform="linux/amd64",
-                        builder=eng.Builder("legacy", setup_engine.docker_cli()), label="x",
+                        builder=eng.Builder("legacy", devengine.docker_cli()), label="x",
                         secrets=[f"id=hf_token,src={secret_file()}"])

@@ -1,4 +1,4 @@
-"""A rendered job script on a real Slurm (Debian slurm-wlm + munge, one node, started here by builder.slurm_cluster).
+"""A rendered job script on a real Slurm (Debian slurm-wlm + munge, one node, started here by devenv.slurm).
 
 Bare mode (no GPUs, no pyxis): one task per node runs `python -m entrypoints sft` from this venv, whose launcher
 starts torchrun with 2 CPU processes (gloo) on the tiny Llama; we check the job's state and exit code as Slurm
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from builder import slurm_cluster
+from devenv import slurm as devslurm
 from builder.slurm import JobSpec, parse_mount, write
 
 pytestmark = pytest.mark.slurm
@@ -28,12 +28,12 @@ TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
 @pytest.fixture(scope="module")
 def slurm():
     """The one-node cluster; stopped afterwards only if this module started it."""
-    was_up = slurm_cluster.answers(slurm_cluster.load_state())
-    info = slurm_cluster.up(cpus=max(2, os.cpu_count() or 2))
+    was_up = devslurm.answers(devslurm.load_state())
+    info = devslurm.up(cpus=max(2, os.cpu_count() or 2))
     env = dict(os.environ, SLURM_CONF=info["conf"])
     yield env
     if not was_up:
-        slurm_cluster.down()
+        devslurm.down()
 
 
 def _job_fields(job_id: str, env: dict) -> dict:
@@ -120,9 +120,9 @@ def test_failing_job_is_recorded_as_failed(slurm, tiny_model, tmp_path):
 
 
 def test_cluster_up_is_idempotent(slurm):
-    state = slurm_cluster.load_state()
-    again = slurm_cluster.up()
-    assert again["conf"] == state["conf"] and slurm_cluster.load_state()["slurmctld_pid"] == state["slurmctld_pid"]
+    state = devslurm.load_state()
+    again = devslurm.up()
+    assert again["conf"] == state["conf"] and devslurm.load_state()["slurmctld_pid"] == state["slurmctld_pid"]
 
 
 # ------------------------------------------------------------------ enroot mode, inside the exported smoke image

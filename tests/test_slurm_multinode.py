@@ -1,5 +1,5 @@
 """The rendered sft job script on two Slurm nodes: two slurmd in their own network namespaces on this host
-(builder.slurm_cluster --netns-nodes 2), one task per node, torchrun's c10d rendezvous and gloo between the
+(devenv.slurm --netns-nodes 2), one task per node, torchrun's c10d rendezvous and gloo between the
 namespaces' addresses (nothing but those and loopback). Bare mode: the launcher from this venv; enroot mode: inside
 the smoke .sqsh through the enroot stand-in. A `scancel --signal=USR1` checkpoints the running job and a second
 submission of the same script resumes from that checkpoint.
@@ -18,23 +18,23 @@ from pathlib import Path
 
 import pytest
 
-from builder import slurm_cluster
+from devenv import slurm as devslurm
 from builder.slurm import JobSpec, parse_mount, write
 from test_slurm_job import _sft_setup, enroot_path, submit, wait_job
 
 pytestmark = pytest.mark.slurm
 ROOT = Path(__file__).resolve().parents[1]
-NODES = [slurm_cluster.netns_node(i) for i in (1, 2)]
+NODES = [devslurm.netns_node(i) for i in (1, 2)]
 
 
 @pytest.fixture(scope="module")
 def slurm2():
     """The cluster with two netns nodes; stopped afterwards only if this module started it."""
-    was_up = slurm_cluster.answers(slurm_cluster.load_state(), netns_nodes=2)
-    info = slurm_cluster.up(cpus=max(2, os.cpu_count() or 2), netns_nodes=2)
+    was_up = devslurm.answers(devslurm.load_state(), netns_nodes=2)
+    info = devslurm.up(cpus=max(2, os.cpu_count() or 2), netns_nodes=2)
     yield dict(os.environ, SLURM_CONF=info["conf"]), info["netns_partition"]
     if not was_up:
-        slurm_cluster.down()
+        devslurm.down()
 
 
 def _config(tmp: Path, model: Path, max_steps: int, save_steps: int) -> Path:

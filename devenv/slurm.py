@@ -1,7 +1,7 @@
 """A real Slurm (Debian slurm-wlm + munge) on this machine, for the job-script tests: one node, plus optional nodes in
 their own network namespaces.
 
-`python -m builder.slurm_cluster up [--netns-nodes N]|down|status`. `up` installs slurm-wlm and munge with apt when they are missing
+`python -m devenv.slurm up [--netns-nodes N]|down|status`. `up` installs slurm-wlm and munge with apt when they are missing
 (root on Debian/Ubuntu only), starts munged if no munged answers, writes a minimal slurm.conf into a fresh temp dir
 (state, spool, logs, pids there too; ports picked free so a system Slurm is never disturbed), starts slurmctld and
 slurmd, and waits until the node is idle. It prints the SLURM_CONF to export. Idempotent: a cluster started earlier
@@ -25,11 +25,10 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from builder.errors import UserError, reports_user_errors
-from builder.procs import pid_alive, stop_pid
+from devenv.common import State, apt_install, logger, pid_alive, stop_pid, wait, which
 
 MUNGE_SOCKET = Path("/run/munge/munge.socket.2")
 MUNGE_KEY = Path("/etc/munge/munge.key")
@@ -46,47 +45,12 @@ def netns_node(i: int) -> dict:
             "addr": f"{NETNS_SUBNET}.{10 + i}"}
 
 
-def _log(msg: str) -> None:
-    print(f"[slurm] {msg}", file=sys.stderr, flush=True)
-
-
-def _state_path() -> Path:
-    base = Path(os.environ.get("TRAINBOX_CACHE") or Path.home() / ".cache" / "trainbox") / "slurm"
-    base.mkdir(parents=True, exist_ok=True)
-    return base / "state.json"
+STATE = State("slurm")
+_log = logger("slurm")
 
 
 def load_state() -> dict:
-    try:
-        return json.loads(_state_path().read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _save_state(state: dict) -> None:
-    p = _state_path()
-    tmp = p.with_suffix(".tmp")
-    tmp.write_text(json.dumps(state, indent=1))
-    tmp.replace(p)
-
-
-def _which(cmd: str) -> str | None:
-    return shutil.which(cmd) or next((f"{d}/{cmd}" for d in ("/usr/sbin", "/sbin") if Path(d, cmd).exists()), None)
-
-
-def _apt_install(packages: list[str]) -> None:
-    if not packages:
-        return
-    if os.geteuid() != 0 or not shutil.which("apt-get"):
-        raise UserError(f"missing {' '.join(packages)}; install them (apt-get install -y {' '.join(packages)}) "
-                        "as root, then run again")
-    _log(f"apt-get install -y {' '.join(packages)}")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    for argv in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "--no-install-recommends",
-                                                *packages]):
-        r = subprocess.run(argv, env=env, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise UserError(f"{' '.join(argv)} failed: {r.stderr.strip()[-1500:]}")
+    return STATE.load()
 
 
 def munge_answers() -> bool:
@@ -121,11 +85,11 @@ def _ensure_munge(state: dict) -> None:
     os.chmod(MUNGE_KEY.parent, 0o700)
     shutil.chown(MUNGE_KEY, "munge", "munge")
     os.chmod(MUNGE_KEY, 0o400)
-    munged = _which("munged")
+    munged = which("munged")
     r = subprocess.run(["runuser", "-u", "munge", "--", munged], capture_output=True, text=True)
     if r.returncode != 0:
         raise UserError(f"munged did not start: {r.stderr.strip()}")
-    _wait(munge_answers, "munged", 20)
+    wait(munge_answers, "munged", 20)
     pid_file = Path("/run/munge/munged.pid")
     state["munged_pid"] = int(pid_file.read_text().strip()) if pid_file.exists() else None
 
@@ -134,18 +98,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _wait(pred, what: str, timeout: float, log: Path | None = None) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return
-        time.sleep(0.3)
-    tail = ""
-    if log and log.exists():
-        tail = "; last log lines:\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:])
-    raise UserError(f"{what} did not come up within {timeout:.0f} s{tail}")
 
 
 def write_conf(d: Path, node: str, cpus: int, netns_nodes: int = 0) -> Path:
@@ -159,7 +111,7 @@ def write_conf(d: Path, node: str, cpus: int, netns_nodes: int = 0) -> Path:
     if netns_nodes:
         extra += f"PartitionName={NETNS_PARTITION} Nodes=tbx[1-{netns_nodes}] MaxTime=INFINITE State=UP\n"
     conf.write_text(f"""\
-# Written by builder/slurm_cluster.py: a test cluster; everything lives under {d}.
+# Written by devenv/slurm.py: a test cluster; everything lives under {d}.
 ClusterName=trainbox
 SlurmctldHost={node}({ctl_addr})
 SlurmctldPort={_free_port()}
@@ -260,7 +212,7 @@ def _start_daemon(argv: list[str], env: dict, pid_file: Path, log: Path, what: s
     r = subprocess.run(argv, env=env, capture_output=True, text=True)
     if r.returncode != 0:
         raise UserError(f"{what} did not start (exit {r.returncode}): {r.stderr.strip()} -- see {log}")
-    _wait(lambda: _read_pid(pid_file) is not None, f"{what} pid file", 30, log)
+    wait(lambda: _read_pid(pid_file) is not None, f"{what} pid file", 30, log_file=log)
     return _read_pid(pid_file)
 
 
@@ -273,9 +225,9 @@ def up(cpus: int | None = None, netns_nodes: int = 0) -> dict:
     if state.get("dir"):  # a stale, half-started or smaller cluster: stop what is left of it first
         down()
         state = load_state()
-    missing = sorted({pkg for cmd, pkg in APT.items() if not _which(cmd)} | (
-        {"munge"} if not _which("munge") else set()) | ({"iproute2"} if netns_nodes and not _which("ip") else set()))
-    _apt_install(missing)
+    missing = sorted({pkg for cmd, pkg in APT.items() if not which(cmd)} | (
+        {"munge"} if not which("munge") else set()) | ({"iproute2"} if netns_nodes and not which("ip") else set()))
+    apt_install(missing, _log, then="run `make slurm` again")
     if os.geteuid() != 0:
         raise UserError("the test Slurm runs its daemons as root (SlurmUser=root); run as root")
     _ensure_munge(state)
@@ -284,19 +236,19 @@ def up(cpus: int | None = None, netns_nodes: int = 0) -> dict:
     cpus = cpus or os.cpu_count() or 1
     conf = write_conf(d, node, cpus, netns_nodes)
     state.update(dir=str(d), conf=str(conf), node=node, netns_nodes=netns_nodes)
-    _save_state(state)
+    STATE.save(state)
     if netns_nodes:
         _netns_up(netns_nodes, node)
     env = _env(str(conf))
-    slurmctld, slurmd = _which("slurmctld"), _which("slurmd")
+    slurmctld, slurmd = which("slurmctld"), which("slurmd")
     # slurmctld -c: clear old state. slurmd -N: our NodeName even if the host name resolves differently.
     state["slurmctld_pid"] = _start_daemon([slurmctld, "-f", str(conf), "-c"], env, d / "run" / "slurmctld.pid",
                                            d / "log" / "slurmctld.log", "slurmctld")
-    _save_state(state)
+    STATE.save(state)
     (d / "spool" / node).mkdir(parents=True, exist_ok=True)
     state["slurmd_pid"] = _start_daemon([slurmd, "-f", str(conf), "-N", node], env, d / "run" / f"slurmd-{node}.pid",
                                         d / "log" / f"slurmd-{node}.log", "slurmd")
-    _save_state(state)
+    STATE.save(state)
     state["netns_slurmd_pids"] = {}
     for x in map(netns_node, range(1, netns_nodes + 1)):
         # Own network namespace, hostname (UTS) and /etc/hosts (a private mount namespace; not `ip netns exec`,
@@ -308,8 +260,8 @@ def up(cpus: int | None = None, netns_nodes: int = 0) -> dict:
         state["netns_slurmd_pids"][x["name"]] = _start_daemon(
             argv, env, d / "run" / f"slurmd-{x['name']}.pid", d / "log" / f"slurmd-{x['name']}.log",
             f"slurmd {x['name']} (netns {x['ns']})")
-        _save_state(state)
-    _wait(lambda: node_idle(str(conf)), "every node idle in sinfo", 60, d / "log" / f"slurmd-{node}.log")
+        STATE.save(state)
+    wait(lambda: node_idle(str(conf)), "every node idle in sinfo", 60, log_file=d / "log" / f"slurmd-{node}.log")
     _log(f"up: export SLURM_CONF={conf}")
     return _info(state)
 
@@ -324,15 +276,15 @@ def down() -> None:
     """Stop what up() started (slurmds, slurmctld, munged if we started it), remove the namespaces and the temp dir."""
     state = load_state()
     for name, pid in (state.get("netns_slurmd_pids") or {}).items():
-        stop_pid(pid, log=_log, what=f"slurmd {name}")
-    stop_pid(state.get("slurmd_pid"), log=_log, what="slurmd")
-    stop_pid(state.get("slurmctld_pid"), log=_log, what="slurmctld")
-    stop_pid(state.get("munged_pid"), log=_log, what="munged")
+        stop_pid(pid, _log, f"slurmd {name}")
+    stop_pid(state.get("slurmd_pid"), _log, "slurmd")
+    stop_pid(state.get("slurmctld_pid"), _log, "slurmctld")
+    stop_pid(state.get("munged_pid"), _log, "munged")
     if state.get("netns_nodes"):
         _netns_down(state["netns_nodes"])
     if state.get("dir", "").startswith(tempfile.gettempdir()):
         shutil.rmtree(state["dir"], ignore_errors=True)
-    _state_path().unlink(missing_ok=True)
+    STATE.clear()
 
 
 def status() -> dict:
@@ -342,7 +294,7 @@ def status() -> dict:
 
 @reports_user_errors
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m builder.slurm_cluster", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m devenv.slurm", description=__doc__.split("\n")[0])
     p.add_argument("action", choices=["up", "down", "status"])
     p.add_argument("--cpus", type=int, default=None, help="CPUs of each node (default: this machine's)")
     p.add_argument("--netns-nodes", type=int, default=0,

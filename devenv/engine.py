@@ -1,6 +1,6 @@
 """Start (or reuse) a Docker engine, a local registry on 127.0.0.1 and QEMU binfmt for arm64; stop what we started.
 
-`python -m builder.setup_engine up|down|status` (`make engine` / `make engine-stop`). Idempotent: whatever already
+`python -m devenv.engine up|down|status` (`make engine` / `make engine-stop`). Idempotent: whatever already
 answers (an engine, a registry on the port, an enabled qemu-aarch64 handler) is used as is and never stopped by
 `down`; what `up` starts is recorded in a state file so `down` stops exactly that, by pid.
 On a machine that already has Docker it installs nothing for the engine; missing tools are installed with apt only
@@ -15,14 +15,14 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 from builder import atomic
+from builder.enroot import docker_cli  # the product's choice of CLI: the engine we start is the one it talks to
 from builder.errors import UserError, reports_user_errors
-from builder.procs import pid_alive, stop_pid
+from devenv.common import State, apt_install, cache_dir, logger, pid_alive, spawn, stop_pid, wait, which
 
 DEFAULT_PORT = 5555
 # Debian's engine here has no iptables rights; the default bridge still works without NAT rules.
@@ -38,14 +38,16 @@ APT_PACKAGES = {  # command -> Debian package providing it
 BINFMT_DIR = Path("/proc/sys/fs/binfmt_misc")
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("TRAINBOX_CACHE") or Path.home() / ".cache" / "trainbox")
+STATE = State("engine")
+_log = logger("engine")
 
 
 def state_dir() -> Path:
-    d = cache_dir() / "engine"
-    d.mkdir(parents=True, exist_ok=True)
-    return d
+    return STATE.dir
+
+
+def load_state() -> dict:
+    return STATE.load()
 
 
 def registry_port() -> int:
@@ -57,32 +59,6 @@ def registry_port() -> int:
 
 def registry_address() -> str:
     return f"127.0.0.1:{registry_port()}"
-
-
-def _state_path() -> Path:
-    return state_dir() / "state.json"
-
-
-def load_state() -> dict:
-    try:
-        return json.loads(_state_path().read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return {}
-
-
-def _save_state(state: dict) -> None:
-    path = _state_path()
-    atomic.write_text(path, json.dumps(state, indent=2) + "\n")
-
-
-def _log(msg: str) -> None:
-    print(f"[engine] {msg}", file=sys.stderr, flush=True)
-
-
-def docker_cli() -> str:
-    """The CLI to talk to the engine: $TRAINBOX_DOCKER, else the first `docker` on PATH."""
-    cli = os.environ.get("TRAINBOX_DOCKER") or shutil.which("docker") or "/usr/bin/docker"
-    return cli
 
 
 def engine_answers(timeout: float = 10) -> bool:
@@ -112,52 +88,20 @@ def binfmt_enabled() -> bool:
         return False
 
 
-def _apt_install(packages: list[str]) -> None:
-    if not packages:
-        return
-    if os.geteuid() != 0 or not shutil.which("apt-get"):
-        raise UserError(
-            f"missing tools: install the Debian/Ubuntu packages {' '.join(packages)} (as root: apt-get install -y "
-            f"{' '.join(packages)}), then run `make engine` again")
-    _log(f"apt-get install {' '.join(packages)}")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    lists = Path("/var/lib/apt/lists")
-    if not any(lists.glob("*Packages*")):
-        subprocess.run(["apt-get", "update", "-q"], check=True, env=env)
-    r = subprocess.run(["apt-get", "install", "-y", "-q", "--no-install-recommends", *packages], env=env)
-    if r.returncode != 0:
-        subprocess.run(["apt-get", "update", "-q"], check=True, env=env)
-        r = subprocess.run(["apt-get", "install", "-y", "-q", "--no-install-recommends", *packages], env=env)
-    if r.returncode != 0:
-        raise UserError(f"apt-get install {' '.join(packages)} failed (exit {r.returncode}); see the output above")
+def _apt_install(packages) -> None:
+    apt_install(packages, _log, then="run `make engine` again")
 
 
 def _have(cmd: str) -> bool:
-    return shutil.which(cmd) is not None or Path("/usr/sbin", cmd).exists() or Path("/usr/bin", cmd).exists()
+    return which(cmd) is not None
 
 
 def _spawn(argv: list[str], log_name: str) -> int:
-    log = open(state_dir() / log_name, "ab")
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True)  # survives the pytest/make process that started it
-    return proc.pid
+    return spawn(argv, state_dir() / log_name)
 
 
 def _wait(predicate, what: str, timeout: float, pid: int | None = None, log_name: str | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        if pid is not None and not pid_alive(pid):
-            break
-        time.sleep(0.5)
-    tail = ""
-    if log_name:
-        try:
-            tail = " | ".join((state_dir() / log_name).read_text(errors="replace").strip().splitlines()[-3:])
-        except OSError:
-            pass
-    raise UserError(f"{what} did not come up within {timeout:.0f}s (log {state_dir() / (log_name or '')}: {tail})")
+    wait(predicate, what, timeout, pid, state_dir() / log_name if log_name else None)
 
 
 def _ensure_engine(state: dict) -> None:
@@ -173,7 +117,7 @@ def _ensure_engine(state: dict) -> None:
     _log(f"starting {dockerd} {' '.join(args)}")
     pid = _spawn([dockerd, *args], "dockerd.log")
     state["dockerd_pid"] = pid
-    _save_state(state)
+    STATE.save(state)
     _wait(engine_answers, "the Docker engine (dockerd)", 90, pid, "dockerd.log")
     _log(f"engine up (pid {pid})")
 
@@ -188,9 +132,7 @@ def _registry_config(port: int) -> Path:
         f"storage:\n  filesystem:\n    rootdirectory: {storage}\n  delete:\n    enabled: true\n"
         f"http:\n  addr: 127.0.0.1:{port}\n"
     )
-    tmp = cfg.with_suffix(".tmp")
-    tmp.write_text(text)
-    tmp.replace(cfg)
+    atomic.write_text(cfg, text)
     return cfg
 
 
@@ -209,7 +151,7 @@ def _ensure_registry(state: dict) -> None:
     pid = _spawn([binary, "serve", str(cfg)], "registry.log")
     state["registry_pid"] = pid
     state["registry"] = address
-    _save_state(state)
+    STATE.save(state)
     _wait(lambda: registry_answers(address), f"the registry at {address}", 30, pid, "registry.log")
 
 
@@ -229,7 +171,7 @@ def _registry_container(state: dict, address: str) -> bool:
         return False
     state["registry_container"] = REGISTRY_CONTAINER
     state["registry"] = address
-    _save_state(state)
+    STATE.save(state)
     _wait(lambda: registry_answers(address), f"the registry container at {address}", 60)
     _log(f"registry container {REGISTRY_CONTAINER} at {address}")
     return True
@@ -252,7 +194,7 @@ def _ensure_binfmt(state: dict) -> None:
         raise UserError(f"could not enable the qemu-aarch64 binfmt handler: {r.stderr.strip() or 'not enabled'}; "
                         "install qemu-user-static and binfmt-support, then run `update-binfmts --enable qemu-aarch64`")
     state["binfmt_enabled"] = True
-    _save_state(state)
+    STATE.save(state)
 
 
 def up(tools: bool = True) -> dict:
@@ -270,23 +212,23 @@ def up(tools: bool = True) -> dict:
     _ensure_registry(state)
     _ensure_binfmt(state)
     state["registry"] = registry_address()
-    _save_state(state)
-    return {"registry": registry_address(), "docker": docker_cli(), "state": str(_state_path())}
+    STATE.save(state)
+    return {"registry": registry_address(), "docker": docker_cli(), "state": str(STATE.path)}
 
 
 def down() -> None:
     state = load_state()
     if "registry_pid" in state:
-        stop_pid(state.pop("registry_pid"), log=_log, what="registry")
+        stop_pid(state.pop("registry_pid"), _log, "registry")
     if "registry_container" in state:
         subprocess.run([docker_cli(), "rm", "-f", state.pop("registry_container")], capture_output=True)
     if "dockerd_pid" in state:
-        stop_pid(state.pop("dockerd_pid"), timeout=60, log=_log, what="dockerd")
+        stop_pid(state.pop("dockerd_pid"), _log, "dockerd", timeout=60)
     if state.pop("binfmt_enabled", False):
         subprocess.run(["update-binfmts", "--disable", "qemu-aarch64"], capture_output=True)
     if state.pop("binfmt_mounted", False):
         subprocess.run(["umount", str(BINFMT_DIR)], capture_output=True)
-    _save_state(state)
+    STATE.save(state)
     _log("stopped what `up` started")
 
 
@@ -304,7 +246,7 @@ def status() -> dict:
 
 @reports_user_errors
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m builder.setup_engine", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m devenv.engine", description=__doc__.splitlines()[0])
     parser.add_argument("action", choices=["up", "down", "status"])
     args = parser.parse_args(argv)
     if args.action == "up":

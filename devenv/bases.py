@@ -6,7 +6,7 @@ $TRAINBOX_CACHE/bases (keyed by suite, arch and package list); publishing writes
 (config says the real architecture — `docker import` would always say amd64) joined by an image index, and copies it
 into the local registry with skopeo.
 
-`python -m builder.bases [--registry 127.0.0.1:PORT] [--arch amd64 --arch arm64]` prints the published reference.
+`python -m devenv.bases [--registry 127.0.0.1:PORT] [--arch amd64 --arch arm64]` prints the published reference.
 """
 
 from __future__ import annotations
@@ -24,8 +24,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from builder import atomic, setup_engine
+from builder import atomic
 from builder.errors import UserError, reports_user_errors
+from devenv import engine
+from devenv.common import cache_dir, logger, which
 
 SUITE = "bookworm"
 # python3 + venv + certificates up front: saves the Dockerfile's apt step, which is slow under QEMU.
@@ -38,12 +40,11 @@ EXCLUDES = ["./dev/*", "./proc/*", "./sys/*", "./run/*", "./tmp/*", "./var/cache
             "./var/lib/apt/lists/*", "./debootstrap"]
 
 
-def _log(msg: str) -> None:
-    print(f"[bases] {msg}", file=sys.stderr, flush=True)
+_log = logger("bases")
 
 
 def bases_dir() -> Path:
-    d = setup_engine.cache_dir() / "bases"
+    d = cache_dir() / "bases"
     d.mkdir(parents=True, exist_ok=True)
     return d
 
@@ -85,9 +86,8 @@ def rootfs_layer(arch: str) -> dict:
         meta = json.loads(meta_path.read_text())
         if Path(meta["path"]).exists():
             return meta
-    for tool in ("debootstrap",):
-        if not shutil.which(tool) and not Path("/usr/sbin", tool).exists():
-            raise UserError(f"{tool} is missing: run `make engine` (installs it) or apt-get install {tool}")
+    if not which("debootstrap"):
+        raise UserError("debootstrap is missing: run `make engine` (installs it) or apt-get install debootstrap")
     t0 = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix=f"rootfs-{arch}-", dir=bases_dir()))
     rootfs = work / "rootfs"
@@ -119,9 +119,7 @@ def rootfs_layer(arch: str) -> dict:
         meta = {"path": str(gz_path), "digest": _sha256_file(gz_path), "diff_id": diff_id,
                 "size": gz_path.stat().st_size, "arch": arch, "suite": SUITE,
                 "seconds": round(time.monotonic() - t0, 1)}
-        tmp = meta_path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(meta, indent=2))
-        tmp.replace(meta_path)
+        atomic.write_text(meta_path, json.dumps(meta, indent=2))
         _log(f"{arch} base layer cached ({meta['size'] / 1e6:.1f} MB, {meta['seconds']}s)")
         return meta
     finally:
@@ -189,7 +187,7 @@ def _platforms_in_registry(ref: str) -> set[str] | None:
 
 def publish(registry: str | None = None, arches: tuple[str, ...] = ARCHES, force: bool = False) -> str:
     """Make sure REGISTRY holds the multi-arch base; returns its reference (REGISTRY/trainbox/base:bookworm-KEY)."""
-    registry = registry or setup_engine.registry_address()
+    registry = registry or engine.registry_address()
     layers = {arch: rootfs_layer(arch) for arch in arches}
     key = hashlib.sha256(json.dumps(sorted((a, m["digest"]) for a, m in layers.items())).encode()).hexdigest()[:12]
     ref = f"{registry}/{REPOSITORY}:{SUITE}-{key}"
@@ -212,7 +210,7 @@ def publish(registry: str | None = None, arches: tuple[str, ...] = ARCHES, force
 
 @reports_user_errors
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m builder.bases", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m devenv.bases", description=__doc__.splitlines()[0])
     p.add_argument("--registry", help="HOST:PORT of the local registry (default: the one `make engine` starts)")
     p.add_argument("--arch", action="append", choices=ARCHES, help="repeatable; default both")
     p.add_argument("--force", action="store_true", help="publish again even if the registry has it")
@@ -222,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     ref = publish(a.registry, tuple(a.arch or ARCHES), a.force)
     if a.write_config:
         atomic.write_text(a.write_config,
-                          f'# written by python -m builder.bases\n[bases]\n"debian:{SUITE}" = "{ref}"\n')
+                          f'# written by python -m devenv.bases (make bases)\n[bases]\n"debian:{SUITE}" = "{ref}"\n')
     print(ref)
     return 0
 
