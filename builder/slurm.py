@@ -11,7 +11,6 @@ on every node, so nothing depends on hooks that may or may not set RANK/LOCAL_RA
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shlex
 import sys
@@ -21,6 +20,7 @@ from pathlib import Path
 import jinja2
 
 from builder.errors import UserError, reports_user_errors
+from entrypoints import atomic
 
 TEMPLATES = Path(__file__).resolve().parent / "templates" / "slurm"
 ENTRYPOINTS = ("sft", "grpo")
@@ -172,18 +172,12 @@ def render(spec: JobSpec) -> str:
 
 
 def write(spec: JobSpec, dest) -> Path:
-    """Render and write atomically (temp name + rename), executable."""
+    """Render and write through the one atomic writer (temp sibling, fsync, rename), executable."""
     text = render(spec)
     dest = Path(dest)
     if not dest.parent.is_dir():
         raise UserError(f"output directory {str(dest.parent)!r} does not exist; create it first")
-    tmp = dest.with_name(f".{dest.name}.tmp.{os.getpid()}")
-    try:
-        tmp.write_text(text)
-        tmp.chmod(0o755)
-        tmp.replace(dest)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic.write_text(dest, text, mode=0o755)
     return dest
 
 

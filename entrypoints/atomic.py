@@ -1,0 +1,210 @@
+"""The one atomic writer: readers (and a crash) see the old file or folder or the new one, never half of either.
+
+Every write of a lock, Dockerfile, job script, `.sqsh`, artifact copy or merged model goes through here: a temporary
+sibling in the same folder (so the rename stays on one file system), the data fsynced, a rename, the folder fsynced
+(so the rename itself survives a power loss). Lives in `entrypoints/` because only that package ships in the image
+(the trainers write through it there); the host package installs both, so `builder` imports it from here.
+
+Temporary names are `.NAME.tmp.HOST.PID.RANDOM`: on a shared (Lustre/NFS) folder several nodes write at once and
+their pids mean nothing to each other, so `clean_stale` removes only temporaries of THIS host whose process is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import re
+import secrets
+import shutil
+import socket
+from pathlib import Path
+
+TMP_MARK = ".tmp."  # a temporary of NAME starts with ".NAME.tmp.": hidden, and never ends in NAME's suffix
+
+
+def host() -> str:
+    """This machine's name as temporaries carry it (the UTS name: a container or `unshare --uts` has its own)."""
+    return socket.gethostname() or "localhost"
+
+
+def temp_path(path: str | Path, kind: str = "") -> Path:
+    """A fresh temporary sibling of PATH: .NAME.tmp.HOST.PID.RANDOM (kind, e.g. "work", is added to RANDOM)."""
+    path = Path(path)
+    tag = secrets.token_hex(4) + (f"_{kind}" if kind else "")
+    return path.parent / f".{path.name}{TMP_MARK}{host()}.{os.getpid()}.{tag}"
+
+
+def _temp_owner(path: Path, name: str) -> tuple[str, int] | None:
+    m = re.fullmatch(re.escape(f".{name}{TMP_MARK}") + r"(?P<host>.+)\.(?P<pid>\d+)\.[0-9a-f]+(?:_\w+)?", path.name)
+    return (m["host"], int(m["pid"])) if m else None
+
+
+def _dead(pid: int, since: float) -> bool:
+    import psutil
+
+    try:
+        # A pid reused by a process that started after the temporary was last written is not its writer.
+        return psutil.Process(pid).create_time() > since + 1
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:  # exists, but we may not look at it: assume it writes
+        return False
+
+
+def clean_stale(path: str | Path) -> list[Path]:
+    """Remove temporaries of PATH left by writers on this host that died (SIGKILL, power loss); returns them.
+
+    Another host's temporaries are never touched: its pids are not ours to judge."""
+    path = Path(path)
+    removed = []
+    for p in path.parent.glob(f".{glob_escape(path.name)}{TMP_MARK}*"):
+        owner = _temp_owner(p, path.name)
+        if owner is None or owner[0] != host():
+            continue
+        try:
+            mtime = p.lstat().st_mtime
+        except FileNotFoundError:
+            continue
+        if _dead(owner[1], mtime):
+            remove(p)
+            removed.append(p)
+    return removed
+
+
+def glob_escape(name: str) -> str:
+    return re.sub(r"([*?[])", r"[\1]", name)
+
+
+def remove(p: Path) -> None:
+    """Delete a file or a folder, also one whose modes say read-only (an unpacked image keeps them)."""
+    def fix(func, q, exc):  # noqa: ARG001
+        with contextlib.suppress(OSError):
+            os.chmod(os.path.dirname(q), 0o700)
+            func(q)
+
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, onerror=fix)
+    else:
+        p.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------- durability
+
+def fsync_path(p: str | Path) -> None:
+    """fsync a file or a folder by path (a read-only descriptor is enough on Linux)."""
+    fd = os.open(p, os.O_RDONLY | (os.O_DIRECTORY if os.path.isdir(p) else 0))
+    try:
+        os.fsync(fd)
+    except OSError as e:  # some file systems can't sync a folder; the data itself was synced
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: str | Path) -> None:
+    """fsync every file and folder under ROOT, ROOT last (symlinks are not followed)."""
+    for dirpath, dirnames, filenames in os.walk(root, topdown=False):
+        for name in filenames:
+            p = os.path.join(dirpath, name)
+            if not os.path.islink(p):
+                fsync_path(p)
+        for name in dirnames:
+            p = os.path.join(dirpath, name)
+            if not os.path.islink(p):
+                fsync_path(p)
+    fsync_path(root)
+
+
+# ---------------------------------------------------------------- files
+
+@contextlib.contextmanager
+def replacing(path: str | Path, mode: int | None = 0o644):
+    """`with replacing(DEST) as tmp:` write the new file at `tmp` (any program may); on a clean exit it is fsynced,
+    given MODE and renamed over DEST, then DEST's folder is fsynced. On any error (or signal turned exception)
+    the temporary goes and DEST stays as it was."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(path)
+    try:
+        yield tmp
+        if mode is not None:
+            os.chmod(tmp, mode)
+        fsync_path(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # gone after a rename; only a failed write leaves it
+    fsync_path(path.parent)
+
+
+def write_bytes(path: str | Path, data: bytes, mode: int = 0o644) -> None:
+    with replacing(path, mode) as tmp:
+        with open(tmp, "xb") as f:
+            f.write(data)
+
+
+def write_text(path: str | Path, text: str, mode: int = 0o644) -> None:
+    write_bytes(path, text.encode("utf-8"), mode)
+
+
+# ---------------------------------------------------------------- folders
+
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (renameat2 RENAME_EXCHANGE); False where the kernel or file system can't."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    AT_FDCWD = -100
+    if fn(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(a))
+
+
+@contextlib.contextmanager
+def replacing_dir(path: str | Path):
+    """`with replacing_dir(DEST) as tmp:` fill the new folder `tmp` (created empty); on a clean exit every file in it
+    is fsynced and it takes DEST's place (swapped in one step where the file system can; else the old folder is
+    renamed aside first), then the parent is fsynced. On error the temporary goes and DEST stays as it was."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(path)
+    tmp.mkdir()
+    try:
+        yield tmp
+        fsync_tree(tmp)
+        if path.is_dir() and not path.is_symlink():
+            if not _exchange(tmp, path):
+                aside = temp_path(path, "old")
+                os.rename(path, aside)
+                os.rename(tmp, path)
+                tmp = aside
+        else:
+            os.replace(tmp, path)
+    finally:
+        if tmp.exists() or tmp.is_symlink():
+            remove(tmp)  # a failed write, or the old folder after the swap
+    fsync_path(path.parent)
+
+
+def copy_tree(src: str | Path, dest: str | Path) -> Path:
+    """Copy folder SRC to DEST (symlinks kept as links) through `replacing_dir`."""
+    with replacing_dir(dest) as tmp:
+        shutil.copytree(src, tmp, symlinks=True, dirs_exist_ok=True)
+    return Path(dest)
+
+
+def copy_file(src: str | Path, dest: str | Path) -> Path:
+    """Copy file SRC to DEST (contents and mode) through `replacing`."""
+    with replacing(dest, mode=None) as tmp:
+        shutil.copy2(src, tmp)
+    return Path(dest)
