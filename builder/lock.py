@@ -17,7 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from builder import atomic, indexes
+from builder import indexes
+from entrypoints import atomic
 from builder.errors import UserError
 from builder.matrix import ROOT, Cell
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import jinja2
 
-from builder import atomic, indexes
+from builder import indexes
+from entrypoints import atomic
 from builder.errors import UserError
 from builder.matrix import ROOT, Cell
 

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from builder import atomic
+from entrypoints import atomic
 
 COLUMNS = [  # (header, field, formatter)
     ("cell", "cell", str),

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from builder import atomic
+from entrypoints import atomic
 from builder.errors import UserError, reports_user_errors
 from builder.matrix import DEFAULT_MATRIX, INDEX_NAMES, load_matrix
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psutil
 
-from builder import atomic
+from entrypoints import atomic
 from builder.errors import UserError
 
 
