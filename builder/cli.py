@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+import tempfile
 import tomllib
 from pathlib import Path
+from types import MappingProxyType
 
 from builder.errors import UserError, reports_user_errors
 from builder.matrix import DEFAULT_MATRIX, ROOT, Cell, Matrix, load_matrix
+from builder.options import BuildOptions, check_registry, parse_bases, parse_build_args, parse_secrets
 
 
 def parser() -> argparse.ArgumentParser:
@@ -34,12 +38,16 @@ def parser() -> argparse.ArgumentParser:
                           "also TRAINBOX_INDEX_<NAME>")
     inp.add_argument("--base", action="append", default=[], metavar="OLD=NEW",
                      help="build FROM NEW where the cell's base is OLD (repeatable; a BASE_IMAGE build arg)")
-    inp.add_argument("--output-dir", type=Path, default=ROOT, metavar="DIR",
-                     help="where images/<tag>/Dockerfile and locks/ live (default: the repository)")
+    inp.add_argument("--output-dir", type=Path, metavar="DIR",
+                     help="where images/<tag>/Dockerfile and locks/ are written (default: the repository for its own "
+                          "matrix.toml; a new temporary folder for another --matrix, never the repository)")
     p.add_argument("--quiet", "-q", action="store_true", help="print only what was asked for")
     b = p.add_argument_group("build (builder/engine.py)")
-    b.add_argument("--push", action="store_true", help="push the images and per-cell manifest lists")
-    b.add_argument("--registry", metavar="HOST:PORT/REPO", help="repository to tag and push to")
+    b.add_argument("--push", action="store_true",
+                   help="push the images and per-cell manifest lists to --registry (a failed push leaves no tag)")
+    b.add_argument("--registry", metavar="HOST:PORT/REPO",
+                   help="repository to push to, checked with Docker's reference grammar (lower-case path, no scheme, "
+                        "no tag); only with --push (without it: error)")
     b.add_argument("--wheelhouse", metavar="DIR", help="wheels to offer pip before any index (torch, FA3...)")
     b.add_argument("--builder", choices=["auto", "buildx", "buildkit", "legacy"], default="auto")
     b.add_argument("--buildx-builder", metavar="NAME",
@@ -75,22 +83,6 @@ def read_config(config: Path | None) -> dict:
     return data
 
 
-def parse_bases(pairs: list[str], config: Path | None) -> dict[str, str]:
-    out: dict[str, str] = {}
-    if config is not None:
-        data = read_config(config)
-        bases = data.get("bases", {})
-        if not isinstance(bases, dict) or not all(isinstance(v, str) and v for v in bases.values()):
-            raise UserError("[bases] must map image names to image names", where=f"{config}: bases")
-        out.update(bases)
-    for pair in pairs:
-        old, sep, new = pair.partition("=")
-        if not sep or not old.strip() or not new.strip():
-            raise UserError(f"--base {pair!r}: expected OLD=NEW", fix="e.g. --base debian:bookworm=local/bookworm:base")
-        out[old.strip()] = new.strip()
-    return out
-
-
 def _fmt_cell(c: Cell) -> str:
     keys = ("torch", "vllm", "transformers", "trl", "jupyterlab")
     pins = " ".join(f"{k}={c.pins[k]}" for k in keys if k in c.pins)
@@ -123,10 +115,11 @@ def cmd_explain(m: Matrix, quiet: bool) -> None:
               f"compatibility: the wheels ship kernels for every GPU they support, no PTX JIT needed)")
 
 
-def plan_lines(cells: list[Cell], bases: dict[str, str], paths: dict, root: Path = ROOT,
-               overrides: dict[str, str] | None = None, frozen: bool = False, native: bool = False) -> list[str]:
+def plan_lines(cells: list[Cell], bases, paths: dict, root: Path = ROOT, overrides=None, frozen: bool = False,
+               native: bool = False, registry: str | None = None) -> list[str]:
     from builder import engine, indexes, lock
-    lines = [f"build plan: {len(cells)} image(s), context = repository root, host = {engine.host_arch()}"]
+    context = "repository root" if root == ROOT else f"the repository with images/ and locks/ from {root}"
+    lines = [f"build plan: {len(cells)} image(s), context = {context}, host = {engine.host_arch()}"]
     for i, c in enumerate(cells, 1):
         base = bases.get(c.base_image, c.base_image)
         lines.append(f"{i}. {c.tag} ({c.platform}{', emulated (QEMU)' if c.arch != engine.host_arch() else ''})")
@@ -138,7 +131,7 @@ def plan_lines(cells: list[Cell], bases: dict[str, str], paths: dict, root: Path
         default = indexes.url(c, "default", overrides) or "the installer's default index"
         for name in ["default", *indexes.needed(c)]:
             lines.append(f"   index {name}: {indexes.redact(indexes.url(c, name, overrides)) or default}")
-        lines.append(f"   tags: {' '.join(f'{c.repository}:{t}' for t in c.tags)}")
+        lines.append(f"   tags: {' '.join(engine.cell_refs(c, registry))}{' (pushed)' if registry else ''}")
         st = lock.state(c, root)
         locks = " + ".join(str(p) for p, _ in lock.wanted(c))
         if st == "fresh":
@@ -176,14 +169,42 @@ def _heavy_sources(c: Cell, overrides, native: bool) -> list[str]:
     return out
 
 
+def output_dir(args) -> Path:
+    """Where rendered files and locks go: the repository for its own matrix; for a foreign --matrix, --output-dir or
+    a new temporary folder (a foreign matrix never writes over the committed images/ and locks/)."""
+    own = args.matrix.resolve() == DEFAULT_MATRIX.resolve()
+    if args.output_dir is None:
+        if own:
+            return ROOT
+        out = Path(tempfile.mkdtemp(prefix="trainbox-render-"))
+        print(f"{args.matrix} is not the repository's matrix: rendering into {out} (choose with --output-dir)",
+              file=sys.stderr)
+        return out
+    if not own and args.output_dir.resolve() == ROOT.resolve():
+        raise UserError(f"--matrix {args.matrix} with --output-dir {args.output_dir}: a foreign matrix would write over "
+                        "the repository's committed images/ and locks/", fix="choose another --output-dir")
+    return args.output_dir
+
+
+def build_options(args, config: dict, out: Path) -> BuildOptions:
+    """The one typed options object, from the parsed arguments; every check here runs before any work."""
+    from builder import indexes
+    where = str(args.config) if args.config else "--config"
+    return BuildOptions(
+        output_dir=out, bases=MappingProxyType(parse_bases(args.base, config.get("bases"), where)),
+        index_overrides=MappingProxyType(indexes.parse_overrides(args.index, config.get("index"))),
+        registry=check_registry(args.registry, args.push), wheelhouse=args.wheelhouse, builder=args.builder,
+        buildx_builder=args.buildx_builder, build_args=MappingProxyType(parse_build_args(args.build_arg)),
+        secrets=parse_secrets(args.secret), no_cache=args.no_cache, frozen=args.frozen, quiet=args.quiet,
+        report=args.report, sqsh=args.sqsh, sqsh_compression=args.sqsh_compression,
+        sqsh_block_size=args.sqsh_block_size, use_enroot=args.use_enroot)
+
+
 def run(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     m = load_matrix(args.matrix)
-    bases = parse_bases(args.base, args.config)
-    from builder import indexes
-    args.index_overrides = indexes.parse_overrides(args.index, read_config(args.config).get("index"))
-    # The engine reads args.base as OLD=NEW strings; fold the config's table in so both sources reach it.
-    args.base = [f"{k}={v}" for k, v in bases.items()]
+    config = read_config(args.config)
+    opts = build_options(args, config, ROOT)   # checked before anything is written; output_dir set below
     if args.explain:
         cmd_explain(m, args.quiet)
         return 0
@@ -194,22 +215,24 @@ def run(argv: list[str] | None = None) -> int:
     if args.list:
         cmd_list(m, cells)
         return 0
+    from builder import lock
+    opts = dataclasses.replace(opts, output_dir=output_dir(args))
     if args.lock:
-        from builder import lock
-        return lock.lock_cells(cells, root=args.output_dir, quiet=args.quiet, overrides=args.index_overrides)
+        return lock.lock_cells(cells, root=opts.output_dir, quiet=args.quiet, overrides=opts.index_overrides)
     from builder import render
-    paths = render.write_cells(cells, root=args.output_dir)
+    paths = render.write_cells(cells, root=opts.output_dir)
+    lock.seed(cells, opts.output_dir)
     if args.dry_run:
         if not args.quiet:
-            print("\n".join(plan_lines(cells, bases, paths, ROOT, args.index_overrides, args.frozen,
-                                        bool(args.buildx_builder))))
+            print("\n".join(plan_lines(cells, opts.bases, paths, opts.output_dir, opts.index_overrides, opts.frozen,
+                                        opts.native_builder, opts.registry)))
         return 0
     try:
         from builder import engine
     except ImportError as e:
         print(f"error: the build engine (builder/engine.py) is not available: {e}", file=sys.stderr)
         return 1
-    return engine.build_cells(cells, args)
+    return engine.build_cells(cells, opts)
 
 
 @reports_user_errors

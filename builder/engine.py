@@ -9,6 +9,7 @@ on a half image. Secrets go in as BuildKit secrets only (never ARG/ENV/COPY).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -26,6 +27,8 @@ from python_on_whales import DockerClient
 from python_on_whales.exceptions import DockerException
 
 from builder.errors import UserError, reports_user_errors
+# Re-exported: scripts and fixtures that call build_cell() directly parse their strings with these.
+from builder.options import BuildOptions, parse_bases, parse_build_args, parse_secrets  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 WHEELHOUSE = "wheelhouse"
@@ -89,7 +92,29 @@ def choose_builder(requested: str = "auto") -> Builder:
         if requested == "buildkit":
             raise UserError("--builder buildkit needs a classic docker CLI older than 23 (e.g. Debian's "
                             "/usr/bin/docker from docker.io) or buildx; set TRAINBOX_DOCKER to its path")
-    return Builder("legacy", clis[0])
+    if requested == "legacy":
+        return Builder("legacy", clis[0])
+    # Never fall back to the legacy builder unasked: it is deprecated, cannot take --secret, and its banner would be
+    # the only sign that it was picked.
+    raise UserError(f"no BuildKit builder here (no buildx plugin, no classic docker CLI older than 23 among "
+                    f"{', '.join(clis)})", fix="run `make engine` (Debian's docker.io CLI has BuildKit), install "
+                    "docker-buildx, or pass --builder legacy for the deprecated legacy builder")
+
+
+def check_engine(builder: Builder) -> str:
+    """The engine's version; a UserError naming the next step when no engine answers (before any lock or build)."""
+    try:
+        r = subprocess.run([builder.cli, "version", "--format", "{{.Server.Version}}"], capture_output=True,
+                           text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        r = subprocess.CompletedProcess([], 1, "", "no answer in 30 s")
+    if r.returncode == 0 and r.stdout.strip():
+        return r.stdout.strip()
+    where = os.environ.get("DOCKER_HOST") or "the default socket (unix:///var/run/docker.sock)"
+    said = next((ln.strip() for ln in r.stderr.splitlines() if ln.strip()), "no answer")
+    raise UserError(f"no Docker engine answers at {where} ({said[:200]})",
+                    fix="start one with `make engine` (engine + local registry for this repository), or install and "
+                        "start Docker; set DOCKER_HOST if yours listens elsewhere")
 
 
 # ----------------------------------------------------------------------------------------------------- cells, names
@@ -117,29 +142,6 @@ def _insecure(ref: str) -> bool:
 
 
 # --------------------------------------------------------------------------------------------------- build inputs
-def parse_bases(pairs: list[str] | None) -> dict[str, str]:
-    out = {}
-    for p in pairs or []:
-        old, sep, new = p.partition("=")
-        if not sep or not old or not new:
-            raise UserError(f"--base {p!r}: expected OLD=NEW (the cell's base image = the image to use instead)")
-        out[old] = new
-    return out
-
-
-def parse_secrets(specs: list[str] | None) -> list[str]:
-    """`id=ID,src=PATH` specs, checked: the file must exist (BuildKit would fail late and unclearly)."""
-    out = []
-    for s in specs or []:
-        fields = dict(kv.partition("=")[::2] for kv in s.split(","))
-        if not fields.get("id") or not (fields.get("src") or fields.get("env")):
-            raise UserError(f"--secret {s!r}: expected id=ID,src=PATH (e.g. id=hf_token,src=$HOME/.hf_token)")
-        if fields.get("src") and not Path(fields["src"]).is_file():
-            raise UserError(f"--secret {s!r}: file {fields['src']} does not exist")
-        out.append(s)
-    return out
-
-
 class Wheelhouse:
     """Puts DIR's wheels into CONTEXT/wheelhouse/ for one build (hard links, copies across filesystems) and removes
     exactly those afterwards; the Dockerfile's pip uses that folder with --find-links before any index."""
@@ -175,37 +177,113 @@ class Wheelhouse:
 
 
 # ---------------------------------------------------------------------------------------------- failure reporting
-def failed_step(lines: list[str]) -> tuple[str, str]:
+_TLS = re.compile(r"CERTIFICATE_VERIFY_FAILED|certificate verify failed|invalid peer certificate|UnknownIssuer|"
+                  r"self[- ]signed certificate", re.I)
+
+
+@dataclass
+class BuildLog:
+    """What a failure report needs from a build's output, however long it ran: the last lines, every step's header
+    (BuildKit `#N [stage k/n] INSTRUCTION`, legacy `Step k/n : INSTRUCTION`) and the steps that hit a TLS error."""
+    tail: deque = field(default_factory=lambda: deque(maxlen=400))
+    headers: dict = field(default_factory=dict)   # BuildKit step id -> "[stage k/n] INSTRUCTION"
+    legacy_steps: list = field(default_factory=list)
+    tls: set = field(default_factory=set)         # step ids (or "" for the legacy builder) whose output had TLS errors
+
+    def add(self, line: str) -> None:
+        self.tail.append(line)
+        m = re.match(r"#(\d+) (\[.*)$", line)
+        if m and m.group(1) not in self.headers:
+            self.headers[m.group(1)] = m.group(2).strip()
+        if re.match(r"Step \d+/\d+ : ", line):
+            self.legacy_steps.append(line.split(" : ", 1)[1].strip())
+        if _TLS.search(line):
+            m = re.match(r"#(\d+) ", line)
+            self.tls.add(m.group(1) if m else "")
+
+    @property
+    def lines(self) -> list[str]:
+        return list(self.tail)
+
+
+def dockerfile_line(dockerfile: Path | None, instruction: str) -> int | None:
+    """The line of DOCKERFILE where INSTRUCTION (as BuildKit names the step: continuation lines joined) starts."""
+    if dockerfile is None or not instruction:
+        return None
+    try:
+        text = dockerfile.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return None
+    want = " ".join(instruction.split())
+    for i, line in enumerate(text):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        logical, j = line, i
+        while logical.rstrip().endswith("\\") and j + 1 < len(text):
+            j += 1
+            logical = logical.rstrip()[:-1] + " " + text[j]
+        if " ".join(logical.split()) == want:
+            return i + 1
+    return None
+
+
+def failed_step(log: BuildLog | list[str], dockerfile: Path | None = None) -> tuple[str, str]:
     """(step, reason) from a build log: BuildKit plain progress (`#N [stage k/n] RUN ...` + `#N ERROR: ...`) or the
-    legacy builder (`Step k/n : RUN ...` + the error)."""
-    headers: dict[str, str] = {}
+    legacy builder (`Step k/n : RUN ...` + the error). The step is the Dockerfile instruction (with its line when
+    DOCKERFILE is given), never BuildKit's bare `#N`."""
+    if not isinstance(log, BuildLog):
+        b = BuildLog(tail=deque(maxlen=None))
+        for ln in log:
+            b.add(ln)
+        log = b
+    lines = log.lines
     err_id, reason = None, ""
     for line in lines:
-        m = re.match(r"#(\d+) (\[.*)$", line)
-        if m and m.group(1) not in headers:
-            headers[m.group(1)] = m.group(2).strip()
         m = re.match(r"#(\d+) ERROR: (.*)$", line)
         if m and err_id is None:
             err_id, reason = m.group(1), m.group(2).strip()
     final = next((ln for ln in reversed(lines) if re.match(r"(ERROR|error|failed to solve)", ln.strip())), "")
     if err_id is not None:
-        step = headers.get(err_id, f"#{err_id}")
+        header = log.headers.get(err_id)
+        if header is None:   # BuildKit's summary names the step too: ` > [stage k/n] INSTRUCTION:`
+            header = next((ln.strip()[2:].rstrip(":") for ln in lines if re.match(r"\s*> \[", ln)), None)
         # The step's own last error line (pip's "No matching distribution ...") says more than "exit code: 1".
         own = [re.sub(r"^#\d+ [\d.]+ ", "", ln).strip() for ln in lines
                if ln.startswith(f"#{err_id} ") and not ln.startswith(f"#{err_id} ERROR")
                and re.search(r"error|not found|denied|refused|no such", ln, re.I)]
         if own:
             reason = f"{own[-1]} ({reason})"
-
-        m = re.match(r"\[internal\] load metadata for (\S+)", step)
+        if err_id in log.tls:
+            reason = f"TLS certificate verification failed (CERTIFICATE_VERIFY_FAILED) inside the build: {reason}"
+        if header is None:
+            return f"step #{err_id} (its header scrolled out of the log)", reason or final
+        m = re.match(r"\[internal\] load metadata for (\S+)", header)
         if m:
-            step = f"FROM {m.group(1)}"
-        return step, reason or final
-    legacy_steps = [ln for ln in lines if re.match(r"Step \d+/\d+ : ", ln)]
-    if legacy_steps:
+            return f"FROM {m.group(1)}", reason or final
+        stage, _, instruction = header.partition("] ")
+        where = dockerfile_line(dockerfile, instruction)
+        at = f"{dockerfile.name}:{where}, " if where else ""
+        return f"{instruction} ({at}{stage.lstrip('[').strip()})" if instruction else header, reason or final
+    if log.legacy_steps:
         last = [ln for ln in lines if ln.strip()][-1] if lines else ""
-        return legacy_steps[-1].split(" : ", 1)[1].strip(), last.strip()
+        reason = last.strip()
+        if log.tls:
+            reason = f"TLS certificate verification failed (CERTIFICATE_VERIFY_FAILED) inside the build: {reason}"
+        return log.legacy_steps[-1], reason
     return "(before the first step)", (final or (lines[-1] if lines else "no output")).strip()
+
+
+def failure_fix(step: str, reason: str) -> str | None:
+    """The next step for a failed build, where the log says which."""
+    if "CERTIFICATE_VERIFY_FAILED" in reason:
+        return ("the index's certificate is not trusted inside the image (a TLS-intercepting proxy?): copy its CA "
+                "certificate to images/certs/NAME.crt (the build adds it to the image's trust store) and build again")
+    if step.startswith("FROM ") and re.search(r"not found|pull access denied|no such host|dial tcp|manifest unknown|"
+                                              r"unauthorized|connection refused|i/o timeout|no match for platform",
+                                              reason, re.I):
+        return (f"the base {step[5:]} cannot be pulled from here: build FROM another image with --base OLD=NEW, "
+                "or `make bases` and --config .cache/bases.toml for local test bases")
+    return None
 
 
 def snapshot_context(dest: Path, src: Path = ROOT) -> Path:
@@ -249,17 +327,17 @@ class BuildResult:
     blobs: dict = field(default_factory=dict)   # digest -> compressed size of the pushed manifest's config + layers
 
 
-def _stream(argv: list[str], env: dict, quiet: bool, prefix: str) -> tuple[int, list[str]]:
-    tail: deque[str] = deque(maxlen=400)
+def _stream(argv: list[str], env: dict, quiet: bool, prefix: str) -> tuple[int, BuildLog]:
+    log = BuildLog()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
                             errors="replace", bufsize=1)
     assert proc.stdout is not None
     for line in proc.stdout:
         line = line.rstrip("\n")
-        tail.append(line)
+        log.add(line)
         if not quiet:
             print(f"{prefix}{line}", flush=True)
-    return proc.wait(), list(tail)
+    return proc.wait(), log
 
 
 def build_image(*, dockerfile: Path, context: Path, platform: str, builder: Builder, label: str,
@@ -291,11 +369,12 @@ def build_image(*, dockerfile: Path, context: Path, platform: str, builder: Buil
         if no_cache:
             argv.append("--no-cache")
         argv.append(str(context))
-        rc, lines = _stream(argv, env, quiet, f"[{label}] ")
+        rc, log = _stream(argv, env, quiet, f"[{label}] ")
         if rc != 0 or not iidfile.exists():
-            step, reason = failed_step(lines)
-            raise UserError(f"build of cell {label} failed at step `{step[:200]}`: {reason[:400]}")
-        return iidfile.read_text().strip(), lines
+            step, reason = failed_step(log, dockerfile)
+            raise UserError(f"build of cell {label} failed at `{step[:240]}`: {reason[:400]}",
+                            fix=failure_fix(step, reason))
+        return iidfile.read_text().strip(), log.lines
 
 
 def _count_cached(lines: list[str]) -> tuple[int, int]:
@@ -315,16 +394,6 @@ def _platform_arch(platform: str) -> str:
 
 def host_arch() -> str:
     return {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower(), platform.machine().lower())
-
-
-def parse_build_args(pairs: list[str] | None) -> dict[str, str]:
-    out = {}
-    for p in pairs or []:
-        key, sep, value = p.partition("=")
-        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
-            raise UserError(f"--build-arg {p!r}: expected KEY=VALUE (e.g. --build-arg MAX_JOBS=4)")
-        out[key] = value
-    return out
 
 
 def vcs_ref(context: Path = ROOT) -> str:
@@ -371,11 +440,57 @@ def cell_build_args(cell, *, bases: dict[str, str] | None = None, index_override
     return out
 
 
+class TagJournal:
+    """The tags one push run moves, with the image each named before: when a build, push or manifest list of the run
+    fails, `rollback()` puts every tag back (or removes it), so a failed push leaves no registry-prefixed tag."""
+
+    def __init__(self, client: DockerClient):
+        self.client = client
+        self.moved: list[tuple[str, str | None]] = []
+
+    def tag(self, image_id: str, ref: str) -> None:
+        before = self.client.image.inspect(ref).id if self.client.image.exists(ref) else None
+        self.client.image.tag(image_id, ref)
+        self.moved.append((ref, before))
+
+    def rollback(self) -> list[str]:
+        """Undo every move, newest first; returns the refs it could not restore (e.g. used by a container)."""
+        stuck = []
+        for ref, before in reversed(self.moved):
+            try:
+                if before:
+                    self.client.image.tag(before, ref)
+                else:
+                    self.client.image.remove(ref, prune=False)
+            except DockerException:
+                stuck.append(ref)
+        self.moved.clear()
+        return stuck
+
+
+@contextlib.contextmanager
+def build_context(output_dir: Path, cells):
+    """The folder to build from: the repository itself, or (for files rendered elsewhere, e.g. a foreign --matrix) a
+    temporary snapshot of it with the cells' images/<tag>/ and locks from OUTPUT_DIR laid over."""
+    output_dir = Path(output_dir)
+    if output_dir.resolve() == ROOT.resolve():
+        yield ROOT
+        return
+    with tempfile.TemporaryDirectory(prefix="trainbox-context-") as tmp:
+        ctx = snapshot_context(Path(tmp), ROOT)
+        for cell in cells:
+            shutil.copytree(output_dir / Path(cell.dockerfile).parent, ctx / Path(cell.dockerfile).parent,
+                            dirs_exist_ok=True)
+        if (output_dir / "locks").is_dir():
+            shutil.copytree(output_dir / "locks", ctx / "locks", dirs_exist_ok=True)
+        yield ctx
+
+
 def build_cell(cell, *, builder: Builder, context: Path = ROOT, registry: str | None = None,
                bases: dict[str, str] | None = None, wheelhouse: str | None = None, secrets: list[str] | None = None,
                no_cache: bool = False, quiet: bool = False, index_overrides: dict[str, str] | None = None,
                extra_args: dict[str, str] | None = None, native_builder: bool = False,
-               buildx_builder: str | None = None) -> BuildResult:
+               buildx_builder: str | None = None, journal: TagJournal | None = None) -> BuildResult:
     bases = bases or {}
     dockerfile = Path(cell.dockerfile)
     if not dockerfile.is_absolute():
@@ -403,7 +518,10 @@ def build_cell(cell, *, builder: Builder, context: Path = ROOT, registry: str | 
     res.image_id, res.size, res.layers = image_id, int(img.size), len(img.root_fs.layers or [])
     res.refs = cell_refs(cell, registry)
     for ref in res.refs:  # only now: a failed build above never moved a tag
-        client.image.tag(image_id, ref)
+        if journal is not None:
+            journal.tag(image_id, ref)
+        else:
+            client.image.tag(image_id, ref)
     return res
 
 
@@ -473,6 +591,14 @@ def push_result(res: BuildResult, builder: Builder, quiet: bool = False) -> None
         print(f"[{res.tag}] pushed {ref} {digest} ({res.pushed_layers} layers, {res.pushed_bytes} bytes sent)")
 
 
+def _drop_local_list(client: DockerClient, list_ref: str) -> None:
+    """A list that was not pushed must not stay behind in the CLI's local manifest store."""
+    try:
+        client.manifest.remove(list_ref)
+    except DockerException:
+        pass
+
+
 def publish_manifest_list(list_ref: str, results: list[BuildResult], expected_arches: list[str],
                           builder: Builder) -> str:
     """Join the pushed per-arch images into LIST_REF; refuses unless every expected arch is in the registry.
@@ -500,8 +626,10 @@ def publish_manifest_list(list_ref: str, results: list[BuildResult], expected_ar
         cmd = [builder.cli, "manifest", "push", "--purge"] + (["--insecure"] if insecure else []) + [list_ref]
         p = subprocess.run(cmd, capture_output=True, text=True)
         if p.returncode != 0:
+            _drop_local_list(client, list_ref)
             raise UserError(f"pushing manifest list {list_ref} failed: {p.stderr.strip()[-300:]}")
     except DockerException as e:
+        _drop_local_list(client, list_ref)
         raise UserError(f"creating manifest list {list_ref} failed: {(e.stderr or str(e)).strip()[-300:]}") from None
     got = registry_manifest(list_ref)
     if not got or got[0].get("mediaType") not in MANIFEST_LIST_TYPES:
@@ -514,64 +642,66 @@ def publish_manifest_list(list_ref: str, results: list[BuildResult], expected_ar
 
 
 # --------------------------------------------------------------------------------------------------- entry point
-def build_cells(cells, args) -> int:
-    """The CLI's real build: build every cell, optionally push and join arches into manifest lists, report."""
-    from builder import report
+def build_cells(cells, opts: BuildOptions) -> int:
+    """The CLI's real build: build every cell, optionally push and join arches into manifest lists, report. With
+    --push every tag the run moved is put back when any of its builds, pushes or manifest lists fails."""
+    from builder import lock, report
 
-    from builder import lock
-
-    quiet = bool(getattr(args, "quiet", False))
-    buildx_builder = getattr(args, "buildx_builder", None)
-    builder = choose_builder("buildx" if buildx_builder else (getattr(args, "builder", None) or "auto"))
-    context = Path(getattr(args, "context", None) or ROOT)
-    bases = parse_bases(getattr(args, "base", None))
-    secrets = parse_secrets(getattr(args, "secret", None))
-    registry = getattr(args, "registry", None)
-    push = bool(getattr(args, "push", False))
-    if push and not registry:
-        raise UserError("--push needs --registry HOST:PORT/REPO (e.g. --registry 127.0.0.1:5555/trainbox)")
-    index_overrides = getattr(args, "index_overrides", None) or {}
-    extra_args = parse_build_args(getattr(args, "build_arg", None))
+    quiet = opts.quiet
+    builder = choose_builder("buildx" if opts.buildx_builder else opts.builder)
     for cell in cells:  # refuse before any lock or build work
-        refuse_emulated_compile(cell, bool(buildx_builder))
-    # The lock step: every missing or stale lock of the selection is resolved before the first build.
-    lock.ensure([c for c in cells if hasattr(c, "venv")], root=context, overrides=index_overrides,
-                frozen=bool(getattr(args, "frozen", False)), quiet=quiet)
+        refuse_emulated_compile(cell, opts.native_builder)
+    check_engine(builder)
     if not quiet:
         print(f"builder: {builder.kind} ({builder.cli})", flush=True)
+    # The lock step: every missing or stale lock of the selection is resolved before the first build.
+    lock.ensure([c for c in cells if hasattr(c, "venv")], root=opts.output_dir, overrides=dict(opts.index_overrides),
+                frozen=opts.frozen, quiet=quiet)
     results: list[BuildResult] = []
     lists: dict[str, str] = {}
-    for cell in cells:
-        res = build_cell(cell, builder=builder, context=context, registry=registry, bases=bases,
-                         wheelhouse=getattr(args, "wheelhouse", None), secrets=secrets,
-                         no_cache=bool(getattr(args, "no_cache", False)), quiet=quiet,
-                         index_overrides=index_overrides, extra_args=extra_args,
-                         native_builder=bool(buildx_builder), buildx_builder=buildx_builder)
-        results.append(res)
-        if getattr(args, "sqsh", None):
-            from builder import enroot
-            dest = Path(args.sqsh) / f"{cell.tag}.sqsh"
-            enroot.export_image(res.refs[0], dest, compression=getattr(args, "sqsh_compression", None),
-                                block_size=getattr(args, "sqsh_block_size", None),
-                                use_enroot=bool(getattr(args, "use_enroot", False)), progress=not quiet,
-                                arch=_platform_arch(cell.platform))
-    if push:
-        for res in results:
-            push_result(res, builder, quiet)
-        by_name: dict[str, list[BuildResult]] = {}
-        for res in results:
-            by_name.setdefault(res.cell, []).append(res)
-        for name, group in by_name.items():
-            cell = next(c for c in cells if c.name == name)
-            expected = [_platform_arch(c.platform) for c in cells if c.name == name]
-            if len(expected) < 2:
-                continue  # a single-arch run: nothing to join
-            ref = manifest_list_ref(cell, registry)
-            lists[ref] = publish_manifest_list(ref, group, expected, builder)
-            if not quiet:
-                print(f"manifest list {ref} {lists[ref]}")
-    report.emit(results, lists, getattr(args, "report", None), quiet=quiet)
+    journal = TagJournal(builder.client()) if opts.push else None
+    try:
+        with build_context(opts.output_dir, cells) as context:
+            for cell in cells:
+                res = build_cell(cell, builder=builder, context=context, registry=opts.registry, bases=dict(opts.bases),
+                                 wheelhouse=opts.wheelhouse, secrets=list(opts.secrets), no_cache=opts.no_cache,
+                                 quiet=quiet, index_overrides=dict(opts.index_overrides),
+                                 extra_args=dict(opts.build_args), native_builder=opts.native_builder,
+                                 buildx_builder=opts.buildx_builder, journal=journal)
+                results.append(res)
+                if opts.sqsh:
+                    from builder import enroot
+                    enroot.export_image(res.refs[0], Path(opts.sqsh) / f"{cell.tag}.sqsh",
+                                        compression=opts.sqsh_compression, block_size=opts.sqsh_block_size,
+                                        use_enroot=opts.use_enroot, progress=not quiet,
+                                        arch=_platform_arch(cell.platform))
+        if opts.push:
+            _push_all(cells, results, lists, opts.registry, builder, quiet)
+    except BaseException as e:
+        stuck = journal.rollback() if journal else []
+        if stuck and isinstance(e, UserError):
+            raise UserError(f"{e}; these tags could not be removed: {', '.join(stuck)}") from None
+        raise
+    report.emit(results, lists, opts.report, quiet=quiet)
     return 0
+
+
+def _push_all(cells, results: list[BuildResult], lists: dict[str, str], registry: str, builder: Builder,
+              quiet: bool) -> None:
+    for res in results:
+        push_result(res, builder, quiet)
+    by_name: dict[str, list[BuildResult]] = {}
+    for res in results:
+        by_name.setdefault(res.cell, []).append(res)
+    for name, group in by_name.items():
+        cell = next(c for c in cells if c.name == name)
+        expected = [_platform_arch(c.platform) for c in cells if c.name == name]
+        if len(expected) < 2:
+            continue  # a single-arch run: nothing to join
+        ref = manifest_list_ref(cell, registry)
+        lists[ref] = publish_manifest_list(ref, group, expected, builder)
+        if not quiet:
+            print(f"manifest list {ref} {lists[ref]}")
 
 
 # ------------------------------------------------------------------------------------- `python -m builder.engine`
@@ -610,7 +740,8 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--matrix", default=None)
     m.add_argument("cells", nargs="+", help="cell names, e.g. smoke")
     a = p.parse_args(argv)
-    join_pushed(a.cells, a.registry, a.matrix)
+    from builder import reference
+    join_pushed(a.cells, reference.check_repository(a.registry), a.matrix)
     return 0
 
 

@@ -195,3 +195,18 @@ def ensure(cells: list[Cell], root: Path | str = ROOT, overrides: dict[str, str]
         if not quiet:
             print(f"lock: wrote {path} ({text.count('--hash=')} hashes)", flush=True)
     return list(texts)
+
+
+def seed(cells: list[Cell], root: Path | str) -> list[Path]:
+    """Copy the repository's fresh locks of CELLS into ROOT (another output folder) where it has none: a lock is keyed
+    by its inputs' digest, so it serves any matrix whose cell has the same inputs. Returns the paths copied."""
+    root = Path(root)
+    copied: list[Path] = []
+    if root.resolve() == ROOT.resolve():
+        return copied
+    for cell in cells:
+        for path, digest in wanted(cell):
+            if recorded_digest(root / path) is None and recorded_digest(ROOT / path) == digest:
+                atomic.write_text(root / path, (ROOT / path).read_text(encoding="utf-8"))
+                copied.append(path)
+    return copied

@@ -290,6 +290,7 @@ def _build(path: Path, data: dict) -> Matrix:
     _check_table(f"{f}: facts", facts, _FACTS)
     for k, v in facts.items():
         _str_table(f"{f}: facts.{k}", v)
+    _check_facts(f, facts)
 
     rule_table: dict[str, str] = {}
     for i, r in enumerate(data["rule"]):
@@ -362,6 +363,23 @@ def _build(path: Path, data: dict) -> Matrix:
     return Matrix(path=path, cells=tuple(cells), exclusions=tuple(exclusions), rules=rule_table, data=data)
 
 
+def _check_facts(f: str, facts: dict) -> None:
+    """[facts] maps versions to versions ({vllm: torch}) or to version ranges; each is read with packaging now, so a
+    typo is one error naming its key, not a rule that silently never matches."""
+    for vllm, torch in facts.get("vllm_torch", {}).items():
+        rules_mod.version(vllm, f"{f}: facts.vllm_torch")
+        rules_mod.version(torch, f"{f}: facts.vllm_torch.{vllm}")
+    for table in ("trl_vllm_extra", "vllm_transformers"):
+        for ver, spec in facts.get(table, {}).items():
+            rules_mod.version(ver, f"{f}: facts.{table}")
+            rules_mod.specifier(spec, f"{f}: facts.{table}.{ver}")
+    for pkg, spec in facts.get("unsloth", {}).items():
+        if pkg == "version":
+            rules_mod.version(spec, f"{f}: facts.unsloth.version")
+        else:
+            rules_mod.specifier(spec, f"{f}: facts.unsloth.{pkg}")
+
+
 def _resolve_stacks(f: str, table: dict) -> dict[str, dict[str, str]]:
     for name, t in table.items():
         _check_table(f"{f}: stack.{name}", t, _STACK, ("packages",))
@@ -382,9 +400,10 @@ def _resolve_stacks(f: str, table: dict) -> dict[str, dict[str, str]]:
                                 fix=f"choose one of {', '.join(table)}")
             pins.update(resolve(t["extends"], chain + (name,)))
         for pkg, ver in t["packages"].items():
-            if not ver or any(ch in ver for ch in " =<>!~;,"):
-                raise UserError(f"pin {pkg} = {ver!r} must be one exact version like \"1.2.3\"",
-                                where=f"{f}: stack.{name}.packages.{pkg}")
+            where = f"{f}: stack.{name}.packages.{pkg}"
+            if not ver or ver != ver.strip() or any(ch in ver for ch in "=<>!~;,*"):
+                raise UserError(f"pin {pkg} = {ver!r} must be one exact version like \"1.2.3\"", where=where)
+            rules_mod.version(ver, where)   # PEP 440, parsed by packaging: "banana" stops here
             pins[pkg.lower()] = ver
         out[name] = pins
         return pins

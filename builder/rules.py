@@ -8,6 +8,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
+
 from builder.errors import UserError
 
 CELL_CHECKS = ("cuda-needs-gpu", "torch-variant-exists", "gpu-min-cuda", "torch-arch-list", "fa3-hopper-only",
@@ -53,21 +56,30 @@ def sm_covered(sm: str, arch_list: str) -> bool:
     return False
 
 
-def satisfies(version: str, spec: str, where: str) -> bool:
-    """A minimal PEP 440 check for numeric release versions: clauses like >=0.22.0,<=0.31.0 or ==2.13.0."""
-    ok = True
-    for clause in spec.split(","):
-        m = re.fullmatch(r"\s*(==|!=|>=|<=|>|<)\s*([0-9][0-9.]*)\s*", clause)
-        if not m:
-            raise UserError(f"cannot read the version range {spec!r}", where=where,
-                            fix="write clauses like >=0.22.0,<=0.31.0")
-        op, ref = m.group(1), _v(m.group(2))
-        have = _v(version)
-        n = max(len(have), len(ref))
-        have, ref = have + (0,) * (n - len(have)), ref + (0,) * (n - len(ref))
-        ok &= {"==": have == ref, "!=": have != ref, ">=": have >= ref, "<=": have <= ref,
-               ">": have > ref, "<": have < ref}[op]
-    return ok
+def version(text: str, where: str) -> Version:
+    """A PEP 440 version (packaging's parser), or one UserError naming WHERE."""
+    try:
+        return Version(text)
+    except (InvalidVersion, TypeError):
+        raise UserError(f"{text!r} is not a version", where=where,
+                        fix='write one exact PEP 440 version, e.g. "4.6.0" or "1.17.0rc1"') from None
+
+
+def specifier(text: str, where: str) -> SpecifierSet:
+    """A PEP 440 version range (packaging's parser), or one UserError naming WHERE."""
+    try:
+        return SpecifierSet(text)
+    except (InvalidSpecifier, TypeError):
+        raise UserError(f"cannot read the version range {text!r}", where=where,
+                        fix="write PEP 440 clauses like >=0.22.0,<=0.31.0 or ~=1.2") from None
+
+
+def satisfies(version_text: str, spec: str, where: str) -> bool:
+    """Whether the resolver would accept the pinned VERSION_TEXT for SPEC (PEP 440, through packaging). A release
+    candidate or dev release is below its release (1.16.0rc1 < 1.16.0); it may match a range only when it is itself
+    the pin, as pip and uv allow pre-releases for a package pinned to one."""
+    v = version(version_text, where)
+    return specifier(spec, where).contains(v, prereleases=v.is_prerelease or None)
 
 
 def _cell_detail(ctx: Context, rule: str, *, arch, cuda, gpu, attention, variant, stack_pins=None) -> str | None:
@@ -142,7 +154,7 @@ def check_stack(ctx: Context, pins: dict):
         need = facts.get("vllm_torch", {}).get(vllm)
         if need is None:
             return "vllm-pins-torch", f"no recorded torch pin for vllm {vllm} (add it to [facts] vllm_torch)"
-        if pins.get("torch") != need:
+        if "torch" not in pins or Version(pins["torch"]) != Version(need):
             return "vllm-pins-torch", f"vllm {vllm} pins torch=={need}, stack has torch {pins.get('torch')}"
     if "trl-vllm-extra" in ctx.rules and "trl" in pins:
         spec = facts.get("trl_vllm_extra", {}).get(pins["trl"])
@@ -164,25 +176,13 @@ def check_stack(ctx: Context, pins: dict):
 UNSLOTH_PACKAGES = ("torch", "transformers", "trl", "peft", "bitsandbytes", "accelerate", "datasets")
 
 
-def _fits(version: str, spec: str, where: str) -> bool:
-    """satisfies() plus PEP 440's `!=X.Y.*` clauses (unsloth excludes whole datasets series that way)."""
-    plain = []
-    for clause in spec.split(","):
-        m = re.fullmatch(r"\s*!=\s*([0-9][0-9.]*)\.\*\s*", clause)
-        if m is None:
-            plain.append(clause)
-        elif _v(version)[: len(_v(m.group(1)))] == _v(m.group(1)):
-            return False
-    return satisfies(version, ",".join(plain), where) if plain else True
-
-
 def unsloth_conflicts(facts: dict, pins: dict, file: str = "matrix.toml") -> list[str] | None:
     """None when the flavour doesn't apply (no training stack or no facts); else each pin outside Unsloth's range."""
     spec = facts.get("unsloth")
     if not spec or "trl" not in pins:
         return None
     return [f"{pkg} {pins[pkg]} is outside unsloth's {pkg}{spec[pkg]}" for pkg in UNSLOTH_PACKAGES
-            if pkg in spec and pkg in pins and not _fits(pins[pkg], spec[pkg], f"{file}: facts.unsloth.{pkg}")]
+            if pkg in spec and pkg in pins and not satisfies(pins[pkg], spec[pkg], f"{file}: facts.unsloth.{pkg}")]
 
 
 def unsloth_lines(facts: dict, cells, reason: str, file: str = "matrix.toml") -> list[str]:

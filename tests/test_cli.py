@@ -146,22 +146,32 @@ def _fake_engine(monkeypatch, module):
         monkeypatch.setattr(builder, "engine", module, raising=False)
 
 
-def test_build_mode_renders_then_calls_the_engine(tmp_path, monkeypatch):
+def test_build_mode_renders_then_calls_the_engine_with_typed_options(tmp_path, monkeypatch):
+    from builder.options import BuildOptions
     seen = {}
 
-    def build_cells(cells, args):
+    def build_cells(cells, opts):
         seen["tags"] = [c.tag for c in cells]
-        seen["args"] = args
+        seen["opts"] = opts
         seen["exists"] = all((tmp_path / c.dockerfile).is_file() for c in cells)
         return 7
     _fake_engine(monkeypatch, types.SimpleNamespace(build_cells=build_cells))
+    secret = tmp_path / "token"
+    secret.write_text("x")
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[bases]\n"nvidia/cuda:12.9.1-base-ubuntu24.04" = "local/cuda:1"\n')
     rc = cli.main(["smoke", "--output-dir", str(tmp_path), "--base", "debian:bookworm=local/b:1", "--push",
-                   "--registry", "127.0.0.1:5555/t", "--builder", "legacy", "--secret", "id=a,src=/x", "--sqsh"])
+                   "--registry", "127.0.0.1:5555/t", "--builder", "legacy", "--secret", f"id=a,src={secret}", "--sqsh",
+                   "--config", str(cfg), "--build-arg", "MAX_JOBS=3"])
     assert rc == 7
     assert seen["tags"] == ["smoke-x86_64", "smoke-aarch64"] and seen["exists"]
-    a = seen["args"]
-    assert a.base == ["debian:bookworm=local/b:1"] and a.push and a.registry == "127.0.0.1:5555/t"
-    assert a.builder == "legacy" and a.secret == ["id=a,src=/x"] and a.sqsh == "out"
+    o = seen["opts"]
+    assert isinstance(o, BuildOptions)
+    # --base and the config's [bases] parsed once into one mapping; nothing turned back into OLD=NEW strings
+    assert dict(o.bases) == {"debian:bookworm": "local/b:1", "nvidia/cuda:12.9.1-base-ubuntu24.04": "local/cuda:1"}
+    assert o.push and o.registry == "127.0.0.1:5555/t" and o.output_dir == tmp_path
+    assert o.builder == "legacy" and o.secrets == (f"id=a,src={secret}",) and o.sqsh == "out"
+    assert dict(o.build_args) == {"MAX_JOBS": "3"}
 
 
 def test_build_mode_without_engine_exits_1(tmp_path, monkeypatch, capsys):
@@ -173,7 +183,7 @@ def test_build_mode_without_engine_exits_1(tmp_path, monkeypatch, capsys):
 def test_user_error_from_the_engine_is_one_line(tmp_path, monkeypatch, capsys):
     from builder.errors import UserError
 
-    def build_cells(cells, args):
+    def build_cells(cells, opts):
         raise UserError("--push needs --registry")
     _fake_engine(monkeypatch, types.SimpleNamespace(build_cells=build_cells))
     assert cli.main(["smoke-x86_64", "--output-dir", str(tmp_path)]) == 2

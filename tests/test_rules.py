@@ -42,14 +42,29 @@ def test_sm_covered(sm, arch_list, covered):
     ("5.18.0", ">=5.10.4,<5.18", False),
     ("2.13.0", "==2.13.0", True),
     ("2.13.0", "!=2.13.0", False),
+    # PEP 440 ordering: a release candidate or dev release comes before its release (the hand-made check said >=)
+    ("1.16.0rc1", ">=1.16.0", False),
+    ("0.31.0.dev0", ">=0.31.0", False),
+    ("0.31.0.dev0", "<=0.31.0,>=0.22.0", True),   # pinned to a pre-release, it may match (as pip/uv resolve it)
+    ("1.16.0.post1", ">=1.16.0", True),
+    ("2.13.0+cu129", "==2.13.0", True),           # local versions match the public one
+    ("1.2.5", "~=1.2", True),                     # compatible release, once refused
+    ("2.0", "~=1.2", False),
+    ("4.0.2", ">=3.4.1,!=4.0.*", False),
 ])
 def test_satisfies(version, spec, ok):
     assert rules.satisfies(version, spec, "here") is ok
 
 
-def test_satisfies_rejects_unreadable_ranges():
-    with pytest.raises(UserError, match="cannot read the version range '~=1.0'"):
-        rules.satisfies("1.0", "~=1.0", "facts.x")
+@pytest.mark.parametrize("spec", ["~=1", ">=banana", "1.0", ">=1.0;", "=>1.0"])
+def test_satisfies_rejects_unreadable_ranges(spec):
+    with pytest.raises(UserError, match=r"facts\.x: cannot read the version range .* \(write PEP 440 clauses"):
+        rules.satisfies("1.0", spec, "facts.x")
+
+
+def test_satisfies_rejects_a_version_that_is_no_version():
+    with pytest.raises(UserError, match=r"facts\.x: 'banana' is not a version"):
+        rules.satisfies("banana", ">=1.0", "facts.x")
 
 
 def test_variant_for_cuda(ctx):

@@ -14,9 +14,9 @@ from conftest import ROOT
 
 def test_wildcard_exclusions_and_plain_ranges():
     spec = ">=3.4.1,<5.0.0,!=4.0.*,!=4.1.0"
-    assert rules._fits("4.3.0", spec, "t") and rules._fits("3.4.1", spec, "t")
-    assert not rules._fits("4.0.2", spec, "t") and not rules._fits("4.1.0", spec, "t")
-    assert not rules._fits("5.2.0", spec, "t")
+    assert rules.satisfies("4.3.0", spec, "t") and rules.satisfies("3.4.1", spec, "t")
+    assert not rules.satisfies("4.0.2", spec, "t") and not rules.satisfies("4.1.0", spec, "t")
+    assert not rules.satisfies("5.2.0", spec, "t")
 
 
 def test_conflicts_name_the_pins_and_a_fitting_stack_fits():

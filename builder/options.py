@@ -1,0 +1,96 @@
+"""The build's options, typed and checked once (from the CLI's strings) before any work starts; the engine reads only
+this object."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Mapping
+
+from builder import reference
+from builder.errors import UserError
+from builder.matrix import ROOT
+
+
+def parse_bases(pairs: list[str] | None, table: Mapping | None = None, where: str = "--config") -> dict[str, str]:
+    """{cell base: image to build FROM instead} from a config's [bases] table and --base OLD=NEW (which win), each
+    side checked as an image reference."""
+    out: dict[str, str] = {}
+    if table is not None:
+        if not isinstance(table, Mapping) or not all(isinstance(v, str) and v for v in table.values()):
+            raise UserError("[bases] must map image names to image names", where=f"{where}: bases")
+        for old, new in table.items():
+            out[reference.check_image(old, f"{where}: bases")] = reference.check_image(new, f"{where}: bases.{old}")
+    for pair in pairs or []:
+        old, sep, new = pair.partition("=")
+        if not sep or not old.strip() or not new.strip():
+            raise UserError(f"--base {pair!r}: expected OLD=NEW", fix="e.g. --base debian:bookworm=local/bookworm:base")
+        out[reference.check_image(old.strip(), "--base")] = reference.check_image(new.strip(), "--base")
+    return out
+
+
+def parse_secrets(specs: list[str] | None) -> tuple[str, ...]:
+    """`id=ID,src=PATH` specs, checked: the file must exist (BuildKit would fail late and unclearly)."""
+    out = []
+    for s in specs or []:
+        fields = dict(kv.partition("=")[::2] for kv in s.split(","))
+        if not fields.get("id") or not (fields.get("src") or fields.get("env")):
+            raise UserError(f"--secret {s!r}: expected id=ID,src=PATH (e.g. id=hf_token,src=$HOME/.hf_token)")
+        if fields.get("src") and not Path(fields["src"]).is_file():
+            raise UserError(f"--secret {s!r}: file {fields['src']} does not exist")
+        out.append(s)
+    return tuple(out)
+
+
+def parse_build_args(pairs: list[str] | None) -> dict[str, str]:
+    out = {}
+    for p in pairs or []:
+        key, sep, value = p.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            raise UserError(f"--build-arg {p!r}: expected KEY=VALUE (e.g. --build-arg MAX_JOBS=4)")
+        out[key] = value
+    return out
+
+
+def check_registry(registry: str | None, push: bool) -> str | None:
+    """--registry is the repository pushed to: checked by Docker's grammar; it and --push come together."""
+    if registry is None:
+        if push:
+            raise UserError("--push needs --registry HOST[:PORT]/REPO", fix=f"e.g. --registry {reference.EXAMPLE}")
+        return None
+    reference.check_repository(registry)
+    if not push:
+        raise UserError(f"--registry {registry} without --push: nothing would be pushed",
+                        fix="add --push, or drop --registry to tag the images locally as the matrix names them")
+    return registry
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """What `build.py` hands the engine. Every field is already checked."""
+    output_dir: Path = ROOT                   # images/<tag>/ and locks/ (the build context is made from it)
+    bases: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    index_overrides: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    registry: str | None = None               # push target repository (implies push)
+    wheelhouse: str | None = None
+    builder: str = "auto"                     # auto | buildx | buildkit | legacy
+    buildx_builder: str | None = None         # a buildx builder with native nodes: source builds allowed
+    build_args: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    secrets: tuple[str, ...] = ()
+    no_cache: bool = False
+    frozen: bool = False
+    quiet: bool = False
+    report: str | None = None
+    sqsh: str | None = None
+    sqsh_compression: str | None = None
+    sqsh_block_size: str | None = None
+    use_enroot: bool = False
+
+    @property
+    def push(self) -> bool:
+        return self.registry is not None
+
+    @property
+    def native_builder(self) -> bool:
+        return self.buildx_builder is not None

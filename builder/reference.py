@@ -1,0 +1,78 @@
+"""Image references checked with the grammar Docker uses (distribution/reference, regexp.go), before any work starts.
+
+    reference  := name [ ":" tag ] [ "@" digest ]
+    name       := [ domain "/" ] path-component ( "/" path-component )*
+    domain     := host [ ":" port ]          host: DNS labels joined by "." (any case) or "[ipv6]"
+    path-component := [a-z0-9]+ ( separator [a-z0-9]+ )*      separator := [._] | "__" | "-"+
+    tag        := [\\w][\\w.-]{0,127}
+A name is at most 255 characters.
+"""
+from __future__ import annotations
+
+import re
+
+from builder.errors import UserError
+
+_ALNUM = r"[a-z0-9]+"
+_SEPARATOR = r"(?:[._]|__|[-]+)"
+_PATH_COMPONENT = rf"{_ALNUM}(?:{_SEPARATOR}{_ALNUM})*"
+_DOMAIN_COMPONENT = r"(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])"
+_HOST = rf"(?:{_DOMAIN_COMPONENT}(?:\.{_DOMAIN_COMPONENT})*|\[[a-fA-F0-9:]+\])"
+_DOMAIN = rf"{_HOST}(?::[0-9]+)?"
+_NAME = rf"(?:{_DOMAIN}/)?{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*"
+_TAG = r"[\w][\w.-]{0,127}"
+_DIGEST = r"[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,}"
+
+NAME = re.compile(_NAME, re.ASCII)
+REFERENCE = re.compile(rf"(?P<name>{_NAME})(?::(?P<tag>{_TAG}))?(?:@(?P<digest>{_DIGEST}))?", re.ASCII)
+NAME_MAX = 255
+_HEX64 = re.compile(r"[a-f0-9]{64}")
+EXAMPLE = "127.0.0.1:5555/trainbox"
+
+
+def _why_not_a_name(text: str) -> str:
+    """The likeliest reason TEXT is no repository name, in the user's terms."""
+    if not text:
+        return "it is empty"
+    if "://" in text:
+        return f"it has a scheme ({text.split('://', 1)[0]}://); give HOST[:PORT]/PATH without it"
+    if any(ch.isspace() for ch in text):
+        return "it contains white space"
+    if "@" in text:
+        return "it names a digest; give the repository only"
+    head, sep, last = text.rpartition("/")
+    if not sep and ":" in text:
+        return f"it names no repository path after the registry; add one, e.g. {text}/trainbox"
+    if ":" in last:
+        return "it ends in a tag; give the repository only (each cell's tags are appended)"
+    path = text.split("/", 1)[1] if sep else text   # the first component may be a host, which may be upper case
+    if path != path.lower():
+        return "the repository path must be lower case"
+    if text.endswith("/") or "//" in text:
+        return "it has an empty path component"
+    return ("it is not HOST[:PORT]/PATH with path components of a-z, 0-9 joined by '.', '_', '__' or '-' "
+            "(Docker's reference grammar)")
+
+
+def check_repository(text: str, flag: str = "--registry") -> str:
+    """TEXT if it is a repository name per Docker's grammar (tags get appended to it), else one UserError."""
+    if NAME.fullmatch(text) and len(text) <= NAME_MAX and not _HEX64.fullmatch(text):
+        return text
+    why = (_why_not_a_name(text) if not NAME.fullmatch(text) else f"longer than {NAME_MAX} characters"
+           if len(text) > NAME_MAX else "64 hex digits name an image id, not a repository")
+    raise UserError(f"{flag} {text!r} is not a repository reference: {why}", fix=f"e.g. {flag} {EXAMPLE}")
+
+
+def check_image(text: str, flag: str) -> str:
+    """TEXT if it is an image reference (NAME[:TAG][@DIGEST]) per Docker's grammar, else one UserError."""
+    m = REFERENCE.fullmatch(text)
+    if m and len(m.group("name")) <= NAME_MAX:
+        return text
+    raise UserError(f"{flag}: {text!r} is not an image reference (NAME[:TAG], Docker's reference grammar: lower-case "
+                    "repository path, no scheme)", fix="e.g. debian:bookworm or 127.0.0.1:5555/bases/debian:bookworm")
+
+
+def repository_of(ref: str) -> str:
+    """The NAME part of a checked reference (tag and digest dropped)."""
+    m = REFERENCE.fullmatch(ref)
+    return m.group("name") if m else ref
