@@ -1,10 +1,11 @@
 """What this image is and whether this host can run it: GPUs, driver vs CUDA, NCCL, FA3/FA2/vLLM/bitsandbytes.
 
 Exit codes:
-  0  everything the image needs works on this GPU host
+  0  everything the image needs works on this host (a GPU image on a GPU host; a CPU image anywhere: it trains on CPU)
   1  broken: something the image needs fails (driver too old for the image's CUDA, a package missing or failing
      to import or to run a tiny op, a GPU that nvidia-smi sees but torch can't use, a broken image record)
-  3  works, but there is no GPU here (CPU-only host; `docker run --gpus all ...` or a GPU allocation fixes it)
+  3  works, but there is no GPU here for a GPU image (or outside any image: unknown what is wanted); `docker run
+     --gpus all ...` or a GPU allocation fixes it
   4  runs, with a fallback: e.g. a Hopper image (FA3) on an Ampere GPU falls back to SDPA, a driver that runs the
      image only through CUDA minor-version compatibility, a package version that differs from the image record
   2  bad usage
@@ -271,10 +272,11 @@ def evaluate(info: dict | None, smi: dict, probes: dict[str, dict], installed: d
         add("torch", "ok", f"{t['version']} (CUDA {t.get('cuda') or 'none: CPU build'})")
 
     gpus = torch_gpus or smi_gpus
+    cpu_image = info is not None and not image_cuda
     if not gpus:
         why = smi.get("error") or ("nvidia-smi not found" if not smi.get("found") else "nvidia-smi lists none")
-        if info is not None and not image_cuda:
-            add("gpu", "no-gpu", f"no GPU visible ({why}); expected: this is a CPU image")
+        if cpu_image:  # what it was built for: CPU training works, nothing is missing
+            add("gpu", "ok", f"none visible ({why}); a CPU image: trains on CPU")
         else:
             add("gpu", "no-gpu", f"no GPU visible ({why}); run with `docker run --gpus all` / a Slurm GPU "
                                  "allocation and an image env with NVIDIA_VISIBLE_DEVICES")
@@ -326,7 +328,8 @@ def evaluate(info: dict | None, smi: dict, probes: dict[str, dict], installed: d
         choice = attention.decide(info, cc, lambda name: probed_usable(name, probes))
         add("attention", "ok" if choice.name == info.get("attention_backend") else "fallback", choice.line())
     elif info is not None:
-        add("attention", "no-gpu", f"image default {info.get('attention_backend')}; without a GPU: SDPA")
+        add("attention", "ok" if cpu_image else "no-gpu",
+            f"image default {info.get('attention_backend')}; without a GPU: SDPA")
 
     # -- NCCL ---------------------------------------------------------------------------------------------------
     if torch_ok and t.get("available"):
@@ -442,7 +445,7 @@ def render(info: dict | None, host: dict, checks: list[Check], code: int) -> str
     w = max(len(c.name) for c in checks)
     lines += ["", f"{'CHECK':<{w}}  {'STATUS':<8}  DETAIL"]
     lines += [f"{c.name:<{w}}  {c.status.upper():<8}  {c.detail}" for c in checks]
-    meaning = {EXIT_OK: "everything works on this GPU host", EXIT_BROKEN: "broken: fix the FAIL rows",
+    meaning = {EXIT_OK: "everything the image needs works on this host", EXIT_BROKEN: "broken: fix the FAIL rows",
                EXIT_NO_GPU: "no GPU here: the image is fine but can't train on this host",
                EXIT_FALLBACK: "runs, with fallbacks: see the FALLBACK rows"}
     lines += ["", f"VERDICT: {VERDICTS[code]} (exit {code}): {meaning[code]}"]

@@ -135,7 +135,7 @@ def test_grpo_as_a_pyxis_task(container, started):
 
 def test_doctor_as_a_pyxis_task(container, started):
     r = pyxis_task(container, started, "trainbox", "doctor", "--json")
-    assert r.returncode == 3, r.stdout[-3000:] + r.stderr[-3000:]  # works; no GPU here
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]  # a CPU image on a CPU host: ok
     assert "smoke" in r.stdout and "Read-only file system" not in r.stderr
 
 

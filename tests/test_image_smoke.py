@@ -72,9 +72,9 @@ def test_image_has_the_cell_facts(smoke_build, smoke_image):  # noqa: F811
 
 def test_doctor(smoke_image):  # noqa: F811
     r = docker("run", "--rm", smoke_image, "doctor", check=False)
-    assert r.returncode == 3, r.stdout + r.stderr  # works, but no GPU on this host
+    assert r.returncode == 0, r.stdout + r.stderr  # a CPU image on a CPU host: nothing missing, it trains on CPU
     j = docker("run", "--rm", smoke_image, "doctor", "--json", check=False)
-    assert j.returncode == 3, j.stdout + j.stderr
+    assert j.returncode == 0, j.stdout + j.stderr
     report = json.loads(j.stdout)
     assert "smoke" in json.dumps(report)
 
