@@ -1,62 +1,80 @@
-# The README's commands: `make setup` (once), `make test` (the whole suite; CI runs it through .ci/run).
+# The README's two commands (each installs what it needs first; quick when it is there):
+#   make build   the main job on this machine: the smoke cell (both arches) from debootstrapped local bases, pushed
+#                to the local registry with its manifest list
+#   make test    the whole suite (what CI's .ci/run calls)
 SHELL := /bin/bash
 PY ?= .venv/bin/python
 PIP ?= .venv/bin/pip
+REGISTRY ?= 127.0.0.1:$(or $(TRAINBOX_REGISTRY_PORT),5555)/trainbox
 
-.PHONY: setup system-deps test test-fast test-gpu-image engine engine-stop render lock bases workflow slurm slurm-stop bench
+.PHONY: help build setup system-deps test test-fast test-gpu-image engine engine-stop render lock bases workflow \
+	slurm slurm-stop bench
 
-# Debian packages the real-image, .sqsh, Slurm, browser (chromium) and compose (docker-compose) tests use (root;
-# a no-op when all are present).
-SYSTEM_PACKAGES := docker.io docker-registry skopeo squashfs-tools squashfuse qemu-user-static binfmt-support \
-	debootstrap slurm-wlm munge umoci iproute2 curl chromium docker-compose
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:[^#]*## /\t/' | expand -t 16
 
-setup: ## create .venv with the host package, the test tools and the smoke cell's training stack (CPU torch)
-	python3 -m venv .venv
+# Debian packages: python3-venv for .venv; engine, registry, skopeo, QEMU binfmt and debootstrap for the builds and the
+# real-image tests; squashfs for .sqsh; Slurm + munge, umoci, chromium, docker-compose for their tests.
+SYSTEM_PACKAGES := python3-venv docker.io docker-registry skopeo squashfs-tools squashfuse qemu-user-static \
+	binfmt-support debootstrap slurm-wlm munge umoci iproute2 curl chromium docker-compose
+
+build: system-deps setup engine bases ## install what is missing, then build + push the smoke cell here
+	$(PY) -m devenv.buildinputs --wheelhouse .cache/wheels
+	$(PY) build.py --cell smoke --config .cache/bases.toml --wheelhouse .cache/wheels --push --registry $(REGISTRY)
+
+test: system-deps setup ## everything: unit, rendered files, real images (starts the engine itself), Slurm
+	$(PY) -m pytest -ra tests
+
+system-deps: ## the Debian packages above (root; a no-op when all are present)
+	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" != 0 ]; then echo "error: missing Debian packages:" $$missing "(run make as root, or" \
+	    "apt-get install -y" $$missing")" >&2; exit 2; fi; \
+	  echo "installing:" $$missing; apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi
+
+setup: .venv/.installed ## .venv: the host package, the test tools and the smoke cell's training stack (CPU torch)
+
+# Re-run only when the package's dependencies change.
+.venv/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev,train]'
+	touch $@
 
-system-deps: ## install the Debian packages above (needs root; CI calls it)
-	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
-	if [ -n "$$missing" ]; then echo "installing: $$missing"; apt-get update -qq && \
-	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi
-
-test: ## everything: unit, rendered files, real images (starts the engine itself), Slurm
-	$(PY) -m pytest -ra tests
-
-test-fast: ## no engine, no Slurm
+test-fast: setup ## no engine, no Slurm
 	$(PY) -m pytest -ra -m "not engine and not slurm" tests
 
-test-gpu-image: ## build a real CUDA 13 image from the default index (several GB, ~30 min; not part of `make test`)
+test-gpu-image: setup ## a real CUDA 13 image from the default index (several GB, ~30 min; not in `make test`)
 	$(PY) -m pytest -ra -s -m gpuimage tests/test_gpu_image.py
 
-render: ## re-render every cell's Dockerfile into images/
+render: setup ## re-render every cell's Dockerfile into images/
 	$(PY) build.py --dry-run --quiet
 
-lock: ## re-lock what can be locked from the default index alone (cu129 cells need PyTorch's and vLLM's indexes)
+lock: setup ## re-lock what the default index alone can lock (cu129 cells need PyTorch's and vLLM's indexes)
 	$(PY) build.py --lock smoke
 	$(PY) build.py --lock --cuda 13.0 --gpu blackwell
 
-# --- engine (owned by builder/devengine.py) ---
-engine: ## start (or reuse) a Docker engine, a local registry on 127.0.0.1, QEMU binfmt for arm64
-	$(PY) -m devenv.engine up
-
-engine-stop: ## stop what `make engine` started
-	$(PY) -m devenv.engine down
-
-bases: ## debootstrapped bookworm bases (amd64 + arm64) in the local registry, and a --config file mapping to them
-	$(PY) -m devenv.bases --write-config .cache/bases.toml
-
-workflow: ## regenerate .github/workflows/build.yml from matrix.toml
+workflow: setup ## regenerate .github/workflows/build.yml from matrix.toml
 	$(PY) -m builder.workflow
 
-# --- Slurm (owned by builder/devslurm.py) ---
-slurm: ## start (or reuse) a one-node Slurm + munge on this machine
+# --- the test machine (devenv/): engine, registry, bases, Slurm ---
+engine: setup ## start (or reuse) a Docker engine, a local registry on 127.0.0.1, QEMU binfmt for arm64
+	$(PY) -m devenv.engine up
+
+engine-stop: setup ## stop what `make engine` started
+	$(PY) -m devenv.engine down
+
+bases: engine ## debootstrapped bookworm bases (amd64 + arm64) in the local registry; .cache/bases.toml maps to them
+	$(PY) -m devenv.bases --write-config .cache/bases.toml
+
+slurm: setup ## start (or reuse) a one-node Slurm + munge on this machine
 	$(PY) -m devenv.slurm up
 
-slurm-stop: ## stop what `make slurm` started
+slurm-stop: setup ## stop what `make slurm` started
 	$(PY) -m devenv.slurm down
 
-bench: ## figures, not tests: cold/warm rebuild and re-push, .sqsh export time and size
+bench: engine ## figures, not tests: cold/warm rebuild and re-push, .sqsh export time and size
 	$(PY) benchmarks/rebuild.py
 	$(PY) benchmarks/sqsh_export.py trainbox:smoke-x86_64

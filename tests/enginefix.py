@@ -30,13 +30,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from builder import engine as eng  # noqa: E402
-from devenv import bases, engine as devengine  # noqa: E402
+from devenv import bases, buildinputs, engine as devengine  # noqa: E402
 
 # A known fake build-time credential: every smoke build gets it as a BuildKit secret; test_secrets proves it never
 # lands in a layer, a history entry or a label.
 FAKE_TOKEN = "hf_trainboxFAKEtoken0123456789abcdefXYZ"
 SECRET_ID = "hf_token"
-HOST_CERTS = Path("/usr/local/share/ca-certificates")
 # Seconds a test may take when it triggers the cold session builds (bases + x86 + arm64 under QEMU on 2 cores);
 # modules using these fixtures set it with pytest.mark.timeout(BUILD_TIMEOUT) over pyproject's 900 s default.
 BUILD_TIMEOUT = 5400
@@ -66,16 +65,8 @@ def base_ref() -> str:
 
 
 def install_certs() -> None:
-    """The host's extra CA certificates into images/certs/ (git-ignored): this machine's package traffic goes
-    through a TLS-intercepting proxy, and the images must trust it at build time."""
-    dest = ROOT / "images" / "certs"
-    dest.mkdir(parents=True, exist_ok=True)
-    for crt in sorted(HOST_CERTS.glob("*.crt")):
-        target = dest / crt.name
-        if not target.exists() or target.read_bytes() != crt.read_bytes():
-            tmp = target.with_suffix(".tmp")
-            shutil.copyfile(crt, tmp)
-            tmp.replace(target)
+    """The host's extra CA certificates into images/certs/ (devenv.buildinputs; a TLS-intercepting proxy here)."""
+    buildinputs.install_certs()
 
 
 def smoke_cells() -> dict:
@@ -86,18 +77,8 @@ def smoke_cells() -> dict:
 
 @functools.cache
 def torch_wheelhouse(requirement: str) -> str:
-    """A folder holding the smoke cell's torch wheel (cp311, manylinux x86_64): pip's own configuration finds it
-    (find-links on the dev/CI machines, else $TORCH_INDEX_URL/cpu)."""
-    dest = devengine.cache_dir() / "wheelhouse" / requirement.replace("==", "-")
-    if dest.is_dir() and any(dest.glob("torch-*.whl")):
-        return str(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.11",
-           "--implementation", "cp", "--platform", "manylinux_2_28_x86_64", "-d", str(dest), requirement]
-    if os.environ.get("TORCH_INDEX_URL"):
-        cmd += ["--extra-index-url", os.environ["TORCH_INDEX_URL"].rstrip("/") + "/cpu"]
-    subprocess.run(cmd, check=True)
-    return str(dest)
+    """A folder holding the smoke cell's torch wheel (devenv.buildinputs, the one `make build` uses too)."""
+    return str(buildinputs.torch_wheelhouse(requirement))
 
 
 def secret_file() -> Path:
