@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
