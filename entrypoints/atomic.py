@@ -171,10 +171,11 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 @contextlib.contextmanager
-def replacing_dir(path: str | Path):
+def replacing_dir(path: str | Path, replace: bool = True):
     """`with replacing_dir(DEST) as tmp:` fill the new folder `tmp` (created empty); on a clean exit every file in it
     is fsynced and it takes DEST's place (swapped in one step where the file system can; else the old folder is
-    renamed aside first), then the parent is fsynced. On error the temporary goes and DEST stays as it was."""
+    renamed aside first), then the parent is fsynced. On error the temporary goes and DEST stays as it was.
+    replace=False: a DEST that exists by then (someone else's) stays, and the rename raises OSError."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(path)
@@ -182,7 +183,7 @@ def replacing_dir(path: str | Path):
     try:
         yield tmp
         fsync_tree(tmp)
-        if path.is_dir() and not path.is_symlink():
+        if replace and path.is_dir() and not path.is_symlink():
             if not _exchange(tmp, path):
                 aside = temp_path(path, "old")
                 os.rename(path, aside)

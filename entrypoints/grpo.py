@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from entrypoints import config, data, launch, lifecycle, rewards
+from entrypoints import config, data, launch, lifecycle, rewards, runlog
 from entrypoints.errors import UsageError
 
 PROG = "trainbox grpo"
@@ -332,14 +332,15 @@ def main(argv: list[str]) -> int:
         lifecycle.install_signal_handlers()
         script, launch_args, raw, model_args = parse(argv)
         plan = launch.plan(launch_args, os.environ)
-        if plan.mode == "torchrun":
-            # Judge the options against the processes torchrun will start, before starting any.
-            validate(script, finalize(raw, plan.nnodes * plan.nproc_per_node, launcher=True), model_args)
-            return launch.run_torchrun(plan, "entrypoints.grpo", argv)
-        if plan.env:  # one Slurm task per rank: RANK/WORLD_SIZE/... before the Trainer's device setup
-            launch.apply_env(plan, os.environ)
-        args = finalize(raw, world_size())
-        return train(script, args, model_args, validate(script, args, model_args))
+        with runlog.for_command("grpo", config.configured_output_dir(raw), plan, argv):
+            if plan.mode == "torchrun":
+                # Judge the options against the processes torchrun will start, before starting any.
+                validate(script, finalize(raw, plan.nnodes * plan.nproc_per_node, launcher=True), model_args)
+                return launch.run_torchrun(plan, "entrypoints.grpo", argv)
+            if plan.env:  # one Slurm task per rank: RANK/WORLD_SIZE/... before the Trainer's device setup
+                launch.apply_env(plan, os.environ)
+            args = finalize(raw, world_size())
+            return train(script, args, model_args, validate(script, args, model_args))
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

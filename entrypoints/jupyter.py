@@ -150,10 +150,9 @@ def prepare_state_dir(path: Path) -> None:
 
 
 def write_state(path: Path, state: dict) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".jupyter.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(state, f)
-    os.replace(tmp, path)
+    from entrypoints import atomic
+
+    atomic.write_text(path, json.dumps(state), mode=0o600)
 
 
 def build_command(port: int, ip: str, root_dir: Path, auth: Auth, allow_root: bool, extra: list[str]) -> list[str]:
@@ -215,12 +214,12 @@ def seed_examples(root_dir: Path, source: Path = EXAMPLES) -> Path | None:
         return None
     import shutil
 
-    tmp = root_dir / f".examples.tmp-{os.getpid()}"
+    from entrypoints import atomic
+
     try:
-        shutil.copytree(source, tmp, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        os.replace(tmp, dest)
+        with atomic.replacing_dir(dest, replace=False) as tmp:  # a user's own examples/ is never replaced
+            shutil.copytree(source, tmp, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"), dirs_exist_ok=True)
     except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
         return None
     return dest
 

@@ -6,21 +6,33 @@
    (missing ones from Slurm when inside an srun step, else nnodes 1, GPUs visible or 1, 127.0.0.1:29500);
 3. inside an srun step (SLURM_JOB_ID + SLURM_STEP_ID): one task per node -> torchrun per node with
    nnodes = SLURM_NNODES, nproc = GPUs visible / SLURM_GPUS_ON_NODE / 1 on CPU, master = first host of
-   SLURM_JOB_NODELIST, port from the job id, rdzv id = job id; several tasks per node -> each task is one rank
-   (RANK/LOCAL_RANK/WORLD_SIZE/MASTER_* from SLURM_PROCID/LOCALID/NTASKS) and trains here;
+   SLURM_JOB_NODELIST, port below (`slurm_port`), rdzv id = job id, node 0 hosts the store; several tasks per
+   node -> each task is one rank (RANK/LOCAL_RANK/WORLD_SIZE/MASTER_* from SLURM_PROCID/LOCALID/NTASKS), trains here;
 4. RANK/WORLD_SIZE/MASTER_ADDR already set by another launcher -> train here;
 5. more than one GPU visible -> torchrun on this host; else a single process.
 torchrun runs as a child, not exec'd: SIGTERM/SIGUSR1 (Slurm preemption, `docker stop`) are forwarded to the
 workers, which checkpoint and exit 0; torchrun itself ignores both so it does not kill them mid-save.
+
+Rendezvous ports. One node: `torchrun --standalone` (its c10d store binds port 0, the kernel picks a free port and
+torchrun holds it: nothing to probe, nothing to race). Several nodes need one port that every node knows in advance:
+1. `--master-port` when given;
+2. Slurm's reserved ports when the step has them (`srun --resv-ports`, SLURM_STEP_RESV_PORTS): Slurm hands each
+   step its own, so these cannot collide;
+3. else a port from the job id, `slurm_port`: 10000 + job id modulo the window [10000, start of the kernel's
+   ephemeral range) (read from /proc/sys/net/ipv4/ip_local_port_range, 32768 by default), skipping torch's default
+   ports 29400/29500. Never an ephemeral port (an outgoing connection of anything on the node may hold one); two jobs
+   on one node collide only if their ids are a whole window (about 22,700 jobs) apart. Node 0 hosts the c10d store
+   explicitly (`--rdzv-conf is_host=...`), so even that case fails loudly (address in use) instead of torchrun's
+   fallback silently joining the other job's store.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -38,6 +50,11 @@ class LaunchArguments:
     master_port: int | None = field(default=None, metadata={"help": "launcher: rendezvous port"})
 
 DEFAULT_PORT = 29500
+# The window of job-id ports starts here (below: well-known and common service ports, Jupyter's 8888 included) and
+# ends where the kernel's ephemeral range begins; torchrun's and torch.distributed's own defaults are skipped.
+PORT_WINDOW_START = 10000
+TORCH_DEFAULT_PORTS = (29400, 29500)
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 TORCHRUN_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"  # not SIGTERM: see _signals_flag
 LAUNCH_FIELDS = ("nnodes", "nproc_per_node", "node_rank", "master_addr", "master_port")
 
@@ -53,6 +70,8 @@ class Plan:
     master_port: int = DEFAULT_PORT
     rdzv_id: str = "trainbox"
     env: dict = field(default_factory=dict)  # variables to set before training (one Slurm task per rank)
+    standalone: bool = False  # one node: torchrun --standalone picks and holds its own free port
+    is_host: bool | None = None  # multi-node under Slurm: does this node host the c10d store (node 0)?
 
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
@@ -133,12 +152,6 @@ def local_procs(env) -> int:
         return 1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _int_env(env, *names) -> int | None:
     for n in names:
         v = env.get(n)
@@ -154,9 +167,35 @@ def _in_srun(env) -> bool:
     return bool(env.get("SLURM_JOB_ID")) and env.get("SLURM_STEP_ID") not in (None, "")
 
 
-def _slurm_port(env) -> int:
-    # Same on every node of the job, distinct between jobs sharing a node.
-    return 20000 + int(env["SLURM_JOB_ID"]) % 20000
+def ephemeral_range(path: str = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
+    """The kernel's range for outgoing connections' local ports (Linux default 32768-60999)."""
+    try:
+        lo, hi = (int(x) for x in open(path).read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def slurm_port(env, ephemeral: tuple[int, int] | None = None) -> int:
+    """The rendezvous port of a Slurm job, the same on every node: see the module docstring."""
+    resv = str(env.get("SLURM_STEP_RESV_PORTS") or "").strip()
+    if resv:
+        m = re.match(r"^(\d+)", resv)  # "12000-12003", "12000,12005" or "12000": the first one is ours
+        if not m:
+            raise UsageError(f"SLURM_STEP_RESV_PORTS={resv!r} is not a port range; pass --master-port PORT")
+        return int(m.group(1))
+    job = _int_env(env, "SLURM_JOB_ID")
+    start, end = PORT_WINDOW_START, (ephemeral or ephemeral_range())[0]
+    skip = sorted(p for p in TORCH_DEFAULT_PORTS if start <= p < end)
+    size = end - start - len(skip)
+    if size < 1000:
+        raise UsageError(f"the kernel's ephemeral port range starts at {end} ({EPHEMERAL_RANGE_FILE}), leaving no "
+                         f"room for rendezvous ports above {start}; pass --master-port PORT or use srun --resv-ports")
+    port = start + job % size
+    for p in skip:  # ascending: each skipped port below moves the result up by one
+        if port >= p:
+            port += 1
+    return port
 
 
 def plan(launch_args, env) -> Plan:
@@ -179,24 +218,30 @@ def plan(launch_args, env) -> Plan:
         master = flags["master_addr"] or (slurm_hosts(env)[0] if in_srun else "127.0.0.1")
         if nnodes > 1 and not flags["master_addr"] and not in_srun:
             raise UsageError(f"--nnodes {nnodes} needs --master-addr HOST (the node every rank can reach)")
-        # One node and no port given: any free local port (two runs on one host must not collide).
-        port = flags["master_port"] or (_slurm_port(env) if in_srun else DEFAULT_PORT if nnodes > 1 else _free_port())
+        nproc = flags["nproc_per_node"] or local_procs(env)
+        if nnodes == 1 and not flags["master_port"] and not flags["master_addr"]:
+            # One node, no endpoint asked for: torchrun picks and holds a free port (two runs on a host never race).
+            return Plan("torchrun", "launcher flags, one node", nproc_per_node=nproc, master_port=0,
+                        rdzv_id="standalone", standalone=True)
+        port = flags["master_port"] or (slurm_port(env) if in_srun else DEFAULT_PORT)
         return Plan(
             "torchrun",
             "launcher flags",
             nnodes=nnodes,
-            nproc_per_node=flags["nproc_per_node"] or local_procs(env),
+            nproc_per_node=nproc,
             node_rank=node_rank,
             master_addr=master,
             master_port=port,
             rdzv_id=env.get("SLURM_JOB_ID") or f"trainbox-{master}-{port}",
+            # Derived from Slurm (first node = node 0): node 0 hosts; given by hand: torchrun's own host check.
+            is_host=(node_rank == 0) if in_srun and not flags["master_addr"] else None,
         )
 
     if in_srun:
         nnodes = _int_env(env, "SLURM_NNODES", "SLURM_JOB_NUM_NODES", "SLURM_STEP_NUM_NODES") or 1
         ntasks = _int_env(env, "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS") or nnodes
         master = slurm_hosts(env)[0]
-        port = _slurm_port(env)
+        port = slurm_port(env)
         if ntasks > nnodes:
             local_world = _int_env(env, "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE")
             run_env = {
@@ -214,19 +259,19 @@ def plan(launch_args, env) -> Plan:
             f"Slurm, one task per node ({nnodes} nodes)",
             nnodes=nnodes,
             nproc_per_node=local_procs(env),
-            node_rank=_int_env(env, "SLURM_NODEID") or 0,
+            node_rank=(node := _int_env(env, "SLURM_NODEID") or 0),
             master_addr=master,
             master_port=port,
             rdzv_id=env["SLURM_JOB_ID"],
+            is_host=node == 0,
         )
 
     if env.get("WORLD_SIZE") and env.get("RANK") and env.get("MASTER_ADDR"):
         return Plan("train", "RANK/WORLD_SIZE set by another launcher")
     n = local_procs(env)
     if n > 1:
-        port = _free_port()
-        return Plan("torchrun", f"{n} GPUs on this host", nproc_per_node=n, master_port=port,
-                    rdzv_id=f"trainbox-local-{port}")
+        return Plan("torchrun", f"{n} GPUs on this host", nproc_per_node=n, master_port=0, rdzv_id="standalone",
+                    standalone=True)
     return Plan("train", "single process")
 
 
@@ -236,13 +281,17 @@ def apply_env(p: Plan, environ) -> None:
 
 
 def torchrun_command(p: Plan, module: str, argv: list[str]) -> list[str]:
+    if p.standalone:
+        rdzv = ["--standalone"]
+    else:
+        rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{p.master_addr}:{p.master_port}", "--rdzv-id", p.rdzv_id]
+        if p.is_host is not None:
+            rdzv += ["--rdzv-conf", f"is_host={str(p.is_host).lower()}"]
     return [
         sys.executable, "-m", "torch.distributed.run",
         "--nnodes", str(p.nnodes),
         "--nproc-per-node", str(p.nproc_per_node),
-        "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", f"{p.master_addr}:{p.master_port}",
-        "--rdzv-id", p.rdzv_id,
+        *rdzv,
         # A failed rank fails the job; restarts come from rerunning (resume from the last checkpoint).
         "--max-restarts", "0",
         *_signals_flag(),
@@ -254,50 +303,40 @@ def _signals_flag() -> list[str]:
     """torchrun kills its workers on SIGTERM (Slurm's scancel signals every process of the step, torchrun too);
     the workers must get to checkpoint instead. Newer torchrun sets its handled signals from this flag (it
     overwrites TORCHELASTIC_SIGNALS_TO_HANDLE); older ones have no flag and read the variable."""
-    import importlib.util
+    return ["--signals-to-handle", TORCHRUN_SIGNALS] if torchrun_has_option("--signals-to-handle") else []
 
-    spec = importlib.util.find_spec("torch.distributed.run")
-    try:
-        with open(spec.origin) as f:
-            has_flag = "--signals-to-handle" in f.read()
-    except (AttributeError, TypeError, OSError):
-        has_flag = False
-    return ["--signals-to-handle", TORCHRUN_SIGNALS] if has_flag else []
+
+@functools.lru_cache(maxsize=None)
+def torchrun_has_option(option: str) -> bool:
+    """Asked of torchrun's own argument parser: an option it doesn't know stays among the leftovers."""
+    from torch.distributed.run import get_args_parser
+
+    _, rest = get_args_parser().parse_known_args([option, "x", "train.py"])
+    return option not in rest
 
 
 def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (children, their children, ...), from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
+    """Every process below `pid` (children, their children, ...)."""
+    import psutil
+
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
 
 
 def _ranks(torchrun_pid: int, module: str) -> list[int]:
     """The rank processes under torchrun: descendants running `-m MODULE` (whatever wrapper, e.g. numactl, sits
     between), so compile workers and other helpers never get a stray signal."""
+    import psutil
+
     found = []
     for pid in descendants(torchrun_pid):
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
+            if module in psutil.Process(pid).cmdline():
+                found.append(pid)
+        except psutil.Error:  # gone meanwhile, or not ours to read
             continue
-        if module.encode() in argv:
-            found.append(pid)
     return found
 
 
@@ -312,7 +351,8 @@ def run_torchrun(p: Plan, module: str, argv: list[str]) -> int:
     cmd = torchrun_command(p, module, argv)
     print(
         f"[trainbox] launch ({p.reason}): torchrun nnodes={p.nnodes} nproc_per_node={p.nproc_per_node} "
-        f"node_rank={p.node_rank} rdzv=c10d {p.master_addr}:{p.master_port} id={p.rdzv_id}",
+        f"node_rank={p.node_rank} rdzv=" + ("standalone (torchrun picks a free port)" if p.standalone else
+                                              f"c10d {p.master_addr}:{p.master_port} id={p.rdzv_id}"),
         flush=True,
     )
     env = dict(os.environ)

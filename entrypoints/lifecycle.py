@@ -12,12 +12,12 @@ from __future__ import annotations
 import faulthandler
 import os
 import re
-import shutil
 import signal
 import sys
 import time
 from pathlib import Path
 
+from . import atomic
 from .errors import UsageError
 
 DEFAULT_OUTPUT_DIR = "/workspace/outputs"
@@ -198,24 +198,12 @@ def artifact_dir() -> str | None:
 
 
 def copy_artifacts(src: str, dest_root: str, name: str) -> str:
-    """Copy src to DEST_ROOT/<basename of src> through a temporary name + rename (never half-written)."""
-    dest_root_p = Path(dest_root)
-    dest_root_p.mkdir(parents=True, exist_ok=True)
-    final = dest_root_p / (Path(src).name or name)
+    """Copy src to DEST_ROOT/<basename of src> through the one atomic writer (never half-written, swapped whole)."""
+    final = Path(dest_root) / (Path(src).name or name)
     if final.resolve() == Path(src).resolve():
         return str(final)
-    tmp = dest_root_p / f".{final.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    shutil.copytree(src, tmp, symlinks=True)
-    if final.exists():
-        old = dest_root_p / f".{final.name}.old-{os.getpid()}"
-        final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(final)
-    return str(final)
+    atomic.clean_stale(final)  # what an earlier copy on this host left when it was killed
+    return str(atomic.copy_tree(src, final))
 
 
 def find_callback(trainer, cls=PreemptionCallback):

@@ -11,34 +11,13 @@ handlers for SIGTERM and SIGUSR1 come back after the run.
 from __future__ import annotations
 
 import importlib
-import os
-import shutil
 import signal
-import sys
 from pathlib import Path
 
-from . import lifecycle
+from . import runlog
 
 NAMES = ("grpo", "qlora", "sft")
 _SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-
-class _Tee:
-    """A text stream that writes to the notebook's stream and to a log file."""
-
-    def __init__(self, stream, log):
-        self._stream, self._log = stream, log
-
-    def write(self, text):
-        self._log.write(text)
-        return self._stream.write(text)
-
-    def flush(self):
-        self._log.flush()
-        self._stream.flush()
-
-    def __getattr__(self, name):  # isatty, encoding, fileno... from the notebook's stream
-        return getattr(self._stream, name)
 
 
 def run(name: str, args: list[str], *, output_dir: str) -> int:
@@ -46,28 +25,17 @@ def run(name: str, args: list[str], *, output_dir: str) -> int:
     if name not in NAMES:
         raise ValueError(f"unknown entrypoint {name!r}; one of {', '.join(NAMES)}")
     module = importlib.import_module(f"entrypoints.{name}")
-    log_path = Path(output_dir) / "logs" / f"{name}.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
     argv = [*map(str, args), "--output_dir", str(output_dir)]
     handlers = {s: signal.getsignal(s) for s in _SIGNALS}
-    with open(log_path, "a", encoding="utf-8") as log:
-        log.write(f"$ trainbox {name} {' '.join(argv)}\n")
-        out, err = sys.stdout, sys.stderr
-        sys.stdout, sys.stderr = _Tee(out, log), _Tee(err, log)
+    # The same log file and artifact copy as a command run (runlog.py), teeing Python's streams: the kernel's
+    # output goes to the notebook, not to file descriptor 1.
+    with runlog.kept(name, output_dir, streams=True, argv=argv) as log_path:
         try:
             code = module.main(argv)
         finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            sys.stdout, sys.stderr = out, err
             for s, h in handlers.items():
                 if h is not None:
                     signal.signal(s, h)
-    dest = lifecycle.artifact_dir()
-    if dest:  # the entrypoint copied the outputs at its end; the log was still being written then
-        logs = Path(dest) / Path(output_dir).name / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(log_path, logs / log_path.name)
     if code != 0:
         raise RuntimeError(f"trainbox {name} exited with {code}; the log is in {log_path}")
     return code

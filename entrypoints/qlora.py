@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from . import config as cfg
-from . import launch, lifecycle, sft, throughput
+from . import atomic, launch, lifecycle, runlog, sft, throughput
 from .errors import UsageError
 
 
@@ -102,24 +102,20 @@ def load_quantized(model_args, attn_implementation: str | None = None):
 
 
 def save_merged(model_args, adapter_dir: str, tokenizer) -> str:
-    """Base in the compute dtype (not quantized) + adapter, merged, written through a temp dir + rename."""
-    import shutil
-
+    """Base in the compute dtype (not quantized) + adapter, merged, written through the one atomic writer (a temp
+    folder, fsynced, swapped in whole)."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     final = os.path.join(adapter_dir, "merged")
-    tmp = f"{final}.tmp-{os.getpid()}"
     base = AutoModelForCausalLM.from_pretrained(
         model_args.model_name_or_path, dtype=getattr(torch, model_args.dtype), revision=model_args.model_revision
     )
     merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
-    merged.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if os.path.exists(final):
-        shutil.rmtree(final)
-    os.rename(tmp, final)
+    with atomic.replacing_dir(final) as tmp:
+        merged.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
     return final
 
 
@@ -173,14 +169,15 @@ def main(argv: list[str]) -> int:
         lifecycle.install_signal_handlers()
         data_args, q_args, launch_args, model_args, training_args = parse(argv)
         plan = launch.plan(launch_args, os.environ)
-        if plan.mode == "torchrun":
-            validate(data_args, model_args, training_args)
-            sft.check_before_launch(data_args, model_args, training_args)
-            return launch.run_torchrun(plan, "entrypoints.qlora", argv)
-        if plan.env:
-            launch.apply_env(plan, os.environ)
-            data_args, q_args, launch_args, model_args, training_args = parse(argv)
-        return train(data_args, q_args, model_args, training_args)
+        with runlog.for_command("qlora", cfg.configured_output_dir(training_args), plan, argv):
+            if plan.mode == "torchrun":
+                validate(data_args, model_args, training_args)
+                sft.check_before_launch(data_args, model_args, training_args)
+                return launch.run_torchrun(plan, "entrypoints.qlora", argv)
+            if plan.env:
+                launch.apply_env(plan, os.environ)
+                data_args, q_args, launch_args, model_args, training_args = parse(argv)
+            return train(data_args, q_args, model_args, training_args)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from . import attention, data, launch, lifecycle, precision, speed, throughput
+from . import attention, data, launch, lifecycle, precision, runlog, speed, throughput
 from . import config as cfg
 from .errors import UsageError
 
@@ -223,15 +223,16 @@ def main(argv: list[str]) -> int:
         lifecycle.install_signal_handlers()
         data_args, launch_args, model_args, training_args = parse(argv)
         plan = launch.plan(launch_args, os.environ)
-        if plan.mode == "torchrun":
-            check_before_launch(data_args, model_args, training_args)
-            return launch.run_torchrun(plan, "entrypoints.sft", argv)
-        if plan.env:
-            # One Slurm task per rank: set RANK/WORLD_SIZE/... first, then parse again so the
-            # distributed defaults (FSDP2 on GPUs) and the Trainer's device setup see them.
-            launch.apply_env(plan, os.environ)
-            data_args, launch_args, model_args, training_args = parse(argv)
-        return train(data_args, model_args, training_args)
+        with runlog.for_command("sft", cfg.configured_output_dir(training_args), plan, argv):
+            if plan.mode == "torchrun":
+                check_before_launch(data_args, model_args, training_args)
+                return launch.run_torchrun(plan, "entrypoints.sft", argv)
+            if plan.env:
+                # One Slurm task per rank: set RANK/WORLD_SIZE/... first, then parse again so the
+                # distributed defaults (FSDP2 on GPUs) and the Trainer's device setup see them.
+                launch.apply_env(plan, os.environ)
+                data_args, launch_args, model_args, training_args = parse(argv)
+            return train(data_args, model_args, training_args)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

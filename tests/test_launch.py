@@ -2,9 +2,14 @@
 
 import shutil
 import subprocess
+import sys
+import time
 from types import SimpleNamespace
 
+import psutil
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from entrypoints import launch
 from entrypoints.errors import UsageError
@@ -67,9 +72,12 @@ def test_single_process_default():
     assert launch.plan(flags(), {}).mode == "train"
 
 
-def test_several_gpus_on_one_host_start_torchrun():
+def test_several_gpus_on_one_host_start_torchrun_standalone():
     p = launch.plan(flags(), {"TEST_GPUS": "4"})
-    assert (p.mode, p.nnodes, p.nproc_per_node, p.master_addr) == ("torchrun", 1, 4, "127.0.0.1")
+    assert (p.mode, p.nnodes, p.nproc_per_node, p.standalone) == ("torchrun", 1, 4, True)
+    cmd = " ".join(launch.torchrun_command(p, "entrypoints.sft", []))
+    # torchrun binds its store on port 0 and keeps it: no port of ours, no probe that a second run could race.
+    assert "--nnodes 1 --nproc-per-node 4 --standalone" in cmd and "--rdzv-endpoint" not in cmd
 
 
 def test_slurm_one_task_per_node():
@@ -77,11 +85,14 @@ def test_slurm_one_task_per_node():
     p = launch.plan(flags(), env)
     assert p.mode == "torchrun"
     assert (p.nnodes, p.nproc_per_node, p.node_rank, p.master_addr) == (2, 8, 1, "gpu03")
-    assert p.rdzv_id == "4242" and p.master_port == 20000 + 4242
+    assert p.rdzv_id == "4242" and p.master_port == 10000 + 4242 and p.is_host is False
     cmd = launch.torchrun_command(p, "entrypoints.sft", ["--max_steps", "3"])
     joined = " ".join(cmd)
     assert "-m torch.distributed.run --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d" in joined
-    assert "--rdzv-endpoint gpu03:24242 --rdzv-id 4242" in joined
+    # Node 1 never hosts the store; node 0 always does (a taken port is an error there, not another job's store).
+    assert "--rdzv-endpoint gpu03:14242 --rdzv-id 4242 --rdzv-conf is_host=false" in joined
+    p0 = launch.plan(flags(), {**env, "SLURM_NODEID": "0"})
+    assert "--rdzv-conf is_host=true" in " ".join(launch.torchrun_command(p0, "entrypoints.sft", []))
     assert joined.endswith("-m entrypoints.sft --max_steps 3")
     assert "--signals-to-handle SIGINT,SIGHUP,SIGQUIT" in joined  # not SIGTERM: ranks checkpoint, torchrun waits
 
@@ -102,7 +113,7 @@ def test_slurm_several_tasks_per_node_each_task_is_a_rank():
     p = launch.plan(flags(), env)
     assert p.mode == "train"
     assert p.env == {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-                     "MASTER_ADDR": "cpu1", "MASTER_PORT": "24242"}  # fmt: skip
+                     "MASTER_ADDR": "cpu1", "MASTER_PORT": "14242"}  # fmt: skip
 
 
 def test_batch_script_without_srun_is_not_a_launch():
@@ -122,9 +133,82 @@ def test_flags_override_slurm():
     assert (p.nnodes, p.nproc_per_node, p.master_addr, p.rdzv_id) == (2, 2, "gpu03", "4242")
 
 
-def test_flags_one_node_gets_a_free_port():
+def test_flags_one_node_is_standalone_unless_an_endpoint_is_given():
     p = launch.plan(flags(nproc_per_node=2), {})
-    assert p.mode == "torchrun" and p.master_port != launch.DEFAULT_PORT and p.master_port > 0
+    assert (p.mode, p.standalone) == ("torchrun", True)
+    p = launch.plan(flags(nproc_per_node=2, master_port=29611), {})
+    assert not p.standalone and p.is_host is None
+    assert "--rdzv-endpoint 127.0.0.1:29611" in " ".join(launch.torchrun_command(p, "m", []))
+
+
+# ------------------------------------------------------------------ rendezvous ports under Slurm
+
+def _port(job, eph=(32768, 60999), **extra):
+    return launch.slurm_port({"SLURM_JOB_ID": str(job), **extra}, eph)
+
+
+def test_job_ids_20000_apart_get_different_ports():
+    assert _port(4242) != _port(24242) != _port(44242)  # the old 20000 + id % 20000 gave all three 24242
+
+
+@given(st.integers(min_value=0, max_value=2**32), st.integers(min_value=12000, max_value=61000))
+def test_job_ports_stay_below_the_ephemeral_range_and_off_torchs_defaults(job, eph_start):
+    port = _port(job, (eph_start, 65000))
+    assert launch.PORT_WINDOW_START <= port < eph_start and port not in launch.TORCH_DEFAULT_PORTS
+
+
+def test_consecutive_jobs_sharing_a_node_never_collide():
+    window = 32768 - launch.PORT_WINDOW_START - len(launch.TORCH_DEFAULT_PORTS)
+    start = 10**6 - 5000
+    ports = [_port(j) for j in range(start, start + window)]
+    assert len(set(ports)) == window
+
+
+def test_slurm_reserved_ports_win():
+    assert _port(4242, SLURM_STEP_RESV_PORTS="12000-12003") == 12000
+    assert _port(4242, SLURM_STEP_RESV_PORTS="13001") == 13001
+    with pytest.raises(UsageError, match="SLURM_STEP_RESV_PORTS"):
+        _port(4242, SLURM_STEP_RESV_PORTS="junk")
+
+
+def test_no_room_below_the_ephemeral_range_says_what_to_do():
+    with pytest.raises(UsageError, match="--master-port"):
+        _port(1, (10500, 60999))
+
+
+def test_the_kernels_ephemeral_range_is_read(tmp_path):
+    f = tmp_path / "range"
+    f.write_text("40000\t60999\n")
+    assert launch.ephemeral_range(str(f)) == (40000, 60999)
+    lo, hi = launch.ephemeral_range()  # this machine's own
+    assert 1024 <= lo <= hi <= 65535
+
+
+# ------------------------------------------------------------------ torchrun's options, process trees
+
+def test_torchrun_options_come_from_its_own_parser():
+    assert launch.torchrun_has_option("--standalone") and launch.torchrun_has_option("--rdzv-conf")
+    assert not launch.torchrun_has_option("--no-such-option")
+
+
+def test_ranks_are_found_among_descendants_by_module():
+    """A real tree: launcher -> sh -> python -m fake.rank (+ a helper that must not get signals)."""
+    code = "import time; time.sleep(30)"
+    p = subprocess.Popen(["sh", "-c", f'{sys.executable} -c "{code}" -m fake.rank & '
+                                      f'{sys.executable} -c "{code}" helper & wait'])
+    try:
+        deadline = time.monotonic() + 10
+        while len(launch.descendants(p.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        kids = launch.descendants(p.pid)
+        assert len(kids) == 2
+        (rank,) = launch._ranks(p.pid, "fake.rank")
+        assert "fake.rank" in psutil.Process(rank).cmdline()
+    finally:
+        for pid in launch.descendants(p.pid):
+            psutil.Process(pid).kill()
+        p.wait(timeout=10)
+    assert launch.descendants(p.pid) == []
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,10 @@
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -149,3 +152,88 @@ def test_preempted_summary_names_checkpoint(fresh, tmp_path, monkeypatch):
     make_ckpt(tmp_path, 5)
     line = lifecycle.summary(fake_trainer(tmp_path), str(tmp_path), time.time(), "sft")
     assert "preempted (checkpoint saved)" in line and str(tmp_path / "checkpoint-5") in line
+
+
+# ------------------------------------------------------------------ the run's log, next to the outputs (runlog.py)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TEE_RUN = """
+import os, subprocess, sys
+from types import SimpleNamespace
+from entrypoints import runlog
+plan = SimpleNamespace(mode="torchrun", node_rank=int(sys.argv[2]), env={})
+with runlog.for_command("sft", sys.argv[1], plan, ["--x", "1"]):
+    print("python print", flush=True)
+    os.write(2, b"native stderr\\n")
+    subprocess.run([sys.executable, "-c", "print('a rank (child process)')"], check=True)
+print("after the run", flush=True)
+"""
+
+
+@pytest.mark.parametrize("node_rank, name", [(0, "sft.log"), (1, "sft.node1.log")])
+def test_command_run_log_has_every_process_and_lands_in_artifacts(tmp_path, node_rank, name):
+    out, art = tmp_path / "out", tmp_path / "art"
+    env = {k: v for k, v in os.environ.items() if "ARTIFACT_DIR" not in k}
+    r = subprocess.run([sys.executable, "-c", TEE_RUN, str(out), str(node_rank)], cwd=ROOT, capture_output=True,
+                       text=True, env=dict(env, PYTHONPATH=str(ROOT), ARTIFACT_DIR=str(art)), timeout=60)
+    assert r.returncode == 0, r.stderr
+    # Still on the terminal, as before.
+    assert r.stdout.splitlines() == ["python print", "a rank (child process)", "after the run"]
+    assert r.stderr == "native stderr\n"
+    log = (out / "logs" / name).read_text()
+    assert log.startswith("$ trainbox sft --x 1\n") and "after the run" not in log
+    assert {"python print", "native stderr", "a rank (child process)"} <= set(log.splitlines())
+    assert (art / "out" / "logs" / name).read_text() == log
+    assert [p.name for p in (art / "out" / "logs").iterdir()] == [name]  # no temporaries
+
+
+def test_workers_and_other_ranks_keep_no_log(monkeypatch):
+    from entrypoints import runlog
+
+    plan = SimpleNamespace(mode="train", env={}, node_rank=0)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    assert not runlog.keeps_log_here(plan)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    assert runlog.keeps_log_here(plan)
+    assert not runlog.keeps_log_here(SimpleNamespace(mode="train", env={"RANK": "1"}, node_rank=0))
+
+
+def test_sft_command_run_puts_its_log_next_to_the_model_in_artifact_dir(tiny_model, tmp_path):
+    """`trainbox sft --nproc-per-node 2` with ARTIFACT_DIR: the launcher's log holds both ranks' lines and the final
+    summary (printed after the outputs were copied), and it is copied next to the model."""
+    from test_data import write_messages
+    from test_sft import FAST, env_for
+
+    data = write_messages(tmp_path / "chat.jsonl", 16)
+    out, art = tmp_path / "out", tmp_path / "art"
+    r = subprocess.run([sys.executable, "-u", "-m", "entrypoints.sft", "--model_name_or_path", str(tiny_model),
+                        "--dataset", str(data), "--output_dir", str(out), "--max_steps", "2",
+                        "--nproc-per-node", "2", *FAST], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=env_for(tmp_path, ARTIFACT_DIR=str(art)))  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert (art / "out" / "model.safetensors").is_file()
+    log = (art / "out" / "logs" / "sft.log").read_text()
+    assert "torchrun nnodes=1 nproc_per_node=2" in log and "rdzv=standalone" in log  # the launcher
+    assert "DDP over gloo, 2 processes (CPU)" in log  # rank 0
+    assert "[trainbox] sft done" in log and f"artifacts {art / 'out'}" in log  # after the outputs' copy
+    assert log == (out / "logs" / "sft.log").read_text()
+
+
+def test_notebook_run_shares_the_log_and_artifact_copy(tiny_model, tmp_path):
+    """notebook.run: the same log file and artifact copy, teeing Python's streams (a kernel's output isn't fd 1);
+    the entrypoint's own command-run log does not start a second tee."""
+    from test_data import write_messages
+    from test_sft import FAST, env_for
+
+    data = write_messages(tmp_path / "chat.jsonl", 8)
+    out, art = tmp_path / "nb-out", tmp_path / "art"
+    code = ("import sys; from entrypoints import notebook; "
+            f"notebook.run('sft', {['--model_name_or_path', str(tiny_model), '--dataset', str(data), '--max_steps', '1', *FAST]!r}, output_dir={str(out)!r})")  # noqa: E501
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=env_for(tmp_path, ARTIFACT_DIR=str(art)))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    log = (art / "nb-out" / "logs" / "sft.log").read_text()
+    assert log.startswith("$ trainbox sft ") and log.count("$ trainbox sft ") == 1
+    assert "[trainbox] sft done" in log and "[trainbox] sft done" in r.stdout
+    assert (art / "nb-out" / "model.safetensors").is_file()
