@@ -16,7 +16,7 @@ help: ## list the targets
 # Debian packages: python3-venv for .venv; engine, registry, skopeo, QEMU binfmt and debootstrap for the builds and the
 # real-image tests; squashfs for .sqsh; Slurm + munge, umoci, chromium, docker-compose for their tests.
 SYSTEM_PACKAGES := python3-venv docker.io docker-registry skopeo squashfs-tools squashfuse qemu-user-static \
-	binfmt-support debootstrap slurm-wlm munge umoci iproute2 curl chromium docker-compose
+	binfmt-support debootstrap slurm-wlm munge umoci iproute2 curl chromium docker-compose tini
 
 build: system-deps setup engine bases ## install what is missing, then build + push the smoke cell here
 	$(PY) -m devenv.buildinputs --wheelhouse .cache/wheels

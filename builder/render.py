@@ -21,7 +21,7 @@ TEMPLATES = Path(__file__).resolve().parent / "templates"
 # OS packages of the runtime: CPU cells only need python; CUDA cells add what Triton's JIT needs at first use (a C
 # compiler and Python headers for its launcher stub). nvcc, git and the CUDA devel image live only in the stage that
 # compiles FlashAttention from source.
-_APT_BASE = ("ca-certificates", "python3", "python3-venv")
+_APT_BASE = ("ca-certificates", "python3", "python3-venv", "tini")  # tini: the image's PID 1
 _APT_GPU = ("gcc", "libc6-dev", "python3-dev")
 
 

@@ -30,8 +30,8 @@ from devenv import engine
 from devenv.common import cache_dir, logger, which
 
 SUITE = "bookworm"
-# python3 + venv + certificates up front: saves the Dockerfile's apt step, which is slow under QEMU.
-INCLUDE = ["ca-certificates", "python3", "python3-venv", "python3-pip"]
+# python3 + venv + certificates + tini (PID 1) up front: saves the Dockerfile's apt step, which is slow under QEMU.
+INCLUDE = ["ca-certificates", "python3", "python3-venv", "python3-pip", "tini"]
 REPOSITORY = "trainbox/base"
 ARCHES = ("amd64", "arm64")
 PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

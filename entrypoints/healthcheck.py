@@ -7,8 +7,9 @@ Used by the image's HEALTHCHECK (`trainbox healthcheck`); hidden from `trainbox 
 from __future__ import annotations
 
 import json
-import os
 import sys
+
+import psutil
 
 from entrypoints.jupyter import http_status, state_file
 
@@ -27,7 +28,7 @@ def main(argv: list[str]) -> int:
     except (OSError, ValueError, KeyError, TypeError) as e:
         print(f"unhealthy: unreadable state file {path} ({e})")
         return 1
-    if not os.path.exists(f"/proc/{pid}"):
+    if not psutil.pid_exists(pid):
         print(f"healthy: no Jupyter running (stale state file {path}, pid {pid} is gone)")
         return 0
     status = http_status(f"http://127.0.0.1:{port}/api", timeout=5)

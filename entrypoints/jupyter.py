@@ -25,14 +25,18 @@ when that folder does not exist yet and the root is writable (a mounted work fol
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
 import re
 import secrets
+import signal
 import socket
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -282,10 +286,8 @@ def main(argv: list[str]) -> int:
             return
         print(banner(port, auth), file=sys.stderr, flush=True)
 
-    from entrypoints.dispatch import supervise
-
     try:
-        code = supervise(cmd, child_env(auth), on_start=watch)
+        code = serve(cmd, child_env(auth), watch)
     finally:
         try:
             state.unlink()
@@ -294,14 +296,42 @@ def main(argv: list[str]) -> int:
     return 1 if refused else code
 
 
-def _alive(pid: int) -> bool:
+# What a container runtime, Slurm or a user sends to stop or poke the server; it gets them from us too, because
+# outside Docker (pyxis, a shell, `kill PID`) nothing else signals it. Under tini -g it gets them twice: harmless.
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def serve(cmd: list[str], env: dict[str, str], watch) -> int:
+    """Run the server as our child (we keep the state file and the auth probe), pass it our signals, wait for it,
+    return its exit code (128+N if a signal N ended it). PID 1's duties (reaping, group signals) are tini's."""
+    proc = subprocess.Popen(cmd, env=env)
+
+    def forward(signum, frame):  # noqa: ARG001
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signum)
+
+    old = {s: signal.signal(s, forward) for s in FORWARDED}
     try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
+        threading.Thread(target=watch, args=(proc.pid,), daemon=True).start()
+        while True:
+            try:
+                code = proc.wait(timeout=0.5)  # short waits: Python runs the handlers between them
+                break
+            except subprocess.TimeoutExpired:
+                continue
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    return 128 - code if code < 0 else code
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:
-        return True
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The dispatcher: listing without imports, unknown names, pass-through, exec vs PID-1 supervision, signals, reaping."""
+"""The dispatcher: listing without imports, unknown names, pass-through, exec in place; under the image's PID 1
+(Debian's tini, the ENTRYPOINT `tini -g -- trainbox`): signals, exit codes, reaping."""
 
 from __future__ import annotations
 
@@ -151,8 +152,6 @@ def test_other_programs_on_path_run_as_given(tmp_path):
     """`docker run -it IMAGE bash` / `enroot start IMAGE python x.py`: not an entrypoint, but a program on PATH."""
     r = run(["sh", "-c", "echo hello $0; exit 5", "there"])
     assert r.returncode == 5 and r.stdout == "hello there\n"
-    r = run(["sh", "-c", "exit 6"], env={"TRAINBOX_SUPERVISE": "1"})
-    assert r.returncode == 6
     r = run(["--frobnicate"])
     assert r.returncode == 2 and "usage:" in r.stderr
 
@@ -196,7 +195,6 @@ def test_missing_or_broken_module_does_not_break_listing(pkg):
 
 def start(pkg, args, env=None, prefix=()):
     e = dict(os.environ, PYTHONPATH=str(pkg))
-    e.pop("TRAINBOX_SUPERVISE", None)
     e.update(env or {})
     return subprocess.Popen([*prefix, PY, "-m", "entrypoints", "sft", *args], cwd="/", env=e,
                             stderr=subprocess.PIPE, text=True)
@@ -212,31 +210,16 @@ def test_not_pid1_execs_in_place(pkg, tmp_path):
     assert "TERM" in log.read_text()
 
 
-def test_supervisor_forwards_signals_and_passes_exit_code(pkg, tmp_path):
-    log = tmp_path / "log"
-    p = start(pkg, [str(log)], env={"TRAINBOX_SUPERVISE": "1"})
-    text = wait_for(log, "ready", p)
-    assert f"ppid {p.pid}\n" in text  # a child of the dispatcher
-    p.send_signal(signal.SIGUSR1)
-    wait_for(log, "USR1", p)
-    p.send_signal(signal.SIGHUP)
-    wait_for(log, "HUP", p)
-    p.send_signal(signal.SIGTERM)
-    assert p.wait(30) == 7
-    assert log.read_text().splitlines()[-1] == "TERM"
+# The image's ENTRYPOINT, read from the template the images are rendered from (so the test follows it).
+TEMPLATE = ROOT / "builder" / "templates" / "Dockerfile.j2"
 
 
-def test_supervisor_reports_death_by_signal_as_128_plus_n(pkg, tmp_path):
-    p = start(pkg, [str(tmp_path / "log"), "--die"], env={"TRAINBOX_SUPERVISE": "1"})
-    assert p.wait(30) == 128 + signal.SIGKILL
+def image_entrypoint() -> list[str]:
+    import json
+    import re
 
-
-def test_supervisor_reaps_orphans(pkg, tmp_path):
-    log = tmp_path / "log"
-    p = start(pkg, [str(log), "--orphan"], env={"TRAINBOX_SUPERVISE": "1"})
-    assert "zombies 0" in wait_for(log, "ready", p)
-    p.send_signal(signal.SIGTERM)
-    assert p.wait(30) == 7
+    (line,) = re.findall(r"^ENTRYPOINT (\[.*\])$", TEMPLATE.read_text(), re.M)
+    return json.loads(line)
 
 
 def _can_unshare() -> bool:
@@ -246,7 +229,7 @@ def _can_unshare() -> bool:
 
 
 def _host_pid_of_pid1(unshare_pid: int, timeout=30) -> int:
-    """The dispatcher's pid as seen from here: unshare --fork's only child."""
+    """PID 1 of the new namespace as seen from here: unshare --fork's only child."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         kids = Path(f"/proc/{unshare_pid}/task/{unshare_pid}/children").read_text().split()
@@ -256,17 +239,44 @@ def _host_pid_of_pid1(unshare_pid: int, timeout=30) -> int:
     raise AssertionError("unshare started no child")
 
 
-@pytest.mark.skipif(not _can_unshare(), reason="needs root: unshare --pid --fork --mount-proc (a new PID namespace)")
-def test_real_pid1_in_a_pid_namespace(pkg, tmp_path):
-    """Like `docker run`: the dispatcher is PID 1 of its own PID namespace and the SIGTERM comes from outside."""
+def start_as_image(pkg, args):
+    """`docker run IMAGE sft ARGS`: the image's ENTRYPOINT as PID 1 of a new PID namespace, the dispatcher under it
+    (the image's /usr/local/bin/trainbox is `exec python -m entrypoints "$@"`)."""
+    tini, *flags = image_entrypoint()[:-1]
+    assert Path(tini).name == "tini" and flags == ["-s", "-g", "--"]
+    tini = shutil.which("tini") or tini  # the host's Debian tini (make system-deps installs it)
+    e = dict(os.environ, PYTHONPATH=str(pkg))
+    return subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", tini, *flags, PY, "-m", "entrypoints",
+                             "sft", *args], cwd="/", env=e, stderr=subprocess.PIPE, text=True)
+
+
+needs_pidns = pytest.mark.skipif(not _can_unshare(), reason="needs root: unshare --pid (a new PID namespace)")
+
+
+def test_the_image_runs_tini_as_pid1_and_trainbox_under_it():
+    ep = image_entrypoint()
+    assert ep == ["/usr/bin/tini", "-s", "-g", "--", "/usr/local/bin/trainbox"]
+    assert 'CMD ["jupyter"]' in TEMPLATE.read_text()
+
+
+@needs_pidns
+def test_under_tini_signals_reach_the_entrypoint_and_its_code_comes_back(pkg, tmp_path):
+    """Like `docker run` + `docker kill -s USR1/HUP` + `docker stop`: the signals come from outside to PID 1."""
     log = tmp_path / "log"
-    p = start(pkg, [str(log), "--orphan"], prefix=("unshare", "--pid", "--fork", "--mount-proc"))
+    p = start_as_image(pkg, [str(log), "--orphan"])
     pid1 = _host_pid_of_pid1(p.pid)
     text = wait_for(log, "ready", p)
-    assert "ppid 1\n" in text  # the dispatcher is PID 1 and supervises (no env var)
-    assert "zombies 0" in text  # PID 1 reaped the orphan
-    os.kill(pid1, signal.SIGUSR1)
-    wait_for(log, "USR1", p)
+    assert "ppid 1\n" in text  # the entrypoint is tini's child: the dispatcher exec'd in place
+    assert "zombies 0" in text  # tini reaped the orphan
+    for sig, word in ((signal.SIGUSR1, "USR1"), (signal.SIGHUP, "HUP")):
+        os.kill(pid1, sig)
+        wait_for(log, word, p)
     os.kill(pid1, signal.SIGTERM)
     assert p.wait(30) == 7
     assert log.read_text().splitlines()[-1] == "TERM"
+
+
+@needs_pidns
+def test_under_tini_death_by_signal_is_128_plus_n(pkg, tmp_path):
+    p = start_as_image(pkg, [str(tmp_path / "log"), "--die"])
+    assert p.wait(30) == 128 + signal.SIGKILL
