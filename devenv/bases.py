@@ -109,13 +109,11 @@ def rootfs_layer(arch: str) -> dict:
         subprocess.run(["tar", "--numeric-owner", "--xattrs", "--sort=name", "-C", str(rootfs),
                         *[f"--exclude={e}" for e in EXCLUDES], "-cf", str(tar_path), "."], check=True)
         diff_id = _sha256_file(tar_path)
-        gz_tmp = bases_dir() / f"{key}.tar.gz.tmp"
-        with open(tar_path, "rb") as src, open(gz_tmp, "wb") as raw:
+        gz_path = bases_dir() / f"{key}.tar.gz"
+        with open(tar_path, "rb") as src, atomic.replacing(gz_path) as gz_tmp, open(gz_tmp, "wb") as raw:
             # mtime=0: the same rootfs gives the same blob digest
             with gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=6, mtime=0) as gz:
                 shutil.copyfileobj(src, gz, 1 << 20)
-        gz_path = bases_dir() / f"{key}.tar.gz"
-        gz_tmp.replace(gz_path)
         meta = {"path": str(gz_path), "digest": _sha256_file(gz_path), "diff_id": diff_id,
                 "size": gz_path.stat().st_size, "arch": arch, "suite": SUITE,
                 "seconds": round(time.monotonic() - t0, 1)}
