@@ -26,7 +26,6 @@ _DIGEST = r"[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,}
 NAME = re.compile(_NAME, re.ASCII)
 REFERENCE = re.compile(rf"(?P<name>{_NAME})(?::(?P<tag>{_TAG}))?(?:@(?P<digest>{_DIGEST}))?", re.ASCII)
 NAME_MAX = 255
-_HEX64 = re.compile(r"[a-f0-9]{64}")
 EXAMPLE = "127.0.0.1:5555/trainbox"
 
 
@@ -54,12 +53,23 @@ def _why_not_a_name(text: str) -> str:
             "(Docker's reference grammar)")
 
 
+def is_name(text: str) -> bool:
+    """Docker's reading of a repository name (ParseNormalizedNamed): the first component is the registry host only
+    if it has a '.' or ':', is 'localhost' or has upper case (else the name is on Docker Hub); the rest must be lower
+    case; then the whole must match the grammar."""
+    first, sep, rest = text.partition("/")
+    if sep and (any(ch in first for ch in ".:") or first == "localhost" or first != first.lower()):
+        domain, remote = first, rest
+    else:
+        domain, remote = "docker.io", text
+    return remote == remote.lower() and bool(NAME.fullmatch(f"{domain}/{remote}"))
+
+
 def check_repository(text: str, flag: str = "--registry") -> str:
     """TEXT if it is a repository name per Docker's grammar (tags get appended to it), else one UserError."""
-    if NAME.fullmatch(text) and len(text) <= NAME_MAX and not _HEX64.fullmatch(text):
+    if is_name(text) and len(text) <= NAME_MAX:
         return text
-    why = (_why_not_a_name(text) if not NAME.fullmatch(text) else f"longer than {NAME_MAX} characters"
-           if len(text) > NAME_MAX else "64 hex digits name an image id, not a repository")
+    why = f"longer than {NAME_MAX} characters" if is_name(text) else _why_not_a_name(text)
     raise UserError(f"{flag} {text!r} is not a repository reference: {why}", fix=f"e.g. {flag} {EXAMPLE}")
 
 
@@ -71,8 +81,3 @@ def check_image(text: str, flag: str) -> str:
     raise UserError(f"{flag}: {text!r} is not an image reference (NAME[:TAG], Docker's reference grammar: lower-case "
                     "repository path, no scheme)", fix="e.g. debian:bookworm or 127.0.0.1:5555/bases/debian:bookworm")
 
-
-def repository_of(ref: str) -> str:
-    """The NAME part of a checked reference (tag and digest dropped)."""
-    m = REFERENCE.fullmatch(ref)
-    return m.group("name") if m else ref
