@@ -240,3 +240,66 @@ def test_a_source_build_under_emulation_is_refused_before_anything_runs(tmp_path
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert "compiles flash-attn-3 from source" in p.stderr and "--buildx-builder" in p.stderr
     assert not (ROOT / "locks" / "cu129-gpu-aarch64.txt").exists()
+
+
+def _tree(root: Path) -> dict:
+    """path -> (size, mtime_ns) of every file under ROOT: 'nothing written' compares two of these."""
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
+
+
+def test_a_foreign_matrix_never_writes_the_committed_images(tmp_path):
+    other = tmp_path / "other.toml"
+    other.write_text((ROOT / "matrix.toml").read_text())
+    before = _tree(ROOT / "images"), _tree(ROOT / "locks")
+    p = build("--matrix", str(other), "smoke", "--dry-run")
+    assert p.returncode == 0, p.stderr
+    assert (_tree(ROOT / "images"), _tree(ROOT / "locks")) == before
+    said = [ln for ln in p.stderr.splitlines() if "rendering into" in ln]
+    assert len(said) == 1, p.stderr
+    out = Path(said[0].split("rendering into ", 1)[1].split(" (")[0])
+    try:
+        assert (out / "images/smoke-x86_64/Dockerfile").read_bytes() == \
+            (ROOT / "images/smoke-x86_64/Dockerfile").read_bytes()
+        assert f"context = the repository with images/ and locks/ from {out}" in p.stdout
+        # the repository's fresh lock serves the same cell: copied, not re-resolved
+        assert (out / "locks/smoke-x86_64.txt").read_bytes() == (ROOT / "locks/smoke-x86_64.txt").read_bytes()
+        assert "lock: locks/smoke-x86_64.txt (fresh, used as is)" in p.stdout
+    finally:
+        import shutil
+        shutil.rmtree(out, ignore_errors=True)
+    given = build("--matrix", str(other), "smoke", "--dry-run", "-q", "--output-dir", str(tmp_path / "given"))
+    assert given.returncode == 0 and (tmp_path / "given/images/smoke-aarch64/Dockerfile").is_file()
+    refused = build("--matrix", str(other), "smoke", "--dry-run", "--output-dir", str(ROOT))
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert len(refused.stderr.splitlines()) == 1 and "choose another --output-dir" in refused.stderr
+    assert (_tree(ROOT / "images"), _tree(ROOT / "locks")) == before
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--registry", "127.0.0.1:5555/t"], "--registry 127.0.0.1:5555/t without --push: nothing would be pushed (add "
+                                         "--push"),
+    (["--push"], "--push needs --registry HOST[:PORT]/REPO (e.g. --registry 127.0.0.1:5555/trainbox)"),
+    (["--base", "debian:bookworm=Local/Base:1"], "--base: 'Local/Base:1' is not an image reference"),
+    (["--build-arg", "1X=2"], "--build-arg '1X=2': expected KEY=VALUE"),
+    (["--secret", "id=a,src=/nonexistent/token"], "file /nonexistent/token does not exist"),
+])
+def test_build_inputs_refused_before_any_work(tmp_path, args, needle):
+    """Checked when the options are made, before a file is rendered or an engine is asked (DOCKER_HOST: nothing)."""
+    env = {**__import__("os").environ, "DOCKER_HOST": "unix:///nonexistent/trainbox.sock"}
+    p = subprocess.run([sys.executable, str(ROOT / "build.py"), "smoke-x86_64", "--output-dir", str(tmp_path / "o"),
+                        *args], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert p.returncode == 2 and p.stdout == "" and "Traceback" not in p.stderr
+    assert p.stderr.count("\n") == 1 and p.stderr.startswith("error: ") and needle in p.stderr, p.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_no_engine_names_make_engine(tmp_path):
+    """DOCKER_HOST pointing at nothing: one line naming `make engine`, before any lock or build step."""
+    env = {**__import__("os").environ, "DOCKER_HOST": "unix:///nonexistent/trainbox.sock"}
+    p = subprocess.run([sys.executable, str(ROOT / "build.py"), "smoke-x86_64", "--output-dir", str(tmp_path)],
+                       capture_output=True, text=True, cwd=ROOT, env=env)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    err = p.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: no Docker engine answers at unix:///nonexistent/trainbox.sock")
+    assert "`make engine`" in err[0]
+    assert "DEPRECATED" not in p.stdout + p.stderr and "lock:" not in p.stdout
