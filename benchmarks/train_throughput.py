@@ -2,6 +2,7 @@
 
     python benchmarks/train_throughput.py sft   [--steps 40] [--work DIR]   # trl sft vs trainbox sft (Llama-3.2-1B shape)
     python benchmarks/train_throughput.py qlora [--steps 20]                # plain PEFT+bitsandbytes vs trainbox qlora (8B)
+    python benchmarks/train_throughput.py grpo  [--steps 12]                # trl grpo vs trainbox grpo (1B, vLLM if present)
     python benchmarks/train_throughput.py check                             # packed == alone with the GPU's kernel
 
 Models are random-init shapes built here, tokenizers are word-level ones built here (one token per word, so the
@@ -118,14 +119,17 @@ if _out:
 
     class _Measure(TrainerCallback):
         def __init__(self, trainer):
-            self.trainer, self.marks, self.losses = trainer, [], []
+            self.trainer, self.marks, self.losses, self.num_tokens = trainer, [], [], []
         def on_step_end(self, args, state, control, **kw):
             import torch
             ev = torch.cuda.Event(enable_timing=True); ev.record()
-            self.marks.append((state.global_step, ev, self.trainer._bench_tokens.clone()))
+            tokens = getattr(self.trainer, "_bench_tokens", None)
+            self.marks.append((state.global_step, ev, tokens.clone() if tokens is not None else torch.zeros(())))
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "loss" in logs:
                 self.losses.append((state.global_step, logs["loss"]))
+            if logs and "num_tokens" in logs:  # GRPO: prompt + completion tokens so far (its batches are rollouts)
+                self.num_tokens.append((state.global_step, logs["num_tokens"]))
         def on_train_end(self, args, state, control, **kw):
             import torch
             torch.cuda.synchronize()
@@ -136,6 +140,7 @@ if _out:
             tok = int((b[2] - a[2]).item())
             json.dump({"steps": b[0] - a[0], "seconds": secs, "real_tokens": tok,
                        "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "losses": self.losses,
+                       "num_tokens": self.num_tokens,
                        "gradient_checkpointing": bool(args.gradient_checkpointing),
                        "packing": bool(getattr(args, "packing", False)),
                        "padding_free": bool(getattr(args, "padding_free", False)),
@@ -151,6 +156,8 @@ if _out:
         # Real tokens of this micro-batch, summed on the GPU (no host sync): the mask where there is padding,
         # every position of a padding-free (flattened) batch.
         import torch
+        if not isinstance(inputs, dict):  # GRPO: raw prompts; its tokens come from the logged num_tokens
+            return _step(self, model, inputs, *a, **k)
         n = inputs["attention_mask"].sum() if "attention_mask" in inputs else torch.tensor(inputs["input_ids"].numel())
         n = n.to(inputs["input_ids"].device, torch.int64)
         self._bench_tokens = n if not hasattr(self, "_bench_tokens") else self._bench_tokens + n
@@ -335,6 +342,68 @@ def qlora(a) -> None:
     json.dump(results, open(work / "qlora-results.json", "w"), indent=1, default=str)
 
 
+def write_prompts(path: Path, rows: int, seed: int = 0) -> Path:
+    """GRPO rows as `grpo --preset gsm8k` makes them: the system prompt + a question (prompt messages), an answer."""
+    from entrypoints.rewards import SYSTEM_PROMPT
+
+    rng = random.Random(seed)
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / "train.jsonl", "w") as f:
+        for _ in range(rows):
+            question = " ".join(f"w{rng.randrange(WORDS)}" for _ in range(rng.randint(40, 160)))
+            f.write(json.dumps({"prompt": [{"role": "system", "content": SYSTEM_PROMPT},
+                                           {"role": "user", "content": question}],
+                                "answer": str(rng.randint(2, 1000))}) + "\n")
+    return path
+
+
+def grpo(a) -> None:
+    """`trl grpo` (GRPOTrainer with its defaults: transformers generate) vs `trainbox grpo` (its defaults: vLLM
+    colocate when vllm is installed), same model, prompts, rewards, batch, generations and completion length."""
+    import importlib.util
+
+    work = Path(a.work)
+    log = work / "grpo.log"
+    model = make_model(work / "llama-1b", "llama-1b")
+    data = write_prompts(work / "data-grpo", 64 * a.steps)
+    rewards = ["correctness", "int_format", "strict_format", "soft_format", "xmlcount"]
+    common = ["--model_name_or_path", str(model), "--per_device_train_batch_size", "16", "--num_generations", "8",
+              "--max_completion_length", "256", "--logging_steps", "1", "--save_strategy", "no", "--report_to",
+              "none", "--seed", "0", "--disable_tqdm", "true"]  # fmt: skip
+    py = sys.executable
+
+    def trl(out, steps):
+        return [py, "-m", "trl.cli.main", "grpo", "--dataset_name", str(data), "--output_dir", str(out),
+                "--max_steps", str(steps), "--reward_funcs", *[f"entrypoints.rewards.{r}" for r in rewards], *common]
+
+    def ours(out, steps):
+        return [py, "-m", "entrypoints", "grpo", "--dataset", str(data / "train.jsonl"), "--output_dir", str(out),
+                "--max_steps", str(steps), "--resume", "never", "--reward_funcs",
+                ",".join(f"rewards:{r}" for r in rewards), *common]
+
+    print(f"# grpo: llama-1b shape, 16 completions/step (2 prompts x 8), 256 completion tokens; vllm "
+          f"{'installed' if importlib.util.find_spec('vllm') else 'NOT installed'}", flush=True)
+    results = {}
+    run("warmup", trl(work / "o-warm", 3), work, log)  # a fresh GPU's first process: not reported
+    for i, (who, fn) in enumerate([("trl", trl), ("ours", ours), ("ours", ours), ("trl", trl)][: a.runs]):
+        label = f"grpo-{who}-{i}"
+        res = run(label, fn(work / f"o-{label}", a.steps), work, log)
+        if not res.get("failed"):
+            res["steps_per_s"] = res["steps"] / res["seconds"]
+            toks = dict(res.pop("num_tokens"))
+            print(f"RESULT {json.dumps({k: v for k, v in res.items() if k != 'losses'})}", flush=True)
+            print(f"  {label:<16} {res['steps_per_s']:.3f} steps/s  peak {res['peak_gib']:5.1f} GiB  "
+                  f"ckpt={res['gradient_checkpointing']} attn={res['attn']} params={res['param_dtype']} "
+                  f"tokens logged {max(toks.values()) if toks else 0:,.0f}", flush=True)
+        results[label] = res
+    o = [r["steps_per_s"] for k, r in results.items() if "-ours-" in k and "steps_per_s" in r]
+    t = [r["steps_per_s"] for k, r in results.items() if "-trl-" in k and "steps_per_s" in r]
+    if o and t:
+        print(f"SUMMARY grpo: ours {sum(o) / len(o):.3f} vs trl grpo {sum(t) / len(t):.3f} steps/s = "
+              f"{sum(o) / len(o) / (sum(t) / len(t)):.2f}x (runs {o} vs {t})", flush=True)
+    json.dump(results, open(work / "grpo-results.json", "w"), indent=1, default=str)
+
+
 def check(a) -> None:
     """Packed rows through the attention kernel this GPU gets == each example alone (bf16 tolerance)."""
     import torch
@@ -372,16 +441,16 @@ def check(a) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["sft", "qlora", "check"])
+    ap.add_argument("what", choices=["sft", "qlora", "grpo", "check"])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--kinds", nargs="+", default=["mix", "uniform"], choices=["mix", "uniform"])
-    ap.add_argument("--runs", type=int, default=4, help="qlora: how many of plain, ours, ours, plain")
+    ap.add_argument("--runs", type=int, default=4, help="qlora, grpo: how many of plain, ours, ours, plain")
     ap.add_argument("--no-loss-check", dest="loss_check", action="store_false")
     ap.add_argument("--loss-only", action="store_true", help="sft: only plain TRL vs ours on the same padded batches")
     ap.add_argument("--work", default=tempfile.mkdtemp(prefix="bench-"))
     a = ap.parse_args()
     Path(a.work).mkdir(parents=True, exist_ok=True)
-    {"sft": sft, "qlora": qlora, "check": check}[a.what](a)
+    {"sft": sft, "qlora": qlora, "grpo": grpo, "check": check}[a.what](a)
 
 
 if __name__ == "__main__":

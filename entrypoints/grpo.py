@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from entrypoints import config, data, launch, lifecycle, rewards, runlog
+from entrypoints import config, data, launch, lifecycle, rewards, runlog, speed, throughput
 from entrypoints.errors import UsageError
 
 PROG = "trainbox grpo"
@@ -395,6 +395,9 @@ def train(script, args, model_args, checked: Checked) -> int:
             + (f"; resuming from {checked.resume}" if checked.resume else ""),
             flush=True,
         )
+    line = choose_checkpointing(args, model_args, checked.mode, script.max_prompt_tokens)
+    if lifecycle.is_main_process():
+        print(f"[trainbox] grpo: {line}", flush=True)
     trainer = build_trainer(args, model_args, checked.mode, checked.funcs, checked.dataset, preemption)
     if lifecycle.is_main_process():
         print(f"[trainbox] grpo: {describe_model(trainer.model)}", flush=True)
@@ -403,6 +406,23 @@ def train(script, args, model_args, checked: Checked) -> int:
         trainer.save_model(out)
     lifecycle.finish(trainer, out, started, "grpo")
     return lifecycle.exit_code()
+
+
+def choose_checkpointing(args, model_args, mode: str, max_prompt_tokens: int | None) -> str:
+    """TRL turns gradient checkpointing on for GRPO; full fine-tuning turns it off when the policy's training memory
+    fits in what colocated vLLM leaves (speed.py's estimate; the micro-batch is prompt + completion tokens of each
+    completion). LoRA/QLoRA keep TRL's choice: their point is fitting a big base in little memory."""
+    if mode != "full" or "gradient_checkpointing" in config.explicit(args):
+        return (f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'} ("
+                + ("set by you" if "gradient_checkpointing" in config.explicit(args) else f"{mode}: TRL's default") + ")")
+    free = speed.free_gpu_bytes()
+    if free is not None and args.use_vllm and args.vllm_mode == "colocate":
+        import torch
+
+        free -= int(args.vllm_gpu_memory_utilization * torch.cuda.mem_get_info()[1])
+    tokens = args.per_device_train_batch_size * ((max_prompt_tokens or 512) + args.max_completion_length)
+    facts = speed.model_facts(model_args.model_name_or_path, model_args.model_revision)
+    return speed.choose_checkpointing(args, facts, shards=1, free=free, tokens=tokens)
 
 
 def describe_model(model) -> str:
@@ -447,7 +467,8 @@ def build_trainer(args, model_args, mode, funcs, ds, preemption):
         train_dataset=ds,
         peft_config=get_peft_config(model_args) if mode != "full" else None,
         quantization_config=quant,
-        callbacks=[preemption],
+        # Steady steps/s and tokens/s for the summary (no MFU: rollouts are most of a GRPO step's work).
+        callbacks=[preemption, throughput.Throughput()],
     )
 
 

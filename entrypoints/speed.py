@@ -92,9 +92,10 @@ def _optim_name(args) -> str:
     return str(getattr(args.optim, "value", args.optim))
 
 
-def choose_checkpointing(args, f: ModelFacts, shards: int, free: int | None) -> str:
-    """Set args.gradient_checkpointing unless the user did; return the line that says what and why."""
-    tokens = args.per_device_train_batch_size * (args.max_length or 1024)
+def choose_checkpointing(args, f: ModelFacts, shards: int, free: int | None, tokens: int | None = None) -> str:
+    """Set args.gradient_checkpointing unless the user did; return the line that says what and why. `tokens`: of one
+    micro-batch (default: batch x max_length, SFT's worst case)."""
+    tokens = tokens or args.per_device_train_batch_size * (getattr(args, "max_length", None) or 1024)
     est = estimate_bytes(f, tokens, _optim_name(args), shards)
     detail = (f"estimate {est['total'] / GiB:.1f} GiB = states {est['states'] / GiB:.1f} + bf16 copies "
               f"{est['casts'] / GiB:.1f} + activations {est['activations'] / GiB:.1f} for {tokens} tokens/micro-batch")

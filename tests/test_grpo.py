@@ -418,3 +418,21 @@ def test_colocated_vllm_share_is_sized_from_the_gpu():
     assert rollout_memory_share(80 * gib)[0] == 0.3  # H100
     assert rollout_memory_share(24 * gib)[0] == 0.5  # a 24 GiB card: at most half for rollouts
     assert rollout_memory_share(1000 * gib)[0] == 0.15  # floor
+
+
+def test_checkpointing_is_chosen_for_full_and_left_to_trl_for_adapters(tiny_model, gsm8k_file, tmp_path):
+    """TRL turns checkpointing on for GRPO; full fine-tuning decides from the memory estimate (CPU: off, memory is
+    not the limit), lora/qlora keep TRL's choice, and the user's flag wins."""
+    from entrypoints.grpo import choose_checkpointing, finalize, parse
+
+    def decide(mode, *extra):
+        script, _launch, raw, model_args = parse(["--model_name_or_path", str(tiny_model), "--dataset", str(gsm8k_file),
+                                                  "--preset", "gsm8k", "--output_dir", str(tmp_path), *extra])
+        args = finalize(raw, 1)
+        args.use_vllm = False
+        return choose_checkpointing(args, model_args, mode, None), args.gradient_checkpointing
+
+    line, on = decide("full")
+    assert (line, on) == ("gradient checkpointing off (CPU: memory is not the limit)", False)
+    assert decide("lora") == ("gradient checkpointing on (lora: TRL's default)", True)
+    assert decide("full", "--gradient_checkpointing", "true") == ("gradient checkpointing on (set by you)", True)
