@@ -118,3 +118,63 @@ def test_cli_bad_base_exits_2_with_one_line(engine):  # noqa: F811
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     err = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(err) == 1 and "smoke-x86_64" in err[0] and f"FROM {missing}" in err[0]
+    # the next step is named: substitute the base, or make local test bases
+    assert f"the base {missing} cannot be pulled from here" in err[0] and "--base OLD=NEW" in err[0]
+    assert "`make bases`" in err[0]
+
+
+def test_a_step_with_long_output_is_named_by_its_instruction(tmp_path, test_base):  # noqa: F811
+    """600 lines of output push BuildKit's `#N [k/n] RUN ...` header out of any tail: the error still names the
+    instruction and its Dockerfile line, never a bare `#N`."""
+    ctx = _ctx(tmp_path, """\
+        RUN echo ok
+        RUN i=0; while [ $i -lt 600 ]; do echo "line $i"; i=$((i+1)); done; exit 3
+        """)
+    with pytest.raises(UserError) as e:
+        _build(ctx, "fail-long", test_base, no_cache=True)
+    msg = str(e.value)
+    assert 'failed at `RUN i=0; while [ $i -lt 600 ]; do echo "line $i"; i=$((i+1)); done; exit 3 (Dockerfile:4, ' \
+        in msg, msg
+    assert "exit code: 3" in msg and " #" not in msg.split("failed at")[1].split(":")[0]
+
+
+@pytest.fixture
+def https_index(tmp_path):
+    """A PEP 503 index over HTTPS with a self-signed certificate (what a TLS-intercepting proxy looks like to pip)."""
+    import http.server
+    import ssl
+    import threading
+    from functools import partial
+
+    key, crt = tmp_path / "key.pem", tmp_path / "crt.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-days", "1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(crt)],
+                   check=True, capture_output=True)
+    root = tmp_path / "index"
+    (root / "simple" / "trainbox-probe").mkdir(parents=True)
+    (root / "simple" / "trainbox-probe" / "index.html").write_text("<html><body></body></html>\n")
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), partial(http.server.SimpleHTTPRequestHandler,
+                                                                        directory=str(root)))
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(crt, key)
+    server.socket = tls.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"https://127.0.0.1:{server.server_address[1]}/simple/"
+    server.shutdown()
+
+
+def test_tls_failure_names_the_certificate_and_the_fix(tmp_path, test_base, https_index):  # noqa: F811
+    """pip hides CERTIFICATE_VERIFY_FAILED behind "No matching distribution found"; the error says the cause and
+    where the CA goes."""
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    _ctx(ctx, f"""\
+        RUN python3 -m venv /opt/venv && /opt/venv/bin/pip install --retries 0 --timeout 10 --index-url {https_index} trainbox-probe==0.1
+        """)
+    with pytest.raises(UserError) as e:
+        _build(ctx, "fail-tls", test_base, no_cache=True)
+    msg = str(e.value)
+    assert "cell fail-tls" in msg and "RUN python3 -m venv" in msg, msg
+    assert "TLS certificate verification failed (CERTIFICATE_VERIFY_FAILED)" in msg, msg
+    assert "No matching distribution found for trainbox-probe==0.1" in msg, msg
+    assert "images/certs/NAME.crt" in msg
