@@ -119,3 +119,27 @@ def test_entrypoints_change_rebuilds_and_repushes_only_the_last_layer(pushed, tm
     assert res.pushed_layers == 1
     assert 0 < res.pushed_bytes < 1_000_000 < res.size
     assert skopeo_digest(f"{pushed['repo']}:smoke-x86_64") == res.digest
+
+
+def test_a_failed_push_leaves_no_tag(smoke_build, test_base):  # noqa: F811
+    """`--push` to a registry that is not there: exit 2, one line; every registry-prefixed tag the run made is gone
+    and a tag that named another image before the run names it again."""
+    repo = f"127.0.0.1:1/trainbox-dead-{uuid.uuid4().hex[:6]}"
+    cell = smoke_cells()["x86_64"]
+    docker("pull", "-q", test_base)   # another image than the one the run builds
+    old = docker("image", "inspect", "--format", "{{.Id}}", test_base).stdout.strip()
+    kept = f"{repo}:{cell.version_tags[-1]}"
+    docker("tag", old, kept)   # an earlier image under one of the refs this run moves
+    try:
+        cmd = [sys.executable, "build.py", "--cell", "smoke", "--arch", "x86_64", "--push", "--registry", repo,
+               "--quiet", "--base", f"{cell.base_image}={test_base}",
+               "--wheelhouse", torch_wheelhouse(cell.requirement("torch")), "--secret", f"id=hf_token,src={secret_file()}"]
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3000)
+        assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
+        err = r.stderr.strip().splitlines()
+        assert len(err) == 1 and f"push of cell smoke-x86_64 to {repo}:" in err[0] and "Traceback" not in r.stderr
+        left = docker("image", "ls", "--format", "{{.Repository}}:{{.Tag}} {{.ID}}", repo).stdout.split("\n")
+        left = [ln for ln in left if ln.strip()]
+        assert len(left) == 1 and left[0].startswith(f"{kept} ") and old.split(":")[-1].startswith(left[0].split()[1])
+    finally:
+        docker("rmi", kept, check=False)
