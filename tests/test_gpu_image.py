@@ -42,10 +42,9 @@ def built(tmp_path_factory):
     render.write_cells(cells, root=ctx)
     assert not lock.is_fresh(cells[0], ctx)     # missing or stale (python 3.11 here): the build must lock it
     registry = f"{info['registry']}/gpuimage"
-    args = SimpleNamespace(push=True, registry=registry, wheelhouse=None, builder="auto", no_cache=False,
-                           report=str(ctx / "report.json"), secret=[], sqsh=None, quiet=False, context=str(ctx),
-                           base=[f"{cells[0].base_image}={base_ref()}"], index_overrides={}, build_arg=[],
-                           frozen=False, buildx_builder=None)
+    # output_dir=ctx: the build locks into ctx and builds from the repository with ctx's images/ and locks/ laid over
+    args = eng.BuildOptions(output_dir=ctx, registry=registry, report=str(ctx / "report.json"),
+                            bases={cells[0].base_image: base_ref()})
     t0 = time.monotonic()
     assert eng.build_cells(cells, args) == 0
     seconds = time.monotonic() - t0
