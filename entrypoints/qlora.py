@@ -4,7 +4,8 @@ Usage: `python -m entrypoints.qlora --model_name_or_path M --dataset D [--merge]
 Options: TRL's SFTConfig (TrainingArguments included), TRL's ModelConfig (4-bit and LoRA settings) and the dataset
 options of `sft`. Defaults: load_in_4bit, nf4, nested (double) quant, bf16 compute, LoRA r=16 alpha=32 on
 all-linear, gradient checkpointing, learning rate 2e-4, paged 8-bit AdamW on GPU (plain AdamW on CPU, where paged
-optimizers do not exist). Data: chat `messages`, dolly-style instruction/context|input/response|output, verl gsm8k.
+optimizers do not exist). Across GPUs (more than one process): FSDP2 shards the 4-bit base (bf16 quant storage) and
+the adapters, fused AdamW. Data: chat `messages`, dolly-style instruction/context|input/response|output, verl gsm8k.
 The adapter goes to OUTPUT_DIR; with --merge, the base in bf16 + adapter merged goes to OUTPUT_DIR/merged.
 """
 
@@ -29,7 +30,13 @@ def qlora_defaults() -> dict:
     import torch
 
     gpu = torch.cuda.is_available()
+    sharded = gpu and int(os.environ.get("WORLD_SIZE", "1")) > 1
     return {
+        # Across GPUs: FSDP2 shards the base too. It can shard 4-bit weights only when they are stored in a float
+        # dtype (bf16 storage: same bytes, two nf4 values per byte pair), and bitsandbytes' 8-bit optimizers don't
+        # step sharded (DTensor) parameters; the LoRA states are small, so fused AdamW costs little memory.
+        **(dict(sft.FSDP2_GPU, bnb_4bit_quant_storage="bfloat16", optim="adamw_torch_fused",
+                gradient_checkpointing_kwargs={"use_reentrant": False}) if sharded else {}),
         "load_in_4bit": True,
         "bnb_4bit_quant_type": "nf4",
         "use_bnb_nested_quant": True,
@@ -42,7 +49,7 @@ def qlora_defaults() -> dict:
         "gradient_checkpointing": True,
         "learning_rate": 2e-4,
         # bitsandbytes' paged optimizers need CUDA unified memory.
-        "optim": "paged_adamw_8bit" if gpu else "adamw_torch",
+        "optim": "adamw_torch_fused" if sharded else "paged_adamw_8bit" if gpu else "adamw_torch",
         "include_num_input_tokens_seen": True,
         "logging_steps": 10,
         "save_steps": 200,
@@ -89,7 +96,7 @@ def load_quantized(model_args, attn_implementation: str | None = None):
     # TRL's own helper builds the BitsAndBytesConfig from ModelConfig (as `grpo` does): nf4, double quant, compute
     # dtype = --dtype, storage = --bnb_4bit_quant_storage.
     quant = get_quantization_config(model_args)
-    # Each rank holds a whole (quantized) copy on its own device: DDP, not sharding.
+    # Each rank loads a whole (quantized) copy onto its own device; under FSDP2 the Trainer then shards it.
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
     return AutoModelForCausalLM.from_pretrained(
         model_args.model_name_or_path,
@@ -119,6 +126,27 @@ def save_merged(model_args, adapter_dir: str, tokenizer) -> str:
     return final
 
 
+def save_adapter(trainer, output_dir: str) -> None:
+    """The adapter (adapter_config.json + weights) as one loadable set. Under FSDP2 only the LoRA weights are gathered
+    (every rank joins each all-gather, the first process writes): a full state dict of the sharded 4-bit base is
+    never built (it hung in accelerate's FULL_STATE_DICT path on 2 GPUs, and it is not what an adapter needs)."""
+    if not trainer.is_fsdp_enabled:
+        trainer.save_model(output_dir)
+        return
+    from torch.distributed.tensor import DTensor
+
+    state = {}
+    for name, p in trainer.model.named_parameters():
+        if p.requires_grad:
+            full = p.full_tensor() if isinstance(p, DTensor) else p.data
+            state[name] = full.detach().to("cpu")
+    if trainer.accelerator.is_main_process:
+        # PeftModel.save_pretrained keeps the adapter's keys (lora_*) and drops the adapter name, as usual.
+        trainer.model.save_pretrained(output_dir, state_dict=state)
+        trainer.processing_class.save_pretrained(output_dir)
+    trainer.accelerator.wait_for_everyone()
+
+
 def train(data_args, q_args, model_args, training_args, name: str = "qlora") -> int:
     from trl import SFTTrainer
 
@@ -138,7 +166,7 @@ def train(data_args, q_args, model_args, training_args, name: str = "qlora") -> 
             f"outputs {training_args.output_dir}" + (f", resuming from {ckpt}" if ckpt else ""),
             flush=True,
         )
-    choice, facts = sft.tune(model_args, training_args, shards=1, checkpointing=False)
+    choice, facts = sft.tune(model_args, training_args, shards=sft._shards(training_args), checkpointing=False)
     model = load_quantized(model_args, choice.impl)
     # TRL tokenizes and packs inside the constructor, on every rank at once, into one datasets cache (shared by
     # the nodes of a job on shared storage): the first process fills it, the others then read it.
@@ -151,10 +179,10 @@ def train(data_args, q_args, model_args, training_args, name: str = "qlora") -> 
             peft_config=peft_config,
             callbacks=[lifecycle.PreemptionCallback(), throughput.Throughput()],
         )
-    sft.finish_tuning(trainer, facts)
+    sft.finish_tuning(trainer, facts, qlora=True)
     trainer.train(resume_from_checkpoint=ckpt)
     if not lifecycle.was_preempted():
-        trainer.save_model(training_args.output_dir)  # the adapter (adapter_config.json + weights)
+        save_adapter(trainer, training_args.output_dir)
         if q_args.merge:
             trainer.accelerator.wait_for_everyone()
             if lifecycle.is_main_process():

@@ -19,6 +19,7 @@ import threading
 from pathlib import Path
 
 from . import atomic, lifecycle
+from .errors import UsageError
 
 _active: Path | None = None  # the log being kept by this process (nested runs add nothing)
 
@@ -115,7 +116,14 @@ def kept(name: str, output_dir: str | Path, *, node_rank: int = 0, streams: bool
         yield _active
         return
     path = log_path(output_dir, name, node_rank)
+    created = []  # the folders this log creates: removed again after bad input (nothing half-written)
+    for folder in (path.parent, *path.parent.parents):
+        if folder.exists():
+            break
+        created.append(folder)
     path.parent.mkdir(parents=True, exist_ok=True)
+    new_log = not path.exists()
+    bad_input = False
     with open(path, "ab", buffering=0) as raw:
         raw.write(f"$ trainbox {name} {' '.join(map(str, argv))}\n".encode())
         _active = path
@@ -130,9 +138,18 @@ def kept(name: str, output_dir: str | Path, *, node_rank: int = 0, streams: bool
             else:
                 with _tee_fds(raw):
                     yield path
+        except UsageError:
+            bad_input = True
+            raise
         finally:
             _active = None
-            copy_to_artifacts(path, output_dir)
+            if not bad_input:
+                copy_to_artifacts(path, output_dir)
+            elif new_log:  # the error line went to the terminal; no log or output folder is left behind
+                path.unlink(missing_ok=True)
+                for folder in created:
+                    with contextlib.suppress(OSError):
+                        folder.rmdir()
 
 
 def keeps_log_here(plan) -> bool:

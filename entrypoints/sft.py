@@ -149,9 +149,11 @@ def tune(model_args, training_args, shards: int, checkpointing: bool = True):
     return choice, facts
 
 
-def finish_tuning(trainer, facts) -> None:
-    """After the trainer is built: FSDP2 policies on accelerate's plugin, FLOPs per token for the summary's MFU."""
-    line = speed.tune_fsdp(trainer, activation_checkpointing=bool(trainer.args.gradient_checkpointing))
+def finish_tuning(trainer, facts, qlora: bool = False) -> None:
+    """After the trainer is built: FSDP2 policies on accelerate's plugin, FLOPs per token for the summary's MFU.
+    qlora: checkpointing stays the model's own (PEFT prepared the 4-bit model for it), and memory comes first."""
+    line = speed.tune_fsdp(trainer, activation_checkpointing=not qlora and bool(trainer.args.gradient_checkpointing),
+                           memory_first=qlora)
     if line and lifecycle.is_main_process():
         print(f"[trainbox] {line}", flush=True)
     cb = lifecycle.find_callback(trainer, throughput.Throughput)

@@ -177,6 +177,9 @@ def choose_precision(args, model_args, on_gpu: bool, shards: int) -> str:
         return f"precision: {model_args.dtype} weights (set by you)"
     if not on_gpu or not args.bf16:
         return "precision: float32" + (" (CPU)" if not on_gpu else "")
+    if getattr(model_args, "load_in_4bit", False):
+        return (f"precision: 4-bit {model_args.bnb_4bit_quant_type} base, {model_args.dtype} compute"
+                + (", base and adapters sharded by FSDP2 (bf16 quant storage)" if shards > 1 else ""))
     if shards > 1:
         return "precision: float32 shards, bf16 compute, fp32 gradient reduction (FSDP2)"
     optim = _optim_name(args)
@@ -187,10 +190,11 @@ def choose_precision(args, model_args, on_gpu: bool, shards: int) -> str:
     return f"precision: bf16 weights, float32 master weights in the optimizer ({optim}); no autocast casts"
 
 
-def tune_fsdp(trainer, activation_checkpointing: bool) -> str | None:
+def tune_fsdp(trainer, activation_checkpointing: bool, memory_first: bool = False) -> str | None:
     """FSDP2 on GPUs: bf16 compute with fp32 gradient reduction, no re-shard after forward inside one node (the
     all-gathered layer stays for backward; across nodes memory wins), checkpointing through FSDP's own wrapper.
-    Set on accelerate's plugin before train() wraps the model."""
+    Set on accelerate's plugin before train() wraps the model. memory_first (qlora): re-shard after forward on one
+    node too, since keeping every gathered layer would hold a whole copy of the base on each GPU."""
     if not getattr(trainer, "is_fsdp_enabled", False):
         return None
     import torch
@@ -198,11 +202,12 @@ def tune_fsdp(trainer, activation_checkpointing: bool) -> str | None:
 
     plugin = trainer.accelerator.state.fsdp_plugin
     single_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) == int(os.environ.get("WORLD_SIZE", "1"))
-    plugin.reshard_after_forward = not single_node
+    plugin.reshard_after_forward = memory_first or not single_node
     plugin.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                                          output_dtype=torch.bfloat16)
     if activation_checkpointing:
         plugin.activation_checkpointing = True
         trainer.args.gradient_checkpointing = False
-    return (f"FSDP2: bf16 compute, fp32 reduce, reshard after forward {'off (one node)' if single_node else 'on'}"
+    reshard = ("on (memory first)" if memory_first else "on") if plugin.reshard_after_forward else "off (one node)"
+    return (f"FSDP2: bf16 compute, fp32 reduce, reshard after forward {reshard}"
             + (", activation checkpointing by FSDP" if activation_checkpointing else ""))

@@ -1,7 +1,10 @@
 """GPU check for `qlora`: 4-bit nf4 base + LoRA all-linear, paged 8-bit AdamW, gradient checkpointing, on a local
 model (or a ~100M Llama built here); prints steps/s, tokens/s and peak GPU memory; --merge also times the merge.
 
-    python tests/gpu/check_qlora.py [--model PATH] [--steps 30] [--seq 1024] [--batch 8] [--merge] [--json out.json]
+    python tests/gpu/check_qlora.py [--model PATH] [--steps 30] [--seq 1024] [--batch 8] [--merge] [--nproc N]
+                                    [--json out.json]
+
+With --nproc N > 1 the entrypoint's launcher starts torchrun and the base is sharded with FSDP2 (bf16 quant storage).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=8, help="per-device batch size")
     ap.add_argument("--merge", action="store_true", help="also save the merged model")
+    ap.add_argument("--nproc", type=int, help="processes (default: 1; >1 shards the 4-bit base with FSDP2)")
     ap.add_argument("--work", help="work directory (default: a temporary one)")
     ap.add_argument("--json", help="also write the result here")
     a = ap.parse_args()
@@ -33,6 +37,8 @@ def main() -> int:
             "--disable_tqdm", "true"]  # fmt: skip
     if a.merge:
         args.append("--merge")
+    if a.nproc:
+        args += ["--nproc-per-node", str(a.nproc)]
     result = run_entrypoint("qlora", args, work / "qlora.log")
     if a.merge:
         result["merged"] = (work / "out" / "merged" / "config.json").is_file()
