@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from entrypoints import config, data, launch, lifecycle, rewards, runlog, speed, throughput
+from entrypoints import attention, config, data, launch, lifecycle, rewards, runlog, speed, throughput
 from entrypoints.errors import UsageError
 
 PROG = "trainbox grpo"
@@ -72,6 +72,14 @@ class GRPOScriptArgs:
         metadata={
             "help": "Drop training prompts longer than this many tokens (TRL 1.16 no longer truncates prompts; the "
             "old max_prompt_length is translated to this)."
+        },
+    )
+    padding_free: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Policy (and reference) log-prob forward on packed rows of only the real tokens "
+            "(grpo_padding_free.py). Default: on where the attention kernel keeps packed sequences apart "
+            "(FlashAttention, PyTorch varlen; on CPU a block-diagonal mask), off with SDPA on a GPU."
         },
     )
 
@@ -396,9 +404,12 @@ def train(script, args, model_args, checked: Checked) -> int:
             flush=True,
         )
     line = choose_checkpointing(args, model_args, checked.mode, script.max_prompt_tokens)
+    lines = [line, *choose_policy_forward(script, args, model_args)]
     if lifecycle.is_main_process():
-        print(f"[trainbox] grpo: {line}", flush=True)
-    trainer = build_trainer(args, model_args, checked.mode, checked.funcs, checked.dataset, preemption)
+        for line in lines:
+            print(f"[trainbox] grpo: {line}", flush=True)
+    trainer = build_trainer(args, model_args, checked.mode, checked.funcs, checked.dataset, preemption,
+                            padding_free=script.padding_free)
     if lifecycle.is_main_process():
         print(f"[trainbox] grpo: {describe_model(trainer.model)}", flush=True)
     trainer.train(resume_from_checkpoint=checked.resume)
@@ -425,6 +436,37 @@ def choose_checkpointing(args, model_args, mode: str, max_prompt_tokens: int | N
     return speed.choose_checkpointing(args, facts, shards=1, free=free, tokens=tokens)
 
 
+def choose_policy_forward(script, args, model_args) -> list[str]:
+    """The policy's attention kernel (attention.choose, as sft) and whether its log-prob forward is padding-free;
+    sets model_args.attn_implementation and script.padding_free, returns the lines to print.
+
+    Padding-free needs a kernel that keeps packed sequences apart: FlashAttention or torch's varlen kernel take the
+    boundaries from the position ids. SDPA can only do it through a dense block mask over the whole packed row:
+    on a GPU that is quadratic in the chunk's tokens (padding-free stays off); on CPU it is the only kernel and correct.
+    """
+    import torch
+
+    init = args.model_init_kwargs or {}
+    requested = (model_args.attn_implementation if "attn_implementation" in config.explicit(model_args)
+                 else init.get("attn_implementation"))
+    choice = attention.choose(requested)
+    model_args.attn_implementation = choice.impl  # our aliases (varlen, fa2, ...) resolved to transformers' names
+    if "attn_implementation" in init:
+        args.model_init_kwargs = {**init, "attn_implementation": choice.impl}
+    on_gpu = torch.cuda.is_available() and not args.use_cpu
+    if script.padding_free is not None:
+        why = "set by --padding_free"
+    elif choice.packed or not on_gpu:
+        script.padding_free = True
+        why = "the kernel keeps packed sequences apart" if choice.packed else "CPU: a block-diagonal mask"
+    else:
+        script.padding_free = False
+        why = f"{choice.impl} on a GPU could keep packed sequences apart only with a dense mask"
+    how = ("padding-free (one packed row of real tokens per chunk; no compute on padding)" if script.padding_free
+           else "padded rows (TRL's)")
+    return [choice.line(), f"policy forward: {how}: {why}"]
+
+
 def describe_model(model) -> str:
     """What was actually loaded: weight format and trainable share (shows that qlora really is 4-bit + LoRA)."""
     import torch
@@ -443,8 +485,11 @@ def describe_model(model) -> str:
     return f"loaded: base weights {weights}{lora}; trainable {trainable:,} of {total:,} parameters"
 
 
-def build_trainer(args, model_args, mode, funcs, ds, preemption):
+def build_trainer(args, model_args, mode, funcs, ds, preemption, padding_free: bool = False):
     from trl import GRPOTrainer, get_peft_config, get_quantization_config
+
+    if padding_free:
+        from entrypoints.grpo_padding_free import PaddingFreeGRPOTrainer as GRPOTrainer
 
     init = dict(args.model_init_kwargs or {})
     init.setdefault("revision", model_args.model_revision)

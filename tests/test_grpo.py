@@ -314,6 +314,8 @@ def test_gsm8k_end_to_end_with_default_output_artifacts_and_tensorboard(tiny_mod
                  cwd=tmp_path, env={"OUTPUT_DIR": str(out), "SAKURA_ARTIFACT_DIR": str(art)})
     assert r.returncode == 0, r.stderr[-3000:]
     assert "rollouts: transformers generate (auto: vllm not installed)" in r.stdout
+    # On CPU the policy's log-prob forward is packed (test_padding_free_* check its numbers against TRL's).
+    assert "grpo: policy forward: padding-free" in r.stdout and "CPU: a block-diagonal mask" in r.stdout
     summary = [line for line in r.stdout.splitlines() if line.startswith("[trainbox] grpo done:")]
     assert summary and "steps 2/2" in summary[0] and f"outputs {out}" in summary[0] and "tokens/s" in summary[0]
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
@@ -436,3 +438,116 @@ def test_checkpointing_is_chosen_for_full_and_left_to_trl_for_adapters(tiny_mode
     assert (line, on) == ("gradient checkpointing off (CPU: memory is not the limit)", False)
     assert decide("lora") == ("gradient checkpointing on (lora: TRL's default)", True)
     assert decide("full", "--gradient_checkpointing", "true") == ("gradient checkpointing on (set by you)", True)
+
+
+# ---------------------------------------------------------------- padding-free policy forward
+
+
+@pytest.fixture(scope="module")
+def scoring_trainer(tiny_model, tmp_path_factory):
+    """A real (padding-free) GRPOTrainer on the tiny Llama: TRL's fused LM head is on the model as in training."""
+    import datasets
+    from trl import GRPOConfig
+
+    from entrypoints.grpo_padding_free import PaddingFreeGRPOTrainer
+
+    args = GRPOConfig(output_dir=str(tmp_path_factory.mktemp("pf")), num_generations=2, per_device_train_batch_size=4,
+                      max_completion_length=8, bf16=False, report_to="none", use_cpu=True,
+                      model_init_kwargs={"attn_implementation": "sdpa", "dtype": "float32"})
+    return PaddingFreeGRPOTrainer(model=str(tiny_model), reward_funcs=lambda completions, **k: [0.0] * len(completions),
+                                  args=args, train_dataset=datasets.Dataset.from_list([{"prompt": "a b"}] * 4))
+
+
+def scoring_batch(trainer):
+    """TRL's layout: prompts left-padded, completions right-padded; every row's prompt and completion differ in length
+    (one completion empty, as mask_truncated_completions leaves a truncated one)."""
+    import torch
+
+    prompts = [[5, 17, 33], [8, 9, 10, 11, 12, 13, 40], [21], [7, 7, 30, 31, 32]]
+    completions = [[44, 45, 46, 47, 48], [50, 51], [60, 61, 62, 63, 64, 65, 66], []]
+    pad = trainer.processing_class.pad_token_id
+    p, c = max(map(len, prompts)), max(map(len, completions))
+    ids = torch.tensor([[pad] * (p - len(a)) + a + b + [pad] * (c - len(b)) for a, b in zip(prompts, completions)])
+    mask = torch.tensor([[0] * (p - len(a)) + [1] * (len(a) + len(b)) + [0] * (c - len(b))
+                         for a, b in zip(prompts, completions)])
+    return ids, mask, mask[:, p:], c
+
+
+@pytest.mark.parametrize("chunk", [None, 3])  # TRL chunks rows by per_device_train_batch_size when scoring
+def test_padding_free_logps_and_entropies_match_the_padded_forward(scoring_trainer, chunk):
+    import torch
+    from trl import GRPOTrainer
+
+    trainer = scoring_trainer
+    model = trainer.model
+    ids, mask, completion_mask, k = scoring_batch(trainer)
+    keep = completion_mask.bool()
+
+    def score(method):
+        model.zero_grad()
+        logps, ents, _ = method(trainer, model, ids, mask, k, batch_size=chunk, compute_entropy=True)
+        (logps * completion_mask).sum().backward()  # the loss only sees completion positions
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        return logps.detach(), ents.detach(), grads
+
+    padded = score(GRPOTrainer._get_per_token_logps_and_entropies)
+    packed = score(type(trainer)._get_per_token_logps_and_entropies)
+    assert padded[0].shape == packed[0].shape == (4, k)
+    torch.testing.assert_close(packed[0][keep], padded[0][keep], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(packed[1][keep], padded[1][keep], rtol=1e-4, atol=1e-4)
+    # Padding positions: 0, as TRL's fused head gives them (masked by the loss anyway).
+    assert not packed[0][~keep].any() and not packed[1][~keep].any()
+    assert (packed[0][keep] < 0).all()  # real log-probs, not the zeros of an unscored position
+    for a, b in zip(packed[2], padded[2], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_padding_free_falls_back_to_trl_where_it_cannot_pack(scoring_trainer, monkeypatch):
+    """Multimodal inputs and rows whose real tokens are not one run go to TRL's own padded method."""
+    import torch
+    from trl import GRPOTrainer
+
+    from entrypoints.grpo_padding_free import packable
+
+    calls = []
+    real = GRPOTrainer._get_per_token_logps_and_entropies
+    monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies",
+                        lambda self, *a, **k: calls.append(k) or real(self, *a, **k))
+    ids, mask, _, k = scoring_batch(scoring_trainer)
+    model = scoring_trainer.model
+    with torch.no_grad():
+        scoring_trainer._get_per_token_logps_and_entropies(model, ids, mask, k)
+        assert calls == []  # packed: TRL's method not called
+        holed = mask.clone()
+        holed[1, -k] = 0  # a hole inside row 1's completion
+        assert not packable(holed, k) and packable(mask, k)
+        scoring_trainer._get_per_token_logps_and_entropies(model, ids, holed, k)
+        scoring_trainer._get_per_token_logps_and_entropies(model, ids, mask, k, token_type_ids=torch.zeros_like(ids))
+    assert len(calls) == 2 and calls[1]["token_type_ids"] is not None
+
+
+def test_policy_forward_choice(tiny_model, gsm8k_file, monkeypatch):
+    import torch
+
+    from entrypoints import attention
+
+    def decide(*extra, gpu=False, runs=()):
+        script, args, model_args = parsed(["--model_name_or_path", str(tiny_model), "--dataset", str(gsm8k_file),
+                                           "--num_generations", "4", "--per_device_train_batch_size", "4", *extra])
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+        args.use_cpu = not gpu  # parsed here without a GPU, the config says CPU
+        # attention.choose's own decision on a pretend sm90 GPU where only the kernels in `runs` work.
+        monkeypatch.setattr(attention, "choose", lambda req=None: attention.decide(
+            {"attention_backend": "fa3"}, (9, 0) if gpu else None, lambda n: None if n in runs else "absent", req))
+        lines = grpo.choose_policy_forward(script, args, model_args)
+        monkeypatch.undo()
+        return script.padding_free, model_args.attn_implementation, lines[-1]
+
+    assert decide() == (True, "sdpa", "policy forward: padding-free (one packed row of real tokens per chunk; no "
+                                      "compute on padding): CPU: a block-diagonal mask")
+    on, impl, line = decide(gpu=True, runs=("varlen",))
+    assert (on, impl) == (True, attention.VARLEN) and line.endswith("the kernel keeps packed sequences apart")
+    on, impl, line = decide(gpu=True)
+    assert (on, impl) == (False, "sdpa") and "padded rows (TRL's)" in line and "dense mask" in line
+    assert decide("--padding_free", "false")[0] is False
+    assert decide("--attn_implementation", "flash_attention_2", gpu=True)[:2] == (True, "flash_attention_2")
