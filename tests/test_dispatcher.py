@@ -243,7 +243,7 @@ def start_as_image(pkg, args):
     """`docker run IMAGE sft ARGS`: the image's ENTRYPOINT as PID 1 of a new PID namespace, the dispatcher under it
     (the image's /usr/local/bin/trainbox is `exec python -m entrypoints "$@"`)."""
     tini, *flags = image_entrypoint()[:-1]
-    assert Path(tini).name == "tini" and flags == ["-s", "-g", "--"]
+    assert Path(tini).name == "tini" and flags == ["-g", "--"]
     tini = shutil.which("tini") or tini  # the host's Debian tini (make system-deps installs it)
     e = dict(os.environ, PYTHONPATH=str(pkg))
     return subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", tini, *flags, PY, "-m", "entrypoints",
@@ -255,7 +255,7 @@ needs_pidns = pytest.mark.skipif(not _can_unshare(), reason="needs root: unshare
 
 def test_the_image_runs_tini_as_pid1_and_trainbox_under_it():
     ep = image_entrypoint()
-    assert ep == ["/usr/bin/tini", "-s", "-g", "--", "/usr/local/bin/trainbox"]
+    assert ep == ["/usr/bin/tini", "-g", "--", "/usr/local/bin/trainbox"]
     assert 'CMD ["jupyter"]' in TEMPLATE.read_text()
 
 

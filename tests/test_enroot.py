@@ -522,7 +522,7 @@ def test_smoke_sqsh_rootfs_and_enroot_files(smoke_sqsh, smoke_root, smoke_image,
     want = configure_files(inspect, f"dockerd://{smoke_image}")
     for rel in ("/etc/rc", "/etc/rc.local", "/etc/environment", "/etc/fstab"):
         assert (smoke_root / rel.lstrip("/")).read_text() == want[rel], rel
-    assert "    exec '/usr/local/bin/trainbox' 'jupyter'\n" in want["/etc/rc"]
+    assert "    exec '/usr/bin/tini' '-g' '--' '/usr/local/bin/trainbox' 'jupyter'\n" in want["/etc/rc"]
 
 
 @pytest.mark.engine

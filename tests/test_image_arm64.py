@@ -29,8 +29,10 @@ def test_runs_arm64_code_under_qemu(smoke_arm64):  # noqa: F811
 def test_doctor_runs_on_arm64(smoke_arm64):  # noqa: F811
     r = docker("run", "--rm", "--platform", "linux/arm64", smoke_arm64.refs[0], "doctor", "--json", check=False,
                timeout=900)
-    assert r.returncode in (3, 4), r.stdout[-3000:] + r.stderr[-3000:]  # no GPU here (4: runs with a fallback)
+    # The image's own ENTRYPOINT (tini) starts under QEMU, and a CPU image on a CPU host is fit to train: exit 0.
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = json.loads(r.stdout)
+    assert report["verdict"] == "ok" and report["host"]["machine"] == "aarch64"
     assert "smoke-aarch64" in json.dumps(report)
     plain = docker("run", "--rm", "--platform", "linux/arm64", smoke_arm64.refs[0], "doctor", check=False,
                    timeout=900)

@@ -58,7 +58,7 @@ def test_image_has_the_cell_facts(smoke_build, smoke_image):  # noqa: F811
     info = json.loads(docker("image", "inspect", smoke_image).stdout)[0]
     cfg = info["Config"]
     assert info["Architecture"] == "amd64"
-    assert cfg["Entrypoint"] == ["/usr/bin/tini", "-s", "-g", "--", "/usr/local/bin/trainbox"]  # tini: PID 1
+    assert cfg["Entrypoint"] == ["/usr/bin/tini", "-g", "--", "/usr/local/bin/trainbox"]  # tini: PID 1
     who = docker("run", "--rm", "--entrypoint", "id", smoke_image).stdout
     assert who.startswith("uid=1000(trainer)"), who  # the contract's non-root user
     assert cfg["Labels"]["io.trainbox.tag"] == "smoke-x86_64"

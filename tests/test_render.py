@@ -102,7 +102,7 @@ def test_image_contract(tag):
                    "NVIDIA_DRIVER_CAPABILITIES=compute,utility", "LD_LIBRARY_PATH=/",
                    f"PYTORCH_VERSION={cell.pins.get('torch', '')}"):
         assert needle in env, needle
-    assert ("ENTRYPOINT", '["/usr/bin/tini", "-s", "-g", "--", "/usr/local/bin/trainbox"]') in ins  # tini: PID 1
+    assert ("ENTRYPOINT", '["/usr/bin/tini", "-g", "--", "/usr/local/bin/trainbox"]') in ins  # tini: PID 1
     assert ("CMD", '["jupyter"]') in ins
     assert [r for w, r in ins if w == "HEALTHCHECK"][0].endswith('CMD ["/usr/local/bin/trainbox", "healthcheck"]')
     assert ("USER", "1000:1000") in ins and ("WORKDIR", "/workspace") in ins
