@@ -22,6 +22,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from builder import engine as eng, report  # noqa: E402
 from builder.matrix import load_matrix  # noqa: E402
+from builder.options import parse_bases, parse_secrets  # noqa: E402
 import enginefix  # noqa: E402
 
 
@@ -29,8 +30,8 @@ def run(cell, ctx: Path, repo: str, no_cache: bool, label: str) -> dict:
     args = enginefix.build_args(cell)
     builder = eng.choose_builder(args.builder)
     t0 = time.monotonic()
-    res = eng.build_cell(cell, builder=builder, context=ctx, registry=repo, bases=eng.parse_bases(args.base),
-                         wheelhouse=args.wheelhouse, secrets=eng.parse_secrets(args.secret), no_cache=no_cache,
+    res = eng.build_cell(cell, builder=builder, context=ctx, registry=repo, bases=parse_bases(args.base),
+                         wheelhouse=args.wheelhouse, secrets=parse_secrets(args.secret), no_cache=no_cache,
                          quiet=True)
     built = time.monotonic() - t0
     eng.push_result(res, builder, quiet=True)

@@ -27,8 +27,7 @@ from python_on_whales import DockerClient
 from python_on_whales.exceptions import DockerException
 
 from builder.errors import UserError, reports_user_errors
-# Re-exported: scripts and fixtures that call build_cell() directly parse their strings with these.
-from builder.options import BuildOptions, parse_bases, parse_build_args, parse_secrets  # noqa: F401
+from builder.options import BuildOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 WHEELHOUSE = "wheelhouse"

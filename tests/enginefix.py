@@ -29,6 +29,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from builder import engine as eng  # noqa: E402
+from builder.options import parse_bases, parse_secrets  # noqa: E402
 from devenv import bases, buildinputs, engine as devengine  # noqa: E402
 
 # A known fake build-time credential: every smoke build gets it as a BuildKit secret; test_secrets proves it never
@@ -105,8 +106,8 @@ def build_smoke(arch: str):
     cell = smoke_cells()[arch]
     args = build_args(cell)
     builder = eng.choose_builder(args.builder)
-    return eng.build_cell(cell, builder=builder, bases=eng.parse_bases(args.base), wheelhouse=args.wheelhouse,
-                          secrets=eng.parse_secrets(args.secret))
+    return eng.build_cell(cell, builder=builder, bases=parse_bases(args.base), wheelhouse=args.wheelhouse,
+                          secrets=parse_secrets(args.secret))
 
 
 @pytest.fixture(scope="session")

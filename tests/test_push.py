@@ -15,6 +15,7 @@ from enginefix import (BUILD_TIMEOUT, ROOT, build_args, docker, engine, registry
                        smoke_build, smoke_cells, test_base, torch_wheelhouse)
 
 from builder import engine as eng
+from builder.options import parse_bases
 from builder.errors import UserError
 
 # a cold first build (debootstrap + the session images, arm64 under QEMU) runs inside the first test's setup
@@ -111,7 +112,7 @@ def test_entrypoints_change_rebuilds_and_repushes_only_the_last_layer(pushed, tm
     args = build_args(cell)
     before = json.loads(docker("image", "inspect", f"{pushed['repo']}:smoke-x86_64").stdout)[0]["RootFS"]["Layers"]
     res = eng.build_cell(cell, builder=eng.choose_builder(), context=ctx, registry=pushed["repo"],
-                         bases=eng.parse_bases(args.base), wheelhouse=args.wheelhouse, quiet=True)
+                         bases=parse_bases(args.base), wheelhouse=args.wheelhouse, quiet=True)
     after = json.loads(docker("image", "inspect", res.image_id).stdout)[0]["RootFS"]["Layers"]
     assert len(after) == len(before) and after[:-1] == before[:-1] and after[-1] != before[-1]
     assert res.steps - res.cached_steps == 1, (res.steps, res.cached_steps)  # only COPY entrypoints/ ran

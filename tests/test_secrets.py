@@ -15,6 +15,7 @@ from enginefix import (BUILD_TIMEOUT, FAKE_TOKEN, SECRET_ID, ThrowawayCell, dock
                        secret_file, smoke_build, test_base)
 
 from builder import engine as eng
+from builder.options import parse_secrets
 from devenv import engine as devengine
 from builder.errors import UserError
 
@@ -81,9 +82,9 @@ def test_smoke_image_built_with_the_secret_holds_no_trace(smoke_build):  # noqa:
 
 def test_secret_specs_are_checked(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
-        eng.parse_secrets([f"id=hf_token,src={tmp_path}/missing"])
+        parse_secrets([f"id=hf_token,src={tmp_path}/missing"])
     with pytest.raises(UserError, match="id=ID,src=PATH"):
-        eng.parse_secrets(["hf_token"])
+        parse_secrets(["hf_token"])
     with pytest.raises(UserError, match="legacy builder"):
         eng.build_image(dockerfile=tmp_path / "Dockerfile", context=tmp_path, platform="linux/amd64",
                         builder=eng.Builder("legacy", devengine.docker_cli()), label="x",
