@@ -426,11 +426,13 @@ def choose_checkpointing(args, model_args, mode: str, max_prompt_tokens: int | N
     if mode != "full" or "gradient_checkpointing" in config.explicit(args):
         return (f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'} ("
                 + ("set by you" if "gradient_checkpointing" in config.explicit(args) else f"{mode}: TRL's default") + ")")
-    free = speed.free_gpu_bytes()
-    if free is not None and args.use_vllm and args.vllm_mode == "colocate":
-        import torch
+    import torch
 
-        free -= int(args.vllm_gpu_memory_utilization * torch.cuda.mem_get_info()[1])
+    free = None
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        if args.use_vllm and args.vllm_mode == "colocate":  # vLLM takes its share of the whole GPU at start
+            free -= int(args.vllm_gpu_memory_utilization * total)
     tokens = args.per_device_train_batch_size * ((max_prompt_tokens or 512) + args.max_completion_length)
     facts = speed.model_facts(model_args.model_name_or_path, model_args.model_revision)
     return speed.choose_checkpointing(args, facts, shards=1, free=free, tokens=tokens)

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from . import config as cfg
-from . import atomic, launch, lifecycle, runlog, sft, throughput
+from . import atomic, launch, lifecycle, runlog, sft
 from .errors import UsageError
 
 
@@ -148,8 +148,6 @@ def save_adapter(trainer, output_dir: str) -> None:
 
 
 def train(data_args, q_args, model_args, training_args, name: str = "qlora") -> int:
-    from trl import SFTTrainer
-
     started = time.time()
     training_args.output_dir = lifecycle.output_dir(cfg.configured_output_dir(training_args))
     validate(data_args, model_args, training_args)
@@ -166,19 +164,9 @@ def train(data_args, q_args, model_args, training_args, name: str = "qlora") -> 
             f"outputs {training_args.output_dir}" + (f", resuming from {ckpt}" if ckpt else ""),
             flush=True,
         )
-    choice, facts = sft.tune(model_args, training_args, shards=sft._shards(training_args), checkpointing=False)
+    choice, facts = sft.tune(model_args, training_args, shards=sft.shards(training_args), checkpointing=False)
     model = load_quantized(model_args, choice.impl)
-    # TRL tokenizes and packs inside the constructor, on every rank at once, into one datasets cache (shared by
-    # the nodes of a job on shared storage): the first process fills it, the others then read it.
-    with training_args.main_process_first(local=False, desc="tokenize and pack"):
-        trainer = SFTTrainer(
-            model=model,
-            args=training_args,
-            train_dataset=train_ds,
-            processing_class=tokenizer,
-            peft_config=peft_config,
-            callbacks=[lifecycle.PreemptionCallback(), throughput.Throughput()],
-        )
+    trainer = sft.build_trainer(model, training_args, train_ds, tokenizer, peft_config=peft_config)
     sft.finish_tuning(trainer, facts, qlora=True)
     trainer.train(resume_from_checkpoint=ckpt)
     if not lifecycle.was_preempted():

@@ -128,7 +128,7 @@ def validate(data_args, model_args, training_args):
         lifecycle.resolve_resume(data_args.resume, training_args.output_dir)
 
 
-def _shards(training_args) -> int:
+def shards(training_args) -> int:
     """Ranks the weights and optimizer states are sharded over (FSDP on GPUs), 1 otherwise."""
     import torch
 
@@ -147,6 +147,17 @@ def tune(model_args, training_args, shards: int, checkpointing: bool = True):
         for line in lines:
             print(f"[trainbox] {line}", flush=True)
     return choice, facts
+
+
+def build_trainer(model, training_args, train_ds, tokenizer, **extra):
+    """TRL's SFTTrainer with our callbacks (preemption, steady-state throughput); `extra`: peft_config, optimizer."""
+    from trl import SFTTrainer
+
+    # TRL tokenizes and packs inside the constructor, on every rank at once, into one datasets cache (shared by
+    # the nodes of a job on shared storage): the first process fills it, the others then read it.
+    with training_args.main_process_first(local=False, desc="tokenize and pack"):
+        return SFTTrainer(model=model, args=training_args, train_dataset=train_ds, processing_class=tokenizer,
+                          callbacks=[lifecycle.PreemptionCallback(), throughput.Throughput()], **extra)
 
 
 def finish_tuning(trainer, facts, qlora: bool = False) -> None:
@@ -189,7 +200,7 @@ def train(data_args, model_args, training_args, name: str = "sft") -> int:
             flush=True,
         )
 
-    choice, facts = tune(model_args, training_args, shards=_shards(training_args))
+    choice, facts = tune(model_args, training_args, shards=shards(training_args))
     dtype = model_args.dtype if model_args.dtype in ("auto", None) else getattr(torch, model_args.dtype)
     model = AutoModelForCausalLM.from_pretrained(
         model_args.model_name_or_path,
@@ -197,18 +208,10 @@ def train(data_args, model_args, training_args, name: str = "sft") -> int:
         attn_implementation=choice.impl,
         revision=model_args.model_revision,
     )
-    # TRL tokenizes and packs inside the constructor, on every rank at once, into one datasets cache (shared by
-    # the nodes of a job on shared storage): the first process fills it, the others then read it.
-    with training_args.main_process_first(local=False, desc="tokenize and pack"):
-        trainer = SFTTrainer(
-            model=model,
-            args=training_args,
-            train_dataset=train_ds,
-            processing_class=tokenizer,
-            callbacks=[lifecycle.PreemptionCallback(), throughput.Throughput()],
-            optimizer_cls_and_kwargs=(precision.optimizer_for(SFTTrainer, training_args, model)
-                                      if getattr(training_args, "trainbox_master_weights", False) else None),
-        )
+    trainer = build_trainer(model, training_args, train_ds, tokenizer,
+                            optimizer_cls_and_kwargs=(precision.optimizer_for(SFTTrainer, training_args, model)
+                                                      if getattr(training_args, "trainbox_master_weights", False)
+                                                      else None))
     finish_tuning(trainer, facts)
     trainer.train(resume_from_checkpoint=ckpt)
     if not lifecycle.was_preempted():
