@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -280,6 +281,10 @@ def _build(path: Path, data: dict) -> Matrix:
                 if var not in variants or fvar not in variants:
                     raise UserError(f"unknown torch variant in {var} = {fvar!r}", where=f"{w}.prebuilt.{arch}",
                                     fix=f"choose from {', '.join(variants)}")
+        if t.get("source") and not re.fullmatch(r"git\+\S+@[0-9a-f]{40}", t["source"]):
+            raise UserError(f"source {t['source']!r} is not pinned to a commit", where=f"{w}.source",
+                            fix="write git+URL@<40-hex commit>: a tag or branch can move, a commit is the source's "
+                                "hash (git ls-remote URL TAG prints a tag's commit)")
         if t.get("package") and not (t.get("version") and (t.get("prebuilt") or t.get("source"))):
             raise UserError("a backend with a package needs a version and a prebuilt table or a source",
                             where=w)

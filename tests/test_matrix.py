@@ -170,6 +170,9 @@ def test_broken_matrices(name, needles, tmp_path):
     ('attention = "sdpa"\nmin_cuda', 'attention = "fa4"\nmin_cuda', ["gpu.blackwell.attention", "'fa4'"]),
     ('trl_vllm_extra = { "1.16.0" = ">=0.22.0,<=0.31.0" }', 'trl_vllm_extra = { "1.16.0" = ">=0.22.0,<=0.30.0" }',
      ["trl-vllm-extra", "vllm>=0.22.0,<=0.30.0"]),
+    # A FlashAttention source at a tag: tags move, and v2.8.3's FA3 is 3.0.0b1, not the pinned 3.0.0.
+    ('flash-attention@e2743ab5b3803bb672b16437ba98a3b1d4576c50"', 'flash-attention@v2.8.3"',
+     ["attention.fa3.source", "not pinned to a commit", "40-hex commit"]),
 ])
 def test_inconsistent_matrices(tmp_path, old, new, needles):
     text = base_text()

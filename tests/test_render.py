@@ -93,6 +93,11 @@ def test_image_contract(tag):
     assert "devel" not in cell.base_image and froms[-1] == "base AS runtime"
     if cell.flash and cell.flash["how"] == "source":
         assert "${BUILD_IMAGE} AS attention" in froms and f"ARG BUILD_IMAGE={cell.build_image}" in text
+        # A source build never takes setup.py's unhashed prebuilt download, and installs only the pinned version.
+        assert "FLASH_ATTENTION_FORCE_BUILD=TRUE" in text
+        a = cell.attention
+        assert f'--no-index --find-links /tmp/trainbox/flash' in text
+        assert f'"{a["package"]}=={a["version"]}"' in text
     else:
         assert "BUILD_IMAGE" not in text and "devel" not in text
     runtime = ins[words.index("FROM") + [i for i, w in enumerate(words[words.index("FROM"):]) if w == "FROM"][-1]:]
