@@ -141,12 +141,12 @@ def plan_lines(cells: list[Cell], bases, paths: dict, root: Path = ROOT, overrid
         else:
             step = f"{st}: locked automatically before the build (uv pip compile for {c.uv_platform}, python {c.python})"
         lines.append(f"   lock: {locks} ({step})")
-        for line in _heavy_sources(c, overrides, native):
+        for line in _heavy_sources(c, overrides, native, root):
             lines.append(f"   {line}")
     return lines
 
 
-def _heavy_sources(c: Cell, overrides, native: bool) -> list[str]:
+def _heavy_sources(c: Cell, overrides, native: bool, root: Path = ROOT) -> list[str]:
     """Where each multi-hundred-MB wheel comes from: the answer to 'does anything compile here?'."""
     from builder import engine, indexes
     out = []
@@ -157,10 +157,18 @@ def _heavy_sources(c: Cell, overrides, native: bool) -> list[str]:
             out.append(f"{pkg}: prebuilt wheel {c.requirement(pkg)} from {where}")
     if c.flash:
         a = c.attention
-        if c.flash["how"] == "index":
+        how = engine.attention_how(c, root)
+        if how is None:  # a probed arch before its lock step
+            emulated = c.arch != engine.host_arch() and not native
             out.append(f"{a['package']}: prebuilt wheel {a['package']}=={a['version']} ({c.flash['flash_variant']} "
-                       f"build) from index flash, by hash ({c.attention_lock}); nothing compiles")
-        elif engine.compiles_under_emulation(c, native):
+                       f"build) from index flash, by hash, if it has one for {c.arch} (asked at the lock step); if not, "
+                       f"compiled from source on a native {c.arch} builder only"
+                       + (": then REFUSED here under emulation" if emulated else ""))
+        elif how == "index":
+            found = " (the lock step found it)" if c.flash.get("probe") else ""
+            out.append(f"{a['package']}: prebuilt wheel {a['package']}=={a['version']} ({c.flash['flash_variant']} "
+                       f"build) from index flash, by hash ({c.attention_lock}){found}; nothing compiles")
+        elif engine.compiles_under_emulation(c, native, root):
             out.append(f"{a['package']}: no prebuilt {c.arch} wheel; compiled from source only on a native {c.arch} "
                        f"builder: REFUSED here under emulation (build on a native runner or --buildx-builder)")
         else:

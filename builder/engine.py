@@ -404,25 +404,43 @@ def vcs_ref(context: Path = ROOT) -> str:
     return "unknown"
 
 
-def compiles_under_emulation(cell, native_builder: bool = False) -> bool:
+def attention_how(cell, root: Path = ROOT) -> str | None:
+    """"index" | "source" | None (no attention wheel, or a probed arch whose lock step has not run yet)."""
+    flash = getattr(cell, "flash", None) or {}
+    if flash.get("probe"):
+        from builder import lock
+        return lock.attention_how(cell, root)
+    return flash.get("how")
+
+
+def compiles_under_emulation(cell, native_builder: bool = False, root: Path = ROOT) -> bool:
     """A cell whose attention wheel is compiled from source, built for another arch than this host's without a
     native builder (buildx --builder naming a node of that arch): QEMU would take many hours."""
-    flash = getattr(cell, "flash", None) or {}
-    return flash.get("how") == "source" and cell.arch != host_arch() and not native_builder
+    return attention_how(cell, root) == "source" and cell.arch != host_arch() and not native_builder
 
 
-def refuse_emulated_compile(cell, native_builder: bool = False) -> None:
-    if compiles_under_emulation(cell, native_builder):
-        raise UserError(f"cell {cell.tag} compiles {cell.attention['package']} from source and this host is "
-                        f"{host_arch()}: under QEMU that takes many hours, so it is refused",
-                        fix=f"build it on a native {cell.arch} machine (the generated workflow does), or with "
-                            "--buildx-builder NAME naming a buildx builder with a native node of that arch")
+def refuse_emulated_compile(cells, native_builder: bool = False, root: Path = ROOT, selected=None) -> None:
+    """One error naming every cell of CELLS that would compile under emulation, and the selection that builds the
+    rest of SELECTED (default: CELLS)."""
+    cells = list(cells)
+    bad = [c for c in cells if compiles_under_emulation(c, native_builder, root)]
+    if not bad:
+        return
+    rest = [c.tag for c in (selected if selected is not None else cells) if c not in bad]
+    pkgs = sorted({c.attention["package"] for c in bad})
+    raise UserError(f"{', '.join(c.tag for c in bad)} compile{'s' if len(bad) == 1 else ''} {' and '.join(pkgs)} "
+                    f"from source and this host is {host_arch()}: under QEMU that takes many hours, so "
+                    f"{'it is' if len(bad) == 1 else 'they are'} refused",
+                    fix=f"build {'it' if len(bad) == 1 else 'them'} on a native {bad[0].arch} machine (the generated "
+                        "workflow does), or with --buildx-builder NAME naming a buildx builder with a native node of "
+                        "that arch" + (f"; the rest builds here: python build.py {' '.join(rest)}" if rest else ""))
 
 
 def cell_build_args(cell, *, bases: dict[str, str] | None = None, index_overrides: dict[str, str] | None = None,
                     extra: dict[str, str] | None = None, context: Path = ROOT) -> dict[str, str]:
     """Every build arg the cell's Dockerfile reads: substituted bases, the index URLs (matrix defaults or overrides),
-    VCS_REF; then the --build-arg passthrough, which wins."""
+    ATTENTION_FROM (a probed arch: what its lock in CONTEXT found), VCS_REF; then the --build-arg passthrough, which
+    wins."""
     from builder import indexes
     bases = bases or {}
     out: dict[str, str] = {}
@@ -430,10 +448,14 @@ def cell_build_args(cell, *, bases: dict[str, str] | None = None, index_override
     if base and base in bases:
         out["BASE_IMAGE"] = bases[base]
     build_image = getattr(cell, "build_image", None)
-    if build_image and build_image in bases and (getattr(cell, "flash", None) or {}).get("how") == "source":
-        out["BUILD_IMAGE"] = bases[build_image]
+    how = attention_how(cell, context)
+    flash = getattr(cell, "flash", None) or {}
+    if build_image and build_image in bases and (flash.get("how") == "source" or flash.get("probe")):
+        out["BUILD_IMAGE"] = bases[build_image]   # wherever the Dockerfile has a source stage
     if hasattr(cell, "index_templates"):
         out.update(indexes.build_args(cell, index_overrides))
+    if flash.get("probe") and how:
+        out["ATTENTION_FROM"] = how
     out["VCS_REF"] = vcs_ref(context)
     out.update(extra or {})
     return out
@@ -496,7 +518,7 @@ def build_cell(cell, *, builder: Builder, context: Path = ROOT, registry: str | 
         dockerfile = context / dockerfile
     if not dockerfile.exists():
         raise UserError(f"cell {cell.tag}: {dockerfile} does not exist; render it with `python build.py --dry-run`")
-    refuse_emulated_compile(cell, native_builder)
+    refuse_emulated_compile([cell], native_builder, context)
     build_args = cell_build_args(cell, bases=bases, index_overrides=index_overrides, extra=extra_args,
                                  context=context)
     base = getattr(cell, "base_image", None)
@@ -648,14 +670,14 @@ def build_cells(cells, opts: BuildOptions) -> int:
 
     quiet = opts.quiet
     builder = choose_builder("buildx" if opts.buildx_builder else opts.builder)
-    for cell in cells:  # refuse before any lock or build work
-        refuse_emulated_compile(cell, opts.native_builder)
+    refuse_emulated_compile(cells, opts.native_builder, opts.output_dir)  # before any lock or build work
     check_engine(builder)
     if not quiet:
         print(f"builder: {builder.kind} ({builder.cli})", flush=True)
     # The lock step: every missing or stale lock of the selection is resolved before the first build.
     lock.ensure([c for c in cells if hasattr(c, "venv")], root=opts.output_dir, overrides=dict(opts.index_overrides),
                 frozen=opts.frozen, quiet=quiet)
+    refuse_emulated_compile(cells, opts.native_builder, opts.output_dir)  # a probed arch's lock may say "source"
     results: list[BuildResult] = []
     lists: dict[str, str] = {}
     journal = TagJournal(builder.client()) if opts.push else None

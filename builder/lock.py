@@ -66,7 +66,13 @@ def uv_binary() -> str:
     raise UserError("uv is not installed", fix="pip install uv (it is in the dev extra: pip install -e '.[dev]')")
 
 
-def _uv(cell: Cell, what: str, requirements: str, args: list[str], urls: dict[str, str]) -> str:
+SOURCE_MARK = "# source: "   # an attention lock with this line and no requirement: no prebuilt wheel, build from source
+
+
+def _uv(cell: Cell, what: str, requirements: str, args: list[str], urls: dict[str, str],
+        unsatisfiable_ok: bool = False) -> str | None:
+    """uv's lock text; None where `unsatisfiable_ok` and the index answered but has no matching wheel (uv exits 1
+    with "No solution found"; an unreachable index exits 2 and stays an error)."""
     cmd = [uv_binary(), "pip", "compile", "-", "--quiet", "--generate-hashes", "--no-header",
            "--python-version", cell.python, "--python-platform", cell.uv_platform, "--no-build", *args]
     env = dict(os.environ)
@@ -74,6 +80,8 @@ def _uv(cell: Cell, what: str, requirements: str, args: list[str], urls: dict[st
     env.setdefault("UV_NATIVE_TLS", "1")
     env.setdefault("UV_HTTP_TIMEOUT", UV_TIMEOUT_S)
     proc = subprocess.run(cmd, input=requirements, capture_output=True, text=True, env=env)
+    if unsatisfiable_ok and proc.returncode == 1 and "No solution found" in proc.stderr:
+        return None
     if proc.returncode != 0:
         msg = " ".join(proc.stderr.strip().splitlines()[-3:]) or f"exit {proc.returncode}"
         named = ", ".join(f"{n} = {indexes.redact(u)}" for n, u in urls.items()) or "the default index only"
@@ -107,12 +115,31 @@ def compile_lock(cell: Cell, overrides: dict[str, str] | None = None) -> str:
 
 def compile_attention_lock(cell: Cell, overrides: dict[str, str] | None = None) -> str:
     """The prebuilt FlashAttention wheel by version and hash, from the flash index alone (no dependencies: it
-    builds against the venv's torch)."""
+    builds against the venv's torch). For a probed arch an index without a matching wheel gives a lock that says so:
+    the cell then compiles the backend from its source (native builders only)."""
     url = indexes.url(cell, "flash", overrides)
+    probe = bool(cell.flash.get("probe"))
     body = _uv(cell, str(cell.attention_lock), attention_requirement(cell) + "\n",
-               ["--no-deps", "--index-url", url], {"flash": url})
+               ["--no-deps", "--index-url", url], {"flash": url}, unsatisfiable_ok=probe)
+    if body is None:
+        body = (f"{SOURCE_MARK}index flash has no {attention_requirement(cell)} wheel for {cell.uv_platform}, python "
+                f"{cell.python}: compiled from matrix.toml's source (native builder only)\n")
     return (HEADER.format(name=f"{cell.tag}.attention", platform=cell.uv_platform, python=cell.python, tag=cell.tag)
             + INPUTS.format(digest=attention_digest(cell)) + body)
+
+
+def attention_how(cell: Cell, root: Path | str = ROOT) -> str | None:
+    """Where the cell's attention wheel comes from: "index" or "source" ("none" where the matrix gives neither);
+    None for a probed arch whose fresh attention lock does not exist yet (the lock step decides)."""
+    if not cell.flash:
+        return None
+    if cell.flash["how"] != "index" or not cell.flash.get("probe"):
+        return cell.flash["how"]
+    path = Path(root) / cell.attention_lock
+    if recorded_digest(path) != attention_digest(cell):
+        return None
+    text = path.read_text(encoding="utf-8")
+    return "source" if any(ln.startswith(SOURCE_MARK) for ln in text.splitlines()) else "index"
 
 
 def recorded_digest(path: Path) -> str | None:

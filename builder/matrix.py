@@ -26,7 +26,7 @@ _VARIANT = {"cuda": str, "arch_list": dict, "vllm": bool, "default_index": bool}
 # Wheel indexes: NAME -> URL template; the build arg each one becomes (see builder/indexes.py).
 INDEX_NAMES = ("default", "torch", "vllm", "flash")
 _ATTN = {"package": str, "version": str, "source": str, "source_subdir": str, "build_env": dict, "max_jobs": int,
-         "gpus": list, "prebuilt": dict}
+         "gpus": list, "prebuilt": dict, "probe": list}
 _STACK = {"packages": dict, "extends": str}
 _FACTS = {"vllm_torch": dict, "trl_vllm_extra": dict, "vllm_transformers": dict, "unsloth": dict}
 _EXPAND = {"arch": list, "cuda": list, "gpu": list, "stack": str}
@@ -281,6 +281,10 @@ def _build(path: Path, data: dict) -> Matrix:
                 if var not in variants or fvar not in variants:
                     raise UserError(f"unknown torch variant in {var} = {fvar!r}", where=f"{w}.prebuilt.{arch}",
                                     fix=f"choose from {', '.join(variants)}")
+        for arch in (_str_list(f"{w}.probe", t["probe"], arches) if "probe" in t else []):
+            if arch not in t.get("prebuilt", {}) or not t.get("source"):
+                raise UserError(f"probe lists {arch!r}, which needs a prebuilt.{arch} entry and a source to fall back "
+                                "to", where=f"{w}.probe", fix=f"add prebuilt.{arch} and source, or drop {arch!r}")
         if t.get("source") and not re.fullmatch(r"git\+\S+@[0-9a-f]{40}", t["source"]):
             raise UserError(f"source {t['source']!r} is not pinned to a commit", where=f"{w}.source",
                             fix="write git+URL@<40-hex commit>: a tag or branch can move, a commit is the source's "
@@ -469,7 +473,8 @@ def _flash(table: dict, arch: str, variant: str | None) -> dict | None:
         return None
     fvar = table.get("prebuilt", {}).get(arch, {}).get(variant or "")
     if fvar:
-        return {"how": "index", "flash_variant": fvar}
+        # probe: the wheel's existence is not confirmed; the lock step asks the index and falls back to the source.
+        return {"how": "index", "flash_variant": fvar, "probe": arch in table.get("probe", [])}
     if table.get("source"):
         return {"how": "source"}
     return {"how": "none"}

@@ -47,10 +47,18 @@ def image_record(cell: Cell) -> dict:
         "gpu": cell.gpu, "cuda_arch_list": cell.cuda_arch_list or None, "torch_variant": cell.torch_variant,
         "torch_arch_list": cell.torch_arch_list or None, "attention_backend": cell.attention_backend,
         "min_driver": cell.min_driver, "python": cell.python, "base_image": cell.base_image,
-        "attention_source": (f"{cell.flash['how']}" + (f" ({cell.flash['flash_variant']} build)"
-                             if cell.flash.get("flash_variant") else "")) if cell.flash else None,
+        "attention_source": _attention_source(cell),
         "image": cell.image, "version": cell.version, "versions": dict(sorted(versions.items())),
     }
+
+
+def _attention_source(cell: Cell) -> str | None:
+    if not cell.flash:
+        return None
+    out = cell.flash["how"] + (f" ({cell.flash['flash_variant']} build)" if cell.flash.get("flash_variant") else "")
+    if cell.flash.get("probe"):  # rendering is pure: what the lock step found is the label io.trainbox.attention_from
+        out += f" if the flash index has a wheel for {cell.arch}, else source (label io.trainbox.attention_from)"
+    return out
 
 
 def _labels(cell: Cell, record: dict) -> list[tuple[str, str]]:
@@ -70,7 +78,8 @@ def _flash(cell: Cell) -> dict | None:
                         "source", where="matrix.toml", fix=f"add a source or a prebuilt entry to [attention."
                         f"{cell.attention_backend}]")
     sub = f"#subdirectory={a['source_subdir']}" if a.get("source_subdir") else ""
-    return {"how": cell.flash["how"], "package": a["package"], "version": a["version"],
+    return {"how": cell.flash["how"], "probe": bool(cell.flash.get("probe")), "package": a["package"],
+            "version": a["version"],
             "source_requirement": f"{a['package']} @ {a.get('source', '')}{sub}",
             "max_jobs": a.get("max_jobs", 4), "build_env": sorted(a.get("build_env", {}).items())}
 

@@ -231,14 +231,18 @@ def test_dry_run_of_a_cu129_hopper_cell_needs_no_argument():
 
 
 def test_a_source_build_under_emulation_is_refused_before_anything_runs(tmp_path):
-    """cu129-hopper-aarch64 has no prebuilt aarch64 FA3 wheel: on this x86 host the build stops at once (exit 2, one
-    line, the way out named), before any lock is resolved or any image step runs."""
+    """The ampere aarch64 cells compile FlashAttention 2 (no prebuilt wheel for torch 2.13): on this x86 host
+    `--arch aarch64` stops at once (exit 2, one line naming both cells, the way out and the selection that builds the
+    rest), before any lock is resolved or any image step runs."""
     from builder import engine
     if engine.host_arch() != "x86_64":
         pytest.skip("the refusal is for a host of another arch")
-    p = build("cu129-hopper-aarch64", "--builder", "legacy")
+    p = build("--arch", "aarch64", "--builder", "legacy")
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
-    assert "compiles flash-attn-3 from source" in p.stderr and "--buildx-builder" in p.stderr
+    assert "cu129-ampere-aarch64, cu130-ampere-aarch64 compile flash-attn from source" in p.stderr, p.stderr
+    assert "--buildx-builder" in p.stderr
+    rest = p.stderr.split("the rest builds here: python build.py ")[1].rstrip().rstrip(")").split()
+    assert rest == [c.tag for c in M.cells if c.arch == "aarch64" and c.gpu != "ampere"]
     assert not (ROOT / "locks" / "cu129-gpu-aarch64.txt").exists()
 
 

@@ -99,7 +99,8 @@ def test_gpu_cells_name_their_indexes():
     assert indexes.needed(CELLS["cu129-blackwell-aarch64"]) == ["torch", "vllm"]
     assert indexes.needed(CELLS["cu129-hopper-x86_64"]) == ["torch", "vllm", "flash"]
     assert indexes.needed(CELLS["cu130-blackwell-x86_64"]) == []      # the default index's CUDA 13 builds
-    assert indexes.needed(CELLS["cu130-hopper-aarch64"]) == []        # FA3 compiled natively, no flash index
+    assert indexes.needed(CELLS["cu130-hopper-aarch64"]) == ["flash"]  # asked for an aarch64 FA3 wheel first
+    assert indexes.needed(CELLS["cu130-ampere-aarch64"]) == []         # FA2 compiled natively, no flash index
     assert indexes.needed(CELLS["smoke-x86_64"]) == []
     args = indexes.build_args(CELLS["cu129-hopper-x86_64"], {"torch": "https://m.example/t/{variant}"})
     assert args == {"TORCH_INDEX_URL": "https://m.example/t/cu129", "VLLM_INDEX_URL": "https://wheels.vllm.ai/0.31.0/cu129",

@@ -88,11 +88,19 @@ def test_image_contract(tag):
     froms = [r for w, r in ins if w == "FROM"]
     assert froms[0] == "${BASE_IMAGE} AS base"
     stages = [r.split(" AS ")[1] for r in froms]
-    assert stages == (["base", "deps", "attention", "runtime"] if cell.flash else ["base", "deps", "runtime"])
+    probe = bool(cell.flash and cell.flash.get("probe"))
+    if probe:  # both ways to the attention layer; the lock step's finding picks one (build arg ATTENTION_FROM)
+        assert stages == ["base", "deps", "attention-index", "attention-source", "attention", "runtime"]
+        assert ("ARG", "ATTENTION_FROM=index") in ins[:words.index("FROM")]
+        assert "attention-${ATTENTION_FROM} AS attention" in froms
+        assert 'io.trainbox.attention_from="${ATTENTION_FROM}"' in text
+    else:
+        assert stages == (["base", "deps", "attention", "runtime"] if cell.flash else ["base", "deps", "runtime"])
     # The runtime never sits on the CUDA devel image; only a source-build stage does.
     assert "devel" not in cell.base_image and froms[-1] == "base AS runtime"
-    if cell.flash and cell.flash["how"] == "source":
-        assert "${BUILD_IMAGE} AS attention" in froms and f"ARG BUILD_IMAGE={cell.build_image}" in text
+    if cell.flash and (cell.flash["how"] == "source" or probe):
+        assert f"${{BUILD_IMAGE}} AS attention{'-source' if probe else ''}" in froms
+        assert f"ARG BUILD_IMAGE={cell.build_image}" in text
         # A source build never takes setup.py's unhashed prebuilt download, and installs only the pinned version.
         assert "FLASH_ATTENTION_FORCE_BUILD=TRUE" in text
         a = cell.attention
@@ -154,7 +162,12 @@ def test_attention_layer_only_where_a_flash_wheel_goes():
         if cell.flash["how"] == "index":
             assert f"COPY {cell.attention_lock} /tmp/trainbox/attention.txt" in text
             assert f"ARG FLASH_INDEX_URL=https://download.pytorch.org/whl/{cell.flash['flash_variant']}" in text
-            assert "--require-hashes" in text.split("AS attention")[1] and "pip wheel" not in text
+            assert "--require-hashes" in text.split("AS attention")[1]
+            # a confirmed prebuilt wheel never compiles; a probed one keeps the source build as its fallback
+            assert ("pip wheel" in text) == bool(cell.flash.get("probe")), cell.tag
+            if cell.flash.get("probe"):
+                assert text.index("AS attention-index") < text.index("AS attention-source") \
+                    < text.index("pip wheel") < text.index("FROM attention-${ATTENTION_FROM} AS attention")
         else:
             assert "ARG MAX_JOBS=8" in text and "pip wheel --no-cache-dir --no-deps --no-build-isolation" in text
             if cell.gpu == "hopper":
