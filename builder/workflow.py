@@ -5,7 +5,8 @@ file differs from what the matrix gives. One job per venv (CUDA x arch x stack) 
 (arm64 on GitHub's arm64 runners: nothing is emulated, and a FlashAttention source build runs natively); the job
 builds that venv's cells one after another, so they share the venv layer byte for byte. It pushes with the registry
 credentials from repository secrets; then one job per multi-arch cell joins its arches into a manifest list
-(`python -m builder.engine manifest`, which refuses when an arch is missing from the registry). Index URLs are
+(`python -m builder.engine manifest`, which refuses when an arch is missing from the registry), and one job joins
+every venv job's report into the whole matrix's registry storage (`python -m builder.report`). Index URLs are
 matrix.toml's (build.py reads them); repository variables TRAINBOX_INDEX_<NAME> replace them (a mirror).
 The registry comes from the repository variable TRAINBOX_REGISTRY (HOST[:PORT]/NAMESPACE), so no host is baked in.
 """
@@ -111,6 +112,20 @@ def workflow_dict(matrix_path: str | Path = DEFAULT_MATRIX) -> dict:
                  "run": 'python -m builder.engine manifest --registry "$REGISTRY/trainbox" "$CELL"\n'},
             ],
         }
+    # The whole matrix's registry storage: every venv job's report together (each blob once vs the images' sum).
+    jobs["storage"] = {
+        "name": "registry storage of the whole matrix",
+        "needs": "build",
+        "if": PUSHING,
+        "runs-on": "ubuntu-24.04",
+        "steps": [
+            *_setup_steps(),
+            {"uses": "actions/download-artifact@v4",
+             "with": {"pattern": "report-*", "merge-multiple": True, "path": "reports"}},
+            {"name": "Stored bytes vs the sum of image sizes",
+             "run": "python -m builder.report reports/report-*.json\n"},
+        ],
+    }
     return {
         "name": "build images",
         "on": {"push": {"branches": ["main"], "tags": ["v*"], "paths-ignore": ["**.md"]},
