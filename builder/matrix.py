@@ -204,6 +204,8 @@ def _str_list(where: str, value: list, allowed=None) -> list[str]:
 
 
 def _str_table(where: str, value: dict) -> dict[str, str]:
+    if not isinstance(value, dict):
+        raise UserError(f"must be a table, got {type(value).__name__}", where=where)
     for k, v in value.items():
         if not isinstance(v, str):
             raise UserError(f"{k} must be a string, got {type(v).__name__}", where=where)

@@ -52,11 +52,38 @@ def claim_preempt_signals() -> None:
 
 def install_signal_handlers() -> None:
     claim_preempt_signals()
+    shield_dataloader_workers()
     # `kill -USR2 PID` prints every thread's Python stack to stderr: how to see where a stuck rank waits.
     try:
         faulthandler.register(signal.SIGUSR2, all_threads=True)
     except (ValueError, OSError, AttributeError):  # stderr without a file descriptor (captured): no dumps
         pass
+
+
+def _worker_ignores_preemption(seed_worker):
+    def worker_init(*args, **kwargs):
+        # The rank saves and stops; its loader's workers end with it. A worker killed by the signal would crash the
+        # rank instead ("DataLoader worker ... is killed by signal: Terminated").
+        for sig in (*PREEMPT_SIGNALS, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        return seed_worker(*args, **kwargs)
+
+    worker_init.trainbox_shield = True
+    return worker_init
+
+
+def shield_dataloader_workers() -> None:
+    """DataLoader workers ignore SIGTERM/SIGUSR1/SIGINT. `scancel` and `docker stop` (tini -g) signal every process of
+    the job, workers included, and a worker forked after Triton took SIGTERM (see PreemptionCallback.on_step_end) has
+    the default disposition: it died and took the rank down with it, no checkpoint (2xH200, check_preempt
+    --signal-all, 2 workers per rank). The Trainer builds its loaders with transformers.trainer.seed_worker as
+    worker_init_fn: wrapped here, before any loader exists."""
+    try:
+        import transformers.trainer as hf_trainer
+    except ImportError:  # pragma: no cover - the light stack has no trainer
+        return
+    if not getattr(hf_trainer.seed_worker, "trainbox_shield", False):
+        hf_trainer.seed_worker = _worker_ignores_preemption(hf_trainer.seed_worker)
 
 
 def preempt_requested() -> bool:
@@ -267,8 +294,27 @@ def summary(trainer, output_dir: str, started: float, name: str) -> str:
     return " ".join(parts)
 
 
+def leave_process_group(trainer=None) -> None:
+    """Every rank, once training is over: wait for the others (rank 0 may still be merging a model), then destroy the
+    default process group so its gloo/NCCL threads stop before the interpreter exits. Left running, a gloo rank can
+    abort at exit ("terminate called without an active exception", exit -6), which torchrun and Slurm report as a
+    failed run (seen once in a CI rehearsal, srun-style sft)."""
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover
+        return
+    if dist.is_available() and dist.is_initialized():
+        if trainer is not None and getattr(trainer, "accelerator", None) is not None:
+            trainer.accelerator.wait_for_everyone()
+        else:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
 def finish(trainer, output_dir: str, started: float, name: str) -> None:
-    """Main process only: print the summary line; copy outputs to $ARTIFACT_DIR / $SAKURA_ARTIFACT_DIR if set."""
+    """Every rank leaves the process group; then the main process prints the summary line and copies the outputs to
+    $ARTIFACT_DIR / $SAKURA_ARTIFACT_DIR if set."""
+    leave_process_group(trainer)
     if not is_main_process():
         return
     line = summary(trainer, output_dir, started, name)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import simpleindex
-from enginefix import engine, test_base  # noqa: F401
+from enginefix import engine, install_certs, test_base  # noqa: F401
 from builder import cli, engine as eng, lock
 from builder.errors import UserError
 from builder.matrix import ROOT, load_matrix
@@ -141,6 +141,7 @@ def test_a_probed_cell_builds_with_the_wheel_the_lock_found(tmp_path, test_base)
                      + PROBE_CELL)
     cell = next(c for c in load_matrix(mfile).cells if c.name == "probe")
     assert cell.flash["probe"]
+    install_certs()   # the host's extra CA certificates (a TLS-intercepting proxy here) into images/certs/
     root = _index(tmp_path, "manylinux_2_28_x86_64")
     wheelhouse = tmp_path / "wheels"   # the build container reaches no 127.0.0.1 index: the same files, offered first
     out = tmp_path / "out"

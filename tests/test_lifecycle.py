@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -237,3 +238,41 @@ def test_notebook_run_shares_the_log_and_artifact_copy(tiny_model, tmp_path):
     assert log.startswith("$ trainbox sft ") and log.count("$ trainbox sft ") == 1
     assert "[trainbox] sft done" in log and "[trainbox] sft done" in r.stdout
     assert (art / "nb-out" / "model.safetensors").is_file()
+
+
+def test_dataloader_workers_outlive_the_preemption_signal(tmp_path):
+    """`scancel`/`docker stop` signal every process, DataLoader workers too. A worker with the default disposition
+    (what Triton leaves after it takes SIGTERM) died, and the rank crashed without a checkpoint. The Trainer's
+    worker_init_fn (transformers.trainer.seed_worker) is wrapped: workers ignore the signal, the loader runs on."""
+    script = tmp_path / "loader.py"
+    script.write_text(textwrap.dedent("""\
+        import ctypes, os, signal, sys
+        from functools import partial
+        import torch
+        from torch.utils.data import DataLoader, Dataset
+        from entrypoints import lifecycle
+        if sys.argv[1] == "shielded":
+            lifecycle.install_signal_handlers()
+        import transformers.trainer as hf_trainer   # looked up at loader build time, as Trainer._get_dataloader does
+        libc = ctypes.CDLL(None)
+        libc.signal.restype = ctypes.c_void_p
+        libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+        libc.signal(int(signal.SIGTERM), 0)   # SIG_DFL behind Python's back, as Triton's LLVM leaves it
+
+        class Signalled(Dataset):
+            def __len__(self):
+                return 8
+            def __getitem__(self, i):
+                if i == 2:
+                    os.kill(os.getpid(), signal.SIGTERM)   # the worker gets scancel's signal mid-epoch
+                return torch.tensor([i])
+
+        loader = DataLoader(Signalled(), batch_size=2, num_workers=1,
+                            worker_init_fn=partial(hf_trainer.seed_worker, num_workers=1, rank=0))
+        print("batches", len(list(loader)))
+        """))
+    env = dict(os.environ, PYTHONPATH=str(Path(lifecycle.__file__).resolve().parents[1]))
+    runs = {how: subprocess.run([sys.executable, str(script), how], capture_output=True, text=True, env=env,
+                                timeout=120) for how in ("plain", "shielded")}
+    assert runs["plain"].returncode != 0 and "killed by signal: Terminated" in runs["plain"].stderr  # the failure
+    assert runs["shielded"].returncode == 0 and "batches 4" in runs["shielded"].stdout, runs["shielded"].stderr

@@ -173,6 +173,10 @@ def test_broken_matrices(name, needles, tmp_path):
     # A FlashAttention source at a tag: tags move, and v2.8.3's FA3 is 3.0.0b1, not the pinned 3.0.0.
     ('flash-attention@e2743ab5b3803bb672b16437ba98a3b1d4576c50"', 'flash-attention@v2.8.3"',
      ["attention.fa3.source", "not pinned to a commit", "40-hex commit"]),
+    # found by the hypothesis fuzz (test_fuzz_matrix) in a CI rehearsal: a string where a table belongs
+    ('prebuilt = { x86_64 = { cu126 = "cu126", cu129 = "cu126", cu130 = "cu130" },', 'prebuilt = { x86_64 = "0",',
+     ["attention.fa3.prebuilt.x86_64", "must be a table, got str"]),
+    ('probe = ["aarch64"]', 'probe = ["x86_64", "aarch64", "x86_64"]', ["attention.fa3.probe", "duplicate"]),
 ])
 def test_inconsistent_matrices(tmp_path, old, new, needles):
     text = base_text()
