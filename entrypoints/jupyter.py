@@ -296,15 +296,17 @@ def main(argv: list[str]) -> int:
     return 1 if refused else code
 
 
-# What a container runtime, Slurm or a user sends to stop or poke the server; it gets them from us too, because
-# outside Docker (pyxis, a shell, `kill PID`) nothing else signals it. Under tini -g it gets them twice: harmless.
+# What a container runtime, Slurm or a user sends to stop or poke the server: it gets them from us, exactly once.
+# The server runs in its own session, so a signal to our process group (tini -g under `docker stop`, Ctrl-C, Slurm)
+# does not reach it a second time: the second SIGTERM could land after jupyter_server had put the default disposition
+# back while shutting down, and the container then exited 143 instead of 0 (seen in a CI rehearsal, compose stop).
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def serve(cmd: list[str], env: dict[str, str], watch) -> int:
     """Run the server as our child (we keep the state file and the auth probe), pass it our signals, wait for it,
     return its exit code (128+N if a signal N ended it). PID 1's duties (reaping, group signals) are tini's."""
-    proc = subprocess.Popen(cmd, env=env)
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
 
     def forward(signum, frame):  # noqa: ARG001
         with contextlib.suppress(ProcessLookupError):

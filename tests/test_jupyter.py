@@ -106,7 +106,7 @@ def test_token_from_env_200_with_it_403_without_or_wrong(jupyter):
     state = json.loads((j.tmp / "state" / "jupyter.json").read_text())
     assert state["port"] == j.port
     code = j.stop()
-    assert code in (0, 128 + signal.SIGTERM), j.output()
+    assert code == 0, j.output()   # one SIGTERM, forwarded once: a clean stop, not a death by signal
     assert not (j.tmp / "state" / "jupyter.json").exists()
     hc = j.healthcheck()
     assert hc.returncode == 0 and "no Jupyter" in hc.stdout
@@ -192,7 +192,7 @@ def test_docker_stop_as_pid1(jupyter):
     assert j.status(f"/api/status?token={TOKEN}") == 200
     kids = Path(f"/proc/{j.proc.pid}/task/{j.proc.pid}/children").read_text().split()
     code = j.stop(pid=int(kids[0]))
-    assert code in (0, 128 + signal.SIGTERM), j.output()
+    assert code == 0, j.output()   # one SIGTERM, forwarded once: a clean stop, not a death by signal
     assert "stopping" in j.output()  # the server got the signal (its own log line), not a kill
 
 
