@@ -405,12 +405,11 @@ def vcs_ref(context: Path = ROOT) -> str:
 
 
 def attention_how(cell, root: Path = ROOT) -> str | None:
-    """"index" | "source" | None (no attention wheel, or a probed arch whose lock step has not run yet)."""
-    flash = getattr(cell, "flash", None) or {}
-    if flash.get("probe"):
-        from builder import lock
-        return lock.attention_how(cell, root)
-    return flash.get("how")
+    """lock.attention_how for a matrix cell; None for a cell without an attention wheel (or not from the matrix)."""
+    if not getattr(cell, "flash", None):
+        return None
+    from builder import lock
+    return lock.attention_how(cell, root)
 
 
 def compiles_under_emulation(cell, native_builder: bool = False, root: Path = ROOT) -> bool:
@@ -419,14 +418,14 @@ def compiles_under_emulation(cell, native_builder: bool = False, root: Path = RO
     return attention_how(cell, root) == "source" and cell.arch != host_arch() and not native_builder
 
 
-def refuse_emulated_compile(cells, native_builder: bool = False, root: Path = ROOT, selected=None) -> None:
+def refuse_emulated_compile(cells, native_builder: bool = False, root: Path = ROOT) -> None:
     """One error naming every cell of CELLS that would compile under emulation, and the selection that builds the
-    rest of SELECTED (default: CELLS)."""
+    rest."""
     cells = list(cells)
     bad = [c for c in cells if compiles_under_emulation(c, native_builder, root)]
     if not bad:
         return
-    rest = [c.tag for c in (selected if selected is not None else cells) if c not in bad]
+    rest = [c.tag for c in cells if c not in bad]
     pkgs = sorted({c.attention["package"] for c in bad})
     raise UserError(f"{', '.join(c.tag for c in bad)} compile{'s' if len(bad) == 1 else ''} {' and '.join(pkgs)} "
                     f"from source and this host is {host_arch()}: under QEMU that takes many hours, so "
@@ -448,13 +447,12 @@ def cell_build_args(cell, *, bases: dict[str, str] | None = None, index_override
     if base and base in bases:
         out["BASE_IMAGE"] = bases[base]
     build_image = getattr(cell, "build_image", None)
-    how = attention_how(cell, context)
-    flash = getattr(cell, "flash", None) or {}
-    if build_image and build_image in bases and (flash.get("how") == "source" or flash.get("probe")):
-        out["BUILD_IMAGE"] = bases[build_image]   # wherever the Dockerfile has a source stage
+    if build_image and build_image in bases and getattr(cell, "has_source_stage", False):
+        out["BUILD_IMAGE"] = bases[build_image]
     if hasattr(cell, "index_templates"):
         out.update(indexes.build_args(cell, index_overrides))
-    if flash.get("probe") and how:
+    how = attention_how(cell, context)
+    if (getattr(cell, "flash", None) or {}).get("probe") and how:
         out["ATTENTION_FROM"] = how
     out["VCS_REF"] = vcs_ref(context)
     out.update(extra or {})

@@ -97,6 +97,11 @@ class Cell:
         return Path("locks") / f"{self.tag}.attention.txt" if self.flash and self.flash["how"] == "index" else None
 
     @property
+    def has_source_stage(self) -> bool:
+        """The Dockerfile has a stage that compiles the attention wheel: a source build, or a probed arch's fallback."""
+        return bool(self.flash) and (self.flash["how"] == "source" or bool(self.flash.get("probe")))
+
+    @property
     def tags(self) -> list[str]:
         return [self.tag, *self.version_tags]
 

@@ -78,8 +78,8 @@ def _flash(cell: Cell) -> dict | None:
                         "source", where="matrix.toml", fix=f"add a source or a prebuilt entry to [attention."
                         f"{cell.attention_backend}]")
     sub = f"#subdirectory={a['source_subdir']}" if a.get("source_subdir") else ""
-    return {"how": cell.flash["how"], "probe": bool(cell.flash.get("probe")), "package": a["package"],
-            "version": a["version"],
+    return {"how": cell.flash["how"], "probe": bool(cell.flash.get("probe")), "source_stage": cell.has_source_stage,
+            "package": a["package"], "version": a["version"],
             "source_requirement": f"{a['package']} @ {a.get('source', '')}{sub}",
             "max_jobs": a.get("max_jobs", 4), "build_env": sorted(a.get("build_env", {}).items())}
 

@@ -35,8 +35,7 @@ GOAL = 0.40   # issue 9: what a registry stores for the whole matrix, as a share
 def storage(results) -> dict | None:
     """What a registry stores for the pushed images (each blob once) against the sum of the images' own sizes (every
     image counted whole, as separate pulls or a registry without shared layers would): shared layers show here."""
-    pushed = [r for r in results if (r.get("blobs") if isinstance(r, dict) else getattr(r, "blobs", None))]
-    pushed = [SimpleNamespace(**r) if isinstance(r, dict) else r for r in pushed]
+    pushed = [r for r in results if getattr(r, "blobs", None)]
     if not pushed:
         return None
     unique: dict[str, int] = {}
@@ -116,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         cells = []
         for path in args.reports:
             try:
-                cells += json.loads(path.read_text(encoding="utf-8"))["cells"]
+                cells += [SimpleNamespace(**c) for c in json.loads(path.read_text(encoding="utf-8"))["cells"]]
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise UserError(f"not a build report: {e}", where=str(path),
                                 fix="pass the JSON files written by build.py --report") from None
