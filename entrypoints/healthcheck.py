@@ -31,7 +31,9 @@ def main(argv: list[str]) -> int:
     if not psutil.pid_exists(pid):
         print(f"healthy: no Jupyter running (stale state file {path}, pid {pid} is gone)")
         return 0
-    status = http_status(f"http://127.0.0.1:{port}/api", timeout=5)
+    # The address the server listens on (trainbox jupyter --ip); old state files have none: loopback.
+    base = state.get("url", f"http://127.0.0.1:{port}/").rstrip("/")
+    status = http_status(f"{base}/api", timeout=5)
     if status == 200:
         print(f"healthy: Jupyter answers on port {port}")
         return 0

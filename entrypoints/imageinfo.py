@@ -41,6 +41,9 @@ def load() -> dict | None:
         return None
     except OSError as e:
         raise ImageInfoError(f"image record {p}: can't read it ({e.strerror}); check its permissions") from None
+    except UnicodeDecodeError:
+        raise ImageInfoError(f"image record {p}: not UTF-8 text (a binary file?); rebuild the image or fix the "
+                             "file") from None
     try:
         info = json.loads(text)
     except json.JSONDecodeError as e:

@@ -76,6 +76,8 @@ def resolve_auth(env: dict[str, str]) -> Auth:
         except OSError as e:
             raise UsageError(f"JUPYTER_TOKEN_FILE={path}: can't read it ({e.strerror}); "
                              "mount the file or fix the path") from None
+        except UnicodeDecodeError:
+            raise UsageError(f"JUPYTER_TOKEN_FILE={path} is not UTF-8 text; put the token in it as text") from None
         if not token:
             raise UsageError(f"JUPYTER_TOKEN_FILE={path} is empty; put the token in it")
         source = f"JUPYTER_TOKEN_FILE ({path})"
@@ -160,9 +162,11 @@ def write_state(path: Path, state: dict) -> None:
 
 
 def build_command(port: int, ip: str, root_dir: Path, auth: Auth, allow_root: bool, extra: list[str]) -> list[str]:
-    cmd = [sys.executable, "-m", "jupyterlab",
+    # entrypoints.labserver is jupyterlab's launcher plus a check of the resolved settings before anything listens.
+    cmd = [sys.executable, "-m", "entrypoints.labserver",
            f"--ServerApp.ip={ip}", f"--ServerApp.port={port}",
            "--ServerApp.port_retries=0",  # the published port is fixed: fail loudly rather than move silently
+           "--ServerApp.allow_unauthenticated_access=False",  # a handler without an auth rule needs a login too
            f"--ServerApp.root_dir={root_dir}", "--ServerApp.open_browser=False"]
     if auth.hashed_password:
         cmd.append(f"--PasswordIdentityProvider.hashed_password={auth.hashed_password}")
@@ -171,8 +175,11 @@ def build_command(port: int, ip: str, root_dir: Path, auth: Auth, allow_root: bo
     return cmd + extra
 
 
-def child_env(auth: Auth) -> dict[str, str]:
+def child_env(auth: Auth, ip: str, port: int) -> dict[str, str]:
+    from entrypoints.labserver import BIND_ENV
+
     env = dict(os.environ)
+    env[BIND_ENV] = json.dumps({"ip": ip, "port": port})
     env.pop("JUPYTER_TOKEN_FILE", None)  # resolved above (stripped); the server takes the value from JUPYTER_TOKEN
     if auth.token:
         env["JUPYTER_TOKEN"] = auth.token
@@ -228,8 +235,9 @@ def seed_examples(root_dir: Path, source: Path = EXAMPLES) -> Path | None:
     return dest
 
 
-def banner(port: int, auth: Auth) -> str:
-    hosts = ["127.0.0.1", socket.gethostname()]
+def banner(port: int, auth: Auth, ip: str = "0.0.0.0") -> str:
+    wildcard = ip in ("0.0.0.0", "", "*", "::")
+    hosts = [probe_base(ip, port).split("//")[1].rsplit(":", 1)[0]] + ([socket.gethostname()] if wildcard else [])
     if auth.source == "generated":
         urls = [f"http://{h}:{port}/lab?token={auth.token}" for h in hosts]
         how = "token generated for this run"
@@ -254,6 +262,7 @@ def main(argv: list[str]) -> int:
     env = dict(os.environ)
     port = port_from(args.port, "--port") if args.port is not None else port_from(env.get("JUPYTER_PORT"),
                                                                                    "JUPYTER_PORT")
+    check_ip(args.ip)
     root_dir = Path(args.root_dir)
     if not root_dir.is_dir():
         raise UsageError(f"notebook root {root_dir} is not a directory; mount one there (-v DIR:{root_dir}) or "
@@ -266,15 +275,23 @@ def main(argv: list[str]) -> int:
     cmd = build_command(port, args.ip, root_dir.resolve(), auth, allow_root, extra)
     state = state_file()
     prepare_state_dir(state)
+    base = probe_base(args.ip, port)
     refused = []
 
-    def watch(pid: int) -> None:
-        base = f"http://127.0.0.1:{port}"
-        write_state(state, {"pid": pid, "port": port, "url": base + "/"})
+    def watch(server: Server) -> None:
+        """Once the server answers: auth must be on at the address it listens on, else stop it (exit 1)."""
+        write_state(state, {"pid": server.proc.pid, "port": port, "url": base + "/"})
         deadline = time.monotonic() + READY_TIMEOUT_S
         while http_status(base + "/api", timeout=2) != 200:
-            if time.monotonic() > deadline or not _alive(pid):
-                return  # the healthcheck will say it's down; the server's own log says why
+            if not _alive(server.proc.pid):
+                return  # it exited by itself; its own log (or labserver's refusal) says why
+            if time.monotonic() > deadline:
+                refused.append(None)
+                print(f"jupyter: error: the server did not answer on {base} within {READY_TIMEOUT_S} s, so its "
+                      "authentication could not be checked; stopping it (is --ip an address of this machine?)",
+                      file=sys.stderr, flush=True)
+                server.stop()
+                return
             time.sleep(0.2)
         status = auth_probe(base)
         if status != 200:
@@ -282,18 +299,39 @@ def main(argv: list[str]) -> int:
             print(f"jupyter: error: the server let a request without credentials in (/login answered HTTP {status} "
                   "instead of the login form): something (a jupyter_server_config file?) disabled authentication; "
                   "stopping it", file=sys.stderr, flush=True)
-            os.kill(pid, 15)
+            server.stop()
             return
-        print(banner(port, auth), file=sys.stderr, flush=True)
+        print(banner(port, auth, args.ip), file=sys.stderr, flush=True)
 
     try:
-        code = serve(cmd, child_env(auth), watch)
+        code = serve(cmd, child_env(auth, args.ip, port), watch)
     finally:
         try:
             state.unlink()
         except OSError:
             pass
-    return 1 if refused else code
+    return 1 if refused and code == 0 else code
+
+
+def probe_base(ip: str, port: int) -> str:
+    """Where the server answers from this machine: a wildcard address on loopback, any other address as itself."""
+    host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "*": "127.0.0.1", "::": "::1"}.get(ip, ip)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def check_ip(ip: str) -> str:
+    """An IP address or a host name, else one line (the server would otherwise die with a traceback)."""
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(ip)
+        return ip
+    except ValueError:
+        if ip in ("", "*") or re.fullmatch(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,62}[A-Za-z0-9])?"
+                                           r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}[A-Za-z0-9])?)*", ip):
+            return ip
+    raise UsageError(f"--ip {ip[:80]!r} is not an IP address or a host name; e.g. --ip 0.0.0.0 (every address) "
+                     "or --ip 127.0.0.1")
 
 
 # What a container runtime, Slurm or a user sends to stop or poke the server: it gets them from us, exactly once.
@@ -301,26 +339,64 @@ def main(argv: list[str]) -> int:
 # does not reach it a second time: the second SIGTERM could land after jupyter_server had put the default disposition
 # back while shutting down, and the container then exited 143 instead of 0 (seen in a CI rehearsal, compose stop).
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+STOPPING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# A stop is over within this: past it the server and everything it started (kernels run in sessions of their own)
+# are killed. jupyter_server's own shutdown waits for kernels and terminals; 15 s covers a clean one.
+STOP_DEADLINE_S = 15.0
+
+
+class Server:
+    """The server process and the deadline of a stop that has begun."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str]):
+        self.proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        self.kill_at: float | None = None
+
+    def send(self, signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(signum)
+
+    def stop(self, signum: int = signal.SIGTERM) -> None:
+        if self.kill_at is None:
+            self.kill_at = time.monotonic() + STOP_DEADLINE_S
+        self.send(signum)
+
+    def kill(self) -> None:
+        import psutil
+
+        try:
+            tree = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            tree = []
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # its session's group: it leads it (start_new_session)
+        for p in tree:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
 
 
 def serve(cmd: list[str], env: dict[str, str], watch) -> int:
     """Run the server as our child (we keep the state file and the auth probe), pass it our signals, wait for it,
-    return its exit code (128+N if a signal N ended it). PID 1's duties (reaping, group signals) are tini's."""
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    return its exit code (128+N if a signal N ended it). A stop that takes longer than STOP_DEADLINE_S is finished
+    with SIGKILL. PID 1's duties (reaping, group signals) are tini's."""
+    server = Server(cmd, env)
 
     def forward(signum, frame):  # noqa: ARG001
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signum)
+        server.stop(signum) if signum in STOPPING else server.send(signum)
 
     old = {s: signal.signal(s, forward) for s in FORWARDED}
     try:
-        threading.Thread(target=watch, args=(proc.pid,), daemon=True).start()
+        threading.Thread(target=watch, args=(server,), daemon=True).start()
         while True:
             try:
-                code = proc.wait(timeout=0.5)  # short waits: Python runs the handlers between them
+                code = server.proc.wait(timeout=0.5)  # short waits: Python runs the handlers between them
                 break
             except subprocess.TimeoutExpired:
-                continue
+                if server.kill_at is not None and time.monotonic() > server.kill_at:
+                    print(f"jupyter: error: the server did not stop within {STOP_DEADLINE_S:.0f} s; killed it and "
+                          "what it started", file=sys.stderr, flush=True)
+                    server.kill()
+                    server.kill_at = float("inf")
     finally:
         for s, h in old.items():
             signal.signal(s, h)

@@ -28,7 +28,8 @@ def free_port() -> int:
 
 
 class Jupyter:
-    def __init__(self, tmp: Path, env: dict[str, str] | None = None, args=(), prefix=(), port=None):
+    def __init__(self, tmp: Path, env: dict[str, str] | None = None, args=(), prefix=(), port=None, ip=None,
+                 extra=()):
         self.port = port or free_port()
         self.tmp = tmp
         (tmp / "work").mkdir(exist_ok=True)
@@ -41,8 +42,10 @@ class Jupyter:
         root = ["--allow-root"] if os.geteuid() == 0 and not prefix else []
         self.proc = subprocess.Popen(
             [*prefix, PY, "-m", "entrypoints", "jupyter", "--port", str(self.port), "--root-dir", str(tmp / "work"),
-             *root, *args], env=self.env, stdout=self.log, stderr=subprocess.STDOUT, cwd=tmp)
-        self.base = f"http://127.0.0.1:{self.port}"
+             *root, *(["--ip", ip] if ip else []), *args, *(["--", *extra] if extra else [])],
+            env=self.env, stdout=self.log, stderr=subprocess.STDOUT, cwd=tmp)
+        host = {None: "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(ip, ip)
+        self.base = f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
 
     def output(self) -> str:
         return (self.tmp / "jupyter.log").read_text()
@@ -151,13 +154,168 @@ def test_hashed_password_login(jupyter):
     j.stop()
 
 
-def test_config_that_disables_auth_is_caught_and_stopped(jupyter, tmp_path):
+def hammer(j: Jupyter) -> list[int]:
+    """Unauthenticated requests, as fast as they go, until the server process ends: the HTTP statuses answered."""
+    answered = []
+    deadline = time.monotonic() + 90
+    while j.proc.poll() is None and time.monotonic() < deadline:
+        for path in ("/api/contents", "/api/status"):
+            try:
+                answered.append(requests.get(j.base + path, timeout=2, allow_redirects=False).status_code)
+            except requests.RequestException:
+                pass
+        time.sleep(0.01)
+    return answered
+
+
+def ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+IPS = ["127.0.0.1", "127.0.0.2", "0.0.0.0", *(["::1"] if ipv6_loopback() else [])]
+
+
+@pytest.mark.parametrize("ip", IPS)
+def test_passthrough_that_empties_the_token_is_refused_before_any_request(jupyter, ip):
+    """Any address: the resolved settings are checked before the server listens, so not one request is served."""
+    j = jupyter(env={"JUPYTER_TOKEN": TOKEN}, ip=ip, extra=["--IdentityProvider.token="])
+    answered = hammer(j)
+    assert j.proc.wait(60) == 2, j.output()
+    assert answered == [], answered
+    errors = [ln for ln in j.output().splitlines() if "error" in ln.lower()]
+    assert len(errors) == 1 and "authentication is off" in errors[0], j.output()
+    assert not (j.tmp / "state" / "jupyter.json").exists()
+
+
+@pytest.mark.parametrize("config", [
+    ("jupyter_server_config.json", json.dumps({"IdentityProvider": {"token": ""}})),
+    ("jupyter_server_config.py", 'c.IdentityProvider.token = ""\nc.ServerApp.token = ""\n'),
+    ("jupyter_server_config.py", 'c.ServerApp.disable_check_xsrf = True\n'),
+    ("jupyter_server_config.py", 'from jupyter_server.auth.identity import IdentityProvider\n'
+                                 'class Anyone(IdentityProvider):\n    pass\n'
+                                 'c.ServerApp.identity_provider_class = Anyone\n'),
+])
+def test_config_file_that_weakens_auth_is_refused_before_any_request(jupyter, tmp_path, config):
     cfg = tmp_path / "cfg"
     cfg.mkdir()
-    (cfg / "jupyter_server_config.json").write_text(json.dumps({"IdentityProvider": {"token": ""}}))
-    j = jupyter(env={"JUPYTER_TOKEN": TOKEN})
-    assert j.proc.wait(150) == 1, j.output()
-    assert "without credentials" in j.output()
+    (cfg / config[0]).write_text(config[1])
+    j = jupyter(env={"JUPYTER_TOKEN": TOKEN}, ip="127.0.0.2")
+    answered = hammer(j)
+    assert j.proc.wait(60) == 2, j.output()
+    assert answered == [], answered
+    assert "refusing to start" in j.output()
+
+
+@pytest.mark.parametrize("extra,needle", [
+    # Options trainbox jupyter sets itself: traitlets refuses a second value (exit 1), naming it.
+    ("--ServerApp.ip=127.0.0.3", "ServerApp.ip"),
+    ("--ServerApp.allow_unauthenticated_access=True", "allow_unauthenticated_access"),
+    # One it doesn't set: labserver's check refuses it (exit 2).
+    ("--ServerApp.disable_check_xsrf=True", "disable_check_xsrf is on"),
+])
+def test_passthrough_that_weakens_the_server_is_refused(jupyter, extra, needle):
+    j = jupyter(env={"JUPYTER_TOKEN": TOKEN}, ip="127.0.0.2", extra=[extra])
+    assert hammer(j) == []
+    assert j.proc.wait(60) in (1, 2), j.output()
+    assert needle in j.output()
+
+
+def test_the_check_refuses_a_server_that_moved_or_listens_on_a_socket():
+    """What a config file could do if the command line no longer won: the check itself, on a resolved ServerApp."""
+    from jupyter_server.auth.identity import PasswordIdentityProvider
+
+    from entrypoints.labserver import insecure_settings
+
+    class App:
+        identity_provider = PasswordIdentityProvider(token=TOKEN)
+        disable_check_xsrf = allow_unauthenticated_access = False
+        ip, port, sock = "127.0.0.2", 8888, ""
+
+    bind = {"ip": "127.0.0.2", "port": 8888}
+    assert insecure_settings(App(), bind) == []
+    moved = App()
+    moved.ip = "0.0.0.0"
+    assert "not the 127.0.0.2:8888" in " ".join(insecure_settings(moved, bind))
+    sock = App()
+    sock.sock = "/tmp/x.sock"
+    assert "ServerApp.sock" in " ".join(insecure_settings(sock, bind))
+    open_ = App()
+    open_.identity_provider = PasswordIdentityProvider(token="")
+    assert "authentication is off" in " ".join(insecure_settings(open_, bind))
+
+
+@pytest.mark.parametrize("ip", [i for i in IPS if i != "127.0.0.1"])
+def test_good_token_on_any_address_serves_only_authenticated_requests(jupyter, ip):
+    j = jupyter(env={"JUPYTER_TOKEN": TOKEN}, ip=ip).wait_ready()
+    assert j.status("/api/contents") == 403
+    assert j.status("/api/status") == 403
+    assert j.status("/api/contents", headers={"Authorization": f"token {TOKEN}"}) == 200
+    s = requests.Session()
+    s.get(j.base + "/lab", timeout=10)  # the _xsrf cookie an attacker's page could get
+    xsrf = s.cookies.get("_xsrf", "")
+    assert s.post(j.base + "/api/terminals", headers={"X-XSRFToken": xsrf}, timeout=10).status_code == 403
+    hc = j.healthcheck()
+    assert hc.returncode == 0 and "answers" in hc.stdout, hc.stdout  # the healthcheck asks the bound address
+    assert j.stop() == 0, j.output()
+
+
+@pytest.mark.parametrize("bad", ["not an address!", "1.2.3.4.5.6;rm", "-x"])
+def test_bad_ip_is_one_line(tmp_path, bad):
+    r = run_jupyter(["--allow-root", f"--ip={bad}"], {"JUPYTER_TOKEN": TOKEN}, tmp_path)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--ip" in r.stderr, r.stderr
+
+
+def test_stop_ends_within_the_deadline_even_if_the_server_ignores_it(tmp_path):
+    """A server stuck in shutdown (seen: 3 of 9 stops hung) is killed with what it started once the deadline passes."""
+    code = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "subprocess.Popen([sys.executable, '-c', 'import time, signal; signal.signal(15, signal.SIG_IGN); "
+            "time.sleep(300)'], start_new_session=True); print('up', flush=True); time.sleep(300)")
+    script = (f"import os, signal, sys, threading, time\n"
+              f"from entrypoints import jupyter as J\n"
+              f"J.STOP_DEADLINE_S = 2\n"
+              f"threading.Timer(1.5, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()\n"
+              f"sys.exit(J.serve([sys.executable, '-c', {code!r}], dict(os.environ), lambda s: None))\n")
+    t0 = time.monotonic()
+    r = subprocess.run([PY, "-c", script], env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
+                       text=True, timeout=60)
+    took = time.monotonic() - t0
+    assert r.returncode == 128 + signal.SIGKILL, r.stderr
+    assert "did not stop within 2 s" in r.stderr
+    assert took < 10, took
+    stray = subprocess.run(["pgrep", "-f", "time.sleep\\(300\\)"], capture_output=True, text=True).stdout.split()
+    assert stray == [], f"left running: {stray}"
+
+
+def test_twenty_stops_at_random_moments_never_hang(jupyter, tmp_path):
+    """SIGTERM at any moment of the start (before, during, after the auth probe) ends the wrapper within the
+    stated deadline (STOP_DEADLINE_S), 20 times in a row, and leaves no server behind."""
+    import random
+
+    from entrypoints.jupyter import STOP_DEADLINE_S
+
+    rng = random.Random(18)
+    for i in range(20):
+        run = tmp_path / f"run{i}"
+        run.mkdir()
+        j = Jupyter(run, env={"JUPYTER_TOKEN": TOKEN}, ip="127.0.0.2")
+        time.sleep(rng.uniform(0.2, 4.0))
+        t0 = time.monotonic()
+        os.kill(j.proc.pid, signal.SIGTERM)
+        try:
+            j.proc.wait(STOP_DEADLINE_S + 10)
+        except subprocess.TimeoutExpired:
+            j.proc.kill()
+            raise AssertionError(f"run {i}: no exit {STOP_DEADLINE_S + 10:.0f} s after SIGTERM:\n{j.output()}")
+        finally:
+            j.log.close()
+        assert time.monotonic() - t0 < STOP_DEADLINE_S + 2, (i, j.output())
+        with pytest.raises(requests.ConnectionError):
+            requests.get(j.base + "/api", timeout=2)
 
 
 def test_busy_port_fails_instead_of_moving(jupyter):
@@ -207,12 +365,16 @@ def run_jupyter(args, env, tmp_path, uid_root_ok=True):
     ({"JUPYTER_TOKEN": ""}, [], "JUPYTER_TOKEN is set but empty"),
     ({"JUPYTER_TOKEN": "a", "JUPYTER_TOKEN_FILE": "/x"}, [], "keep one"),
     ({"JUPYTER_TOKEN_FILE": "/nonexistent/tok"}, [], "JUPYTER_TOKEN_FILE=/nonexistent/tok"),
+    ({"JUPYTER_TOKEN_FILE": "BINARY"}, [], "is not UTF-8 text"),
     ({"JUPYTER_PASSWORD_HASH": "hunter2"}, [], "not a jupyter_server password hash"),
     ({"JUPYTER_PORT": "http"}, [], "JUPYTER_PORT='http'"),
     ({}, ["--port", "70000"], "--port='70000'"),
     ({}, ["--root-dir", "/nonexistent/ws"], "/nonexistent/ws is not a directory"),
 ])
 def test_bad_input_exits_2_with_one_clear_line(env, args, needle, tmp_path):
+    if env.get("JUPYTER_TOKEN_FILE") == "BINARY":
+        (tmp_path / "tok.bin").write_bytes(b"\xff\xfe\x00token\x80")
+        env = {"JUPYTER_TOKEN_FILE": str(tmp_path / "tok.bin")}
     r = run_jupyter(["--allow-root", *args], env, tmp_path)
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr
