@@ -3,6 +3,8 @@
 import functools
 import sys
 
+from entrypoints import redact as _redact
+
 
 class UserError(Exception):
     """Bad matrix/arguments: the message says what, where (file, key) and how to fix it."""
@@ -10,13 +12,19 @@ class UserError(Exception):
     exit_code = 2
 
     def __init__(self, message: str, *, where: str | None = None, fix: str | None = None):
-        text = message
+        text = shorten(message, 1500)
         if where:
-            text = f"{where}: {text}"
+            text = f"{shorten(where, 300)}: {text}"
         if fix:
-            text = f"{text} ({fix})"
-        # One line whatever the input held (a key with a newline in it must not split the message).
-        super().__init__(text.replace("\r", "\\r").replace("\n", "\\n"))
+            text = f"{text} ({shorten(fix, 500)})"
+        # One line whatever the input held (a key with a newline in it must not split the message), no credentials.
+        super().__init__(_redact.text(text).replace("\r", "\\r").replace("\n", "\\n"))
+
+
+def shorten(text: str, limit: int = 200) -> str:
+    """A value as an error may echo it: at most `limit` characters (a 100 MB value must not become a 100 MB line)."""
+    text = str(text)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def reports_user_errors(main):

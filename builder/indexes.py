@@ -8,11 +8,11 @@ digest (a mirror must not make a lock stale) and `--dry-run` prints them without
 from __future__ import annotations
 
 import os
-import re
-from urllib.parse import urlsplit, urlunsplit
 
+from builder import templating
 from builder.errors import UserError
 from builder.matrix import INDEX_NAMES, Cell
+from entrypoints import redact as _redact
 
 ARGS = {"default": "INDEX_URL", "torch": "TORCH_INDEX_URL", "vllm": "VLLM_INDEX_URL", "flash": "FLASH_INDEX_URL"}
 
@@ -54,11 +54,8 @@ def url(cell: Cell, name: str, overrides: dict[str, str] | None = None) -> str:
     template = (overrides or {}).get(name, cell.index_templates.get(name, ""))
     fields = {"variant": cell.torch_variant or "", "vllm": cell.pins.get("vllm", ""),
               "flash_variant": (cell.flash or {}).get("flash_variant", "")}
-    try:
-        return template.format(**fields)
-    except (KeyError, IndexError, ValueError) as e:
-        raise UserError(f"index {name} = {template!r}: bad template ({e!r})",
-                        fix="use only {variant}, {vllm} and {flash_variant}") from None
+    # The template may hold a password: errors show it through UserError, which redacts.
+    return templating.fill(template, f"index {name}", **fields)
 
 
 def build_args(cell: Cell, overrides: dict[str, str] | None = None) -> dict[str, str]:
@@ -77,11 +74,5 @@ def build_args(cell: Cell, overrides: dict[str, str] | None = None) -> dict[str,
 
 
 def redact(text: str) -> str:
-    """A URL without user:password (a mirror URL may carry credentials)."""
-    def one(m):
-        parts = urlsplit(m.group(0))
-        if parts.username or parts.password:
-            host = parts.hostname or ""
-            return urlunsplit(parts._replace(netloc=f"***@{host}" + (f":{parts.port}" if parts.port else "")))
-        return m.group(0)
-    return re.sub(r"[a-z][a-z0-9+.-]*://\S+", one, text)
+    """Credentials out of every URL in `text` (user-info, secret query values): entrypoints.redact, the one home."""
+    return _redact.text(text)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from builder import rules as rules_mod
+from builder import templating
 from builder.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -225,11 +226,7 @@ def _version(where: str, text: str) -> tuple[int, ...]:
 
 
 def _format(where: str, template: str, **values) -> str:
-    try:
-        return template.format(**values)
-    except (KeyError, IndexError, ValueError, AttributeError, TypeError) as e:
-        raise UserError(f"bad template {template!r}: {e!r}", where=where,
-                        fix=f"use only the fields {{{'}, {'.join(sorted(values))}}}") from None
+    return templating.fill(template, where, **values)
 
 
 def _build(path: Path, data: dict) -> Matrix:

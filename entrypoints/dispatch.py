@@ -71,7 +71,12 @@ def run_main(main, argv: list[str] | None = None, prog: str | None = None) -> in
     try:
         return main(sys.argv[1:] if argv is None else argv)
     except UsageError as e:
-        print(f"{prog or PROG}: error: {e}", file=sys.stderr)
+        from entrypoints import redact
+
+        message = redact.text(" ".join(str(e).split()))  # one line, no credentials, bounded
+        if len(message) > 2000:
+            message = f"{message[:2000]}... ({len(message)} characters)"
+        print(f"{prog or PROG}: error: {message}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
