@@ -8,6 +8,7 @@ option (with the closest valid names), and translation of options that newer rel
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import importlib.util
@@ -93,7 +94,13 @@ def _load_yaml(path: str) -> dict:
     if not p.is_file():
         raise UsageError(f"config file {path} does not exist; pass an existing YAML file to --config")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError:
+        raise UsageError(f"config file {path} is not UTF-8 text (a binary file?); pass a YAML file") from None
+    except OSError as e:
+        raise UsageError(f"config file {path}: can't read it ({e.strerror}); check its permissions") from None
+    except RecursionError:
+        raise UsageError(f"config file {path} is nested too deeply; options are a flat mapping") from None
     except yaml.YAMLError as e:
         raise UsageError(f"config file {path} is not valid YAML: {e}".replace("\n", " ")) from None
     if not isinstance(data, dict):
@@ -207,8 +214,9 @@ def parse_args(
                 raise UsageError(
                     f"unknown option {key!r} in config file {config_path}{_suggest(key, [d for d in dests if d not in ('help', 'config')])}"
                 )
-        for key, value in defaults.items():
+        for key, value in list(defaults.items()):
             action = dests[key]
+            defaults[key] = value = _yaml_value(key, action, value, config_path)
             # argparse only type-converts string defaults; keep YAML's own types, but honour choices.
             if action.choices is not None and value is not None and value not in action.choices:
                 if not (isinstance(value, str) and action.type and _converts(action.type, value, action.choices)):
@@ -232,8 +240,9 @@ def parse_args(
         parsed = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True, look_for_args_file=False)
     except UsageError:
         raise
-    except (ValueError, TypeError) as e:
-        # __post_init__ of TrainingArguments & co. rejects inconsistent combinations with ValueError.
+    except (ValueError, TypeError, ArithmeticError, AttributeError, KeyError) as e:
+        # __post_init__ of TrainingArguments & co. rejects inconsistent combinations with ValueError (and chokes on
+        # some values with others: warmup_steps inf -> OverflowError).
         where = f" (config file {config_path} + command line)" if config_path else ""
         raise UsageError(f"invalid options{where}: {e}".replace("\n", " ")) from None
 
@@ -242,12 +251,69 @@ def parse_args(
         raise UsageError(f"unexpected argument(s) {' '.join(remaining)} (options are --name value; see `{prog} --help`)")
     objs = parsed[: len(dataclass_types)]
     for obj in objs:
+        check_ranges(obj)
+        _token_to_environment(obj)
+    for obj in objs:
         fields = {f.name for f in dataclasses.fields(obj)}
         try:
             object.__setattr__(obj, _EXPLICIT_ATTR, frozenset(explicit & fields))
         except (AttributeError, TypeError):  # slots dataclass: explicit() then reports nothing
             pass
     return tuple(objs)
+
+
+def _yaml_value(key: str, action, value: Any, path: str) -> Any:
+    """A YAML value as the option's own type would parse it (argparse converts only string defaults), or one line:
+    `learning_rate: [1, 2]` or a mapping where a number belongs used to crash deep inside the Trainer."""
+    if value is None or action.type is None:
+        return value
+    many = action.nargs in ("+", "*") or isinstance(action.nargs, int)
+    items = value if many and isinstance(value, list) else [value]
+    if any(isinstance(v, (list, dict, set)) for v in items):
+        kind = "a list" if isinstance(value, list) else f"a {type(value).__name__}"
+        raise UsageError(f"option {key} in config file {path}: expected a single value, got {kind} "
+                         f"({str(value)[:80]}); write `{key}: VALUE`")
+    try:
+        out = [v if isinstance(v, bool) and action.type is not int else action.type(v if isinstance(v, str) else str(v))
+               for v in items]
+    except (TypeError, ValueError, ArithmeticError, argparse.ArgumentTypeError):
+        name = getattr(action.type, "__name__", "the option's type")
+        raise UsageError(f"option {key} in config file {path}: {str(value)[:80]!r} is not a valid {name}") from None
+    return out if many else out[0]
+
+
+# Options that must be above zero (a 0 or negative here crashed after the model loaded, or trained on nothing).
+POSITIVE = ("max_length", "max_seq_length", "max_completion_length", "max_prompt_length", "lora_r", "lora_alpha",
+            "num_generations", "per_device_train_batch_size", "per_device_eval_batch_size",
+            "gradient_accumulation_steps", "generation_batch_size", "steps_per_generation", "num_iterations",
+            "num_train_epochs", "save_steps", "logging_steps", "eval_steps")
+NON_NEGATIVE = ("learning_rate", "weight_decay", "warmup_steps", "lora_dropout", "beta", "temperature",
+                "dataloader_num_workers", "save_total_limit", "seed", "max_grad_norm")
+
+
+def check_ranges(obj) -> None:
+    """Checked before anything loads: finite numbers, and the options above in their range."""
+    import math
+
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name, None)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        if isinstance(v, float) and not math.isfinite(v):
+            raise UsageError(f"--{f.name} {v}: must be a finite number")
+        if f.name in POSITIVE and v <= 0:
+            raise UsageError(f"--{f.name} {v}: must be above 0")
+        if f.name in NON_NEGATIVE and v < 0:
+            raise UsageError(f"--{f.name} {v}: must not be negative")
+
+
+def _token_to_environment(obj) -> None:
+    """`--hub_token X` goes to huggingface_hub through HF_TOKEN and is dropped from the arguments: the Trainer pickles
+    its arguments into every checkpoint (training_args.bin), which ARTIFACT_DIR then carries."""
+    token = getattr(obj, "hub_token", None)
+    if token:
+        os.environ.setdefault("HF_TOKEN", token)
+        object.__setattr__(obj, "hub_token", None)
 
 
 def _cuda_available() -> bool:
@@ -295,11 +361,26 @@ def check_model_path(spec: str | None, option: str = "--model_name_or_path") -> 
         return
     if spec.startswith(("/", "./", "../", "~")) or spec.count("/") > 1:
         raise UsageError(f"model path {spec} does not exist; check {option} (and the container's mounts)")
+    # A hub id: its config.json (small) is fetched or found in the cache now, so a typo or an offline machine is one
+    # line before anything loads rather than a traceback from deep inside from_pretrained.
+    from transformers.utils import cached_file
+
+    try:
+        cached_file(spec, "config.json")
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"model {spec!r} is not a local directory and the hub can't serve it ({first[:300]}); check "
+                         f"{option} (a local folder needs ./ or a path), or mount the model and pass its path") from None
 
 
 def check_report_to(report_to) -> None:
     names = [report_to] if isinstance(report_to, str) else list(report_to or [])
+    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
     for name in names:
+        if name not in ("none", "all") and name not in INTEGRATION_TO_CALLBACK:
+            raise UsageError(f"--report_to {str(name)[:60]!r} is not a known integration; use one of none, "
+                             f"{', '.join(sorted(INTEGRATION_TO_CALLBACK))}")
         pkg = REPORT_PACKAGES.get(name)
         if pkg and importlib.util.find_spec(pkg) is None:
             raise UsageError(f"--report_to {name} needs the {pkg} package, which this image lacks; use tensorboard or none")

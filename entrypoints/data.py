@@ -60,14 +60,61 @@ def load_table(spec: str, *, split: str = "train"):
             raise UsageError(f"dataset file {path} has an unsupported suffix; use .parquet, .jsonl, .json or .csv")
         if len(kinds) > 1:
             raise UsageError(f"dataset directory {path} mixes file types {sorted(kinds)}; keep one format per directory")
+        empty = [p for p in files if p.stat().st_size == 0]
+        if empty:
+            raise UsageError(f"dataset file {empty[0]} is empty (no rows); put rows in it or point --dataset elsewhere")
         try:
-            return datasets.load_dataset(kinds.pop(), data_files=[str(p) for p in files], split="train")
+            ds = datasets.load_dataset(kinds.pop(), data_files=[str(p) for p in files], split="train")
         except Exception as e:  # a corrupt or malformed file: say which
             raise UsageError(f"cannot read dataset {path}: {type(e).__name__}: {e}".replace("\n", " ")) from None
+        if len(ds) == 0:
+            raise UsageError(f"dataset {path} has no rows; put rows in it or point --dataset elsewhere")
+        return ds
     if _looks_local(spec):
         raise UsageError(f"dataset path {spec} does not exist; check the path (and the container's mounts)")
     name, _, config = spec.partition(":")
-    return datasets.load_dataset(name, config or None, split=split)
+    try:
+        return datasets.load_dataset(name, config or None, split=split)
+    except Exception as e:  # not found, offline, no such config/split: the hub's own words, on one line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise UsageError(f"dataset {spec!r} is not a local path and the hub can't serve it ({type(e).__name__}: "
+                         f"{first[:300]}); check the name (a local file needs ./ or a path), or mount the data and "
+                         "pass its path") from None
+
+
+class BadRow(Exception):
+    """A row that a conversion can't use: which field and what is wrong (the row number is added by `convert`)."""
+
+
+def convert(ds, conv, where: str):
+    """`ds.map(conv)` that checks every row: a bad one is one UsageError naming its number (from 1) and field."""
+    def checked(row, i):
+        try:
+            return conv(row)
+        except BadRow as e:
+            raise UsageError(f"{where}: row {i + 1}: {e}") from None
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+            raise UsageError(f"{where}: row {i + 1} can't be used ({type(e).__name__}: {str(e)[:200]}); fix or "
+                             "drop that row") from None
+
+    return ds.map(checked, with_indices=True, remove_columns=ds.column_names)
+
+
+def _chat(value: Any, field: str) -> list:
+    """A chat list of {role, content} messages with text roles, or BadRow naming the field."""
+    if not _is_chat(value):
+        raise BadRow(f"{field} must be a list of {{role, content}} messages, got {type(value).__name__}")
+    for m in value:
+        if not isinstance(m["role"], str) or not isinstance(m["content"], (str, list)):
+            raise BadRow(f"{field}: each message needs a text role and content, got role={str(m['role'])[:40]!r} "
+                         f"content={type(m['content']).__name__}")
+    return list(value)
+
+
+def _text(value: Any, field: str) -> str:
+    if value is None or isinstance(value, (Mapping, list)) and not _is_chat(value):
+        raise BadRow(f"{field} is {'missing' if value is None else type(value).__name__}, expected text")
+    return value
 
 
 def require_columns(ds, cols, where: str) -> None:
@@ -164,16 +211,16 @@ def to_sft(
 
     if fmt == "messages":
         require_columns(ds, [messages_key], where)
-        if len(ds) and not _is_chat(ds[0][messages_key]):
-            raise UsageError(f"{where}: column {messages_key} must hold lists of {{role, content}} messages")
 
         def conv(row):
-            msgs = list(row[messages_key])
-            if system_prompt and (not msgs or msgs[0]["role"] != "system"):
+            msgs = _chat(row[messages_key], f"column {messages_key}")
+            if not msgs:
+                raise BadRow(f"column {messages_key} is an empty list")
+            if system_prompt and msgs[0]["role"] != "system":
                 msgs = [{"role": "system", "content": system_prompt}] + msgs
             return {"messages": [{"role": m["role"], "content": m["content"]} for m in msgs]}
 
-        return ds.map(conv, remove_columns=ds.column_names)
+        return convert(ds, conv, where)
 
     if fmt == "dolly":
         require_columns(ds, ["instruction"], where)
@@ -181,9 +228,11 @@ def to_sft(
         require_columns(ds, [resp], where)
 
         def conv(row):
-            return {"prompt": _user(_dolly_prompt(row), system_prompt), "completion": _as_completion(row[resp])}
+            _text(row["instruction"], "instruction")
+            return {"prompt": _user(_dolly_prompt(row), system_prompt),
+                    "completion": _as_completion(_text(row[resp], resp))}
 
-        return ds.map(conv, remove_columns=ds.column_names)
+        return convert(ds, conv, where)
 
     if fmt == "verl":
         prompt_key = prompt_key or "extra_info.question"
@@ -197,12 +246,16 @@ def to_sft(
     require_key(ds, response_key, where)
 
     def conv(row):
+        try:
+            prompt, response = get_key(row, prompt_key), get_key(row, response_key)
+        except KeyError as e:
+            raise BadRow(f"key {e.args[0]} is missing") from None
         return {
-            "prompt": _as_prompt(get_key(row, prompt_key), system_prompt),
-            "completion": _as_completion(get_key(row, response_key)),
+            "prompt": _as_prompt(_text(prompt, prompt_key), system_prompt),
+            "completion": _as_completion(_text(response, response_key)),
         }
 
-    return ds.map(conv, remove_columns=ds.column_names)
+    return convert(ds, conv, where)
 
 
 def to_prompt_answer(ds, *, where: str = "dataset", system_prompt: str | None = None):
@@ -215,16 +268,22 @@ def to_prompt_answer(ds, *, where: str = "dataset", system_prompt: str | None = 
         require_key(ds, "reward_model.ground_truth", where)
 
         def conv(row):
-            return {"prompt": _as_prompt(row["prompt"], system_prompt), "answer": str(row["reward_model"]["ground_truth"])}
+            try:
+                truth = get_key(row, "reward_model.ground_truth")
+            except KeyError:
+                raise BadRow("reward_model.ground_truth is missing") from None
+            return {"prompt": _as_prompt(_text(row["prompt"], "prompt"), system_prompt),
+                    "answer": str(_text(truth, "reward_model.ground_truth"))}
 
     elif {"question", "answer"} <= cols:
 
         def conv(row):
-            return {"prompt": _user(row["question"], system_prompt), "answer": str(row["answer"]).split("####")[-1].strip()}
+            return {"prompt": _user(_text(row["question"], "question"), system_prompt),
+                    "answer": str(_text(row["answer"], "answer")).split("####")[-1].strip()}
 
     else:
         raise UsageError(
             f"{where}: need verl gsm8k columns (prompt, reward_model.ground_truth) or question+answer; "
             f"the dataset has {', '.join(sorted(cols))}"
         )
-    return ds.map(conv, remove_columns=ds.column_names)
+    return convert(ds, conv, where)

@@ -18,7 +18,7 @@ import sys
 import threading
 from pathlib import Path
 
-from . import atomic, lifecycle
+from . import atomic, lifecycle, redact
 from .errors import UsageError
 
 _active: Path | None = None  # the log being kept by this process (nested runs add nothing)
@@ -125,7 +125,7 @@ def kept(name: str, output_dir: str | Path, *, node_rank: int = 0, streams: bool
     new_log = not path.exists()
     bad_input = False
     with open(path, "ab", buffering=0) as raw:
-        raw.write(f"$ trainbox {name} {' '.join(map(str, argv))}\n".encode())
+        raw.write(f"$ trainbox {name} {' '.join(redact.argv(argv))}\n".encode())  # no secret options
         _active = path
         try:
             if streams:

@@ -186,7 +186,7 @@ def test_undetectable_format(tmp_path):
 def test_messages_column_must_hold_chats(tmp_path):
     (tmp_path / "m.jsonl").write_text(json.dumps({"messages": "just text"}) + "\n")
     ds = data.load_table(str(tmp_path / "m.jsonl"))
-    with pytest.raises(UsageError, match="lists of"):
+    with pytest.raises(UsageError, match="row 1: column messages must be a list of"):
         data.to_sft(ds)
 
 

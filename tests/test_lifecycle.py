@@ -200,6 +200,9 @@ def test_workers_and_other_ranks_keep_no_log(monkeypatch):
     assert not runlog.keeps_log_here(SimpleNamespace(mode="train", env={"RANK": "1"}, node_rank=0))
 
 
+HUB_TOKEN = "hf_s3cretTokenForTheRunLogTest"
+
+
 def test_sft_command_run_puts_its_log_next_to_the_model_in_artifact_dir(tiny_model, tmp_path):
     """`trainbox sft --nproc-per-node 2` with ARTIFACT_DIR: the launcher's log holds both ranks' lines and the final
     summary (printed after the outputs were copied), and it is copied next to the model."""
@@ -210,10 +213,15 @@ def test_sft_command_run_puts_its_log_next_to_the_model_in_artifact_dir(tiny_mod
     out, art = tmp_path / "out", tmp_path / "art"
     r = subprocess.run([sys.executable, "-u", "-m", "entrypoints.sft", "--model_name_or_path", str(tiny_model),
                         "--dataset", str(data), "--output_dir", str(out), "--max_steps", "2",
-                        "--nproc-per-node", "2", *FAST], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env=env_for(tmp_path, ARTIFACT_DIR=str(art)))  # fmt: skip
+                        "--nproc-per-node", "2", "--hub_token", HUB_TOKEN, *FAST], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300, env=env_for(tmp_path, ARTIFACT_DIR=str(art)))  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert (art / "out" / "model.safetensors").is_file()
+    # A token given on the command line is nowhere: not on the terminal, not in the log, not in any output file.
+    assert HUB_TOKEN not in r.stdout + r.stderr
+    leaked = [p for p in [*out.rglob("*"), *art.rglob("*")] if p.is_file() and HUB_TOKEN.encode() in p.read_bytes()]
+    assert leaked == [], leaked
+    assert "--hub_token ***" in (out / "logs" / "sft.log").read_text()
     log = (art / "out" / "logs" / "sft.log").read_text()
     assert "torchrun nnodes=1 nproc_per_node=2" in log and "rdzv=standalone" in log  # the launcher
     assert "DDP over gloo, 2 processes (CPU)" in log  # rank 0

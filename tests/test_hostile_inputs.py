@@ -1,0 +1,151 @@
+"""Every input path of the entrypoints gives one line and exit 2, before any model loads, and leaves nothing behind:
+output folders that can't be one, models and datasets the hub can't serve, every dataset row checked (the message
+names the row), numbers out of range, YAML values of the wrong type, binary files. Then a hypothesis fuzz over
+options and YAML through the real parser: a UsageError or a parse, never another exception."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from entrypoints.errors import UsageError
+
+ROOT = Path(__file__).resolve().parents[1]
+GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+
+
+def env(tmp: Path) -> dict[str, str]:
+    e = {k: v for k, v in os.environ.items() if k not in ("ARTIFACT_DIR", "OUTPUT_DIR")}
+    e.update(PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HOME=str(tmp),
+             HF_HOME=str(tmp / "hf"), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    return e
+
+
+def rows(path: Path, *items) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in items))
+    return path
+
+
+@pytest.fixture
+def files(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "binary.yaml").write_bytes(b"\xff\xfe\x00\x01\x80")
+    (tmp_path / "list.yaml").write_text("learning_rate: [1, 2]\n")
+    (tmp_path / "nan.yaml").write_text("learning_rate: nan\n")
+    (tmp_path / "dict.yaml").write_text("max_length: {a: 1}\n")
+    rows(tmp_path / "good.jsonl", GOOD, GOOD)
+    rows(tmp_path / "bad_row3.jsonl", GOOD, GOOD, {"messages": 5})
+    rows(tmp_path / "bad_content.jsonl", GOOD, {"messages": [{"role": "user", "content": {"x": 1}}]})
+    rows(tmp_path / "dolly_missing.jsonl", {"instruction": "a", "response": "b"}, {"instruction": "a", "response": None})
+    rows(tmp_path / "gsm_bad.jsonl", {"question": "1+1", "answer": "#### 2"}, {"question": ["x"], "answer": "#### 2"})
+    return tmp_path
+
+
+# (entrypoint, args, what the one line must say). {m} = the tiny model, {t} = this test's folder.
+CASES = [
+    ("sft", ["--dataset", "{t}/good.jsonl", "--output_dir", "{t}/a_file"], "is a file, not a folder"),
+    ("sft", ["--dataset", "{t}/good.jsonl", "--output_dir", "{t}/a_file/sub"], "is a file, not a folder"),
+    ("qlora", ["--dataset", "{t}/good.jsonl", "--output_dir", "/proc/trainbox"], "under /proc"),
+    ("grpo", ["--dataset", "{t}/good.jsonl", "--output_dir", "/proc/trainbox", "--preset", "gsm8k"], "under /proc"),
+    ("sft", ["--dataset", "{t}/good.jsonl", "--output_dir", "/sys/x"], "under /sys"),
+    ("sft", ["--model_name_or_path", "typo-model-name"], "the hub can't serve it"),
+    ("sft", ["--dataset", "typo/dataset-name"], "the hub can't serve it"),
+    ("sft", ["--dataset", "{t}/empty.jsonl"], "is empty (no rows)"),
+    ("sft", ["--dataset", "{t}/bad_row3.jsonl"], "row 3: column messages must be a list"),
+    ("sft", ["--dataset", "{t}/bad_content.jsonl"], "row 2: column messages: each message needs"),
+    ("sft", ["--dataset", "{t}/dolly_missing.jsonl"], "row 2: response is missing"),
+    ("grpo", ["--dataset", "{t}/gsm_bad.jsonl", "--preset", "gsm8k"], "row 2: question is list"),
+    ("sft", ["--dataset", "{t}/good.jsonl", "--max_length", "0"], "--max_length 0: must be above 0"),
+    ("sft", ["--dataset", "{t}/good.jsonl", "--max_length", "-5"], "--max_length -5: must be above 0"),
+    ("qlora", ["--dataset", "{t}/good.jsonl", "--lora_r", "0"], "--lora_r 0: must be above 0"),
+    ("grpo", ["--dataset", "{t}/good.jsonl", "--max_completion_length", "0", "--preset", "gsm8k"],
+     "--max_completion_length 0"),
+    ("sft", ["--dataset", "{t}/good.jsonl", "--learning_rate", "inf"], "must be a finite number"),
+    ("sft", ["--dataset", "{t}/good.jsonl", "--config", "{t}/list.yaml"], "expected a single value, got a list"),
+    ("sft", ["--dataset", "{t}/good.jsonl", "--config", "{t}/nan.yaml"], "must be a finite number"),
+    ("sft", ["--dataset", "{t}/good.jsonl", "--config", "{t}/dict.yaml"], "expected a single value, got a dict"),
+    ("sft", ["--dataset", "{t}/good.jsonl", "--config", "{t}/binary.yaml"], "is not UTF-8 text"),
+]
+
+
+@pytest.mark.parametrize("name,args,needle", CASES, ids=[f"{c[0]}:{c[2][:30]}" for c in CASES])
+def test_bad_input_is_one_line_and_exit_2(tiny_model, files, name, args, needle):
+    argv = [a.format(t=files, m=tiny_model) for a in args]
+    if "--model_name_or_path" not in argv:
+        argv = ["--model_name_or_path", str(tiny_model), *argv]
+    if "--output_dir" not in argv:
+        argv += ["--output_dir", str(files / "out")]
+    r = subprocess.run([sys.executable, "-m", "entrypoints", name, *argv, "--max_steps", "1"], cwd=files,
+                       env=env(files), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-3000:]
+    errors = [ln for ln in r.stderr.splitlines() if "error" in ln.lower() or "Traceback" in ln]
+    assert len(errors) == 1 and needle in errors[0], r.stderr[-3000:]
+    assert not (files / "out").exists(), "bad input left an output folder behind"
+
+
+# ---------------------------------------------------------------------------- fuzz: the parser never raises else
+SETTINGS = settings(max_examples=int(os.environ.get("TRAINBOX_FUZZ_EXAMPLES", "150")), deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+OPTIONS = ["--max_length", "--learning_rate", "--lora_r", "--num_train_epochs", "--per_device_train_batch_size",
+           "--gradient_accumulation_steps", "--warmup_steps", "--bf16", "--packing", "--seed", "--lr_scheduler_type",
+           "--report_to", "--max_steps", "--logging_steps", "--dataset", "--no_such_option", "--hub_token"]
+values = st.one_of(st.text(max_size=12), st.sampled_from(["0", "-1", "nan", "inf", "1e400", "true", "[1]", "", "2"]),
+                   st.integers(-10**6, 10**6).map(str), st.floats(allow_nan=True).map(str))
+yaml_values = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=8)),
+                           lambda c: st.one_of(st.lists(c, max_size=3), st.dictionaries(st.text(max_size=4), c,
+                                                                                        max_size=2)), max_leaves=5)
+
+
+def parse(name: str, argv: list[str]):
+    if name == "sft":
+        from entrypoints.sft import parse
+    else:
+        from entrypoints.qlora import parse
+    return parse(argv)
+
+
+@SETTINGS
+@given(name=st.sampled_from(["sft", "qlora"]), pairs=st.lists(st.tuples(st.sampled_from(OPTIONS), values), max_size=4))
+def test_fuzzed_options_parse_or_are_one_usage_error(name, pairs):
+    argv = ["--model_name_or_path", "/m", "--dataset", "d.jsonl", "--output_dir", "/tmp/trainbox-fuzz-out"]
+    for opt, v in pairs:
+        argv += [opt, v]
+    try:
+        parse(name, argv)
+    except UsageError as e:
+        pass  # the dispatcher prints it on one line (dispatch.run_main); any other exception fails the test
+    except SystemExit as e:  # --help only
+        assert e.code == 0
+
+
+@SETTINGS
+@given(doc=st.dictionaries(st.sampled_from([o[2:] for o in OPTIONS]), yaml_values, max_size=4))
+def test_fuzzed_yaml_parses_or_is_one_usage_error(doc, tmp_path_factory):
+    import yaml
+
+    path = tmp_path_factory.mktemp("yaml") / "c.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    try:
+        parse("sft", ["--config", str(path), "--model_name_or_path", "/m", "--dataset", "d.jsonl"])
+    except UsageError:
+        pass
+
+
+def test_fuzz_sample_through_the_real_command(tiny_model, files):
+    """A few fuzz-shaped inputs through `python -m entrypoints sft` itself: exit 0 or 2, never a traceback."""
+    for extra in (["--max_length", "1e400"], ["--learning_rate", "nan"], ["--per_device_train_batch_size", "-1"],
+                  ["--warmup_steps", "abc"], ["--report_to", "nonsense"]):
+        r = subprocess.run([sys.executable, "-m", "entrypoints", "sft", "--model_name_or_path", str(tiny_model),
+                            "--dataset", str(files / "good.jsonl"), "--output_dir", str(files / "out"), *extra],
+                           cwd=files, env=env(files), capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, (extra, r.stderr[-2000:])
