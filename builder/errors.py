@@ -18,7 +18,12 @@ class UserError(Exception):
         if fix:
             text = f"{text} ({shorten(fix, 500)})"
         # One line whatever the input held (a key with a newline in it must not split the message), no credentials.
-        super().__init__(_redact.text(text).replace("\r", "\\r").replace("\n", "\\n"))
+        super().__init__(one_line(_redact.text(text)))
+
+
+def one_line(text: str) -> str:
+    """Every character a terminal or splitlines() would break on (newline, CR, U+2028, NUL...) shown escaped."""
+    return "".join(ch if ch.isprintable() or ch == " " else repr(ch)[1:-1] for ch in text)
 
 
 def shorten(text: str, limit: int = 200) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 
 from builder import rules as rules_mod
 from builder import templating
-from builder.errors import UserError
+from builder.errors import UserError, shorten
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MATRIX = ROOT / "matrix.toml"
@@ -176,7 +176,102 @@ def load_matrix(path: str | Path = DEFAULT_MATRIX) -> Matrix:
         raise UserError(f"not UTF-8 text at byte {e.start}", where=where, fix="save the file as UTF-8") from None
     except tomllib.TOMLDecodeError as e:
         raise UserError(f"TOML syntax error: {e}", where=where, fix="fix the syntax at that line") from None
-    return _build(path, data)
+    except RecursionError:
+        raise UserError(f"nested more than Python can parse (over {MAX_DEPTH} levels is never meant)", where=where,
+                        fix="a matrix is a few tables deep; see matrix.toml") from None
+    _check_tree(where, data)
+    matrix = _build(path, data)
+    for cell in matrix.cells:
+        _check_cell_values(where, cell)
+    return matrix
+
+
+# ------------------------------------------------------------------------------ what may reach a Dockerfile
+# Every matrix string ends up in a rendered Dockerfile, a tag or a shell line: a newline would start an instruction
+# of the author's choosing, a trailing backslash would swallow the next one, a quote would end a RUN string. So the
+# whole tree is checked first (no control characters, bounded depth and length), then each value a cell carries
+# against the grammar of where it goes.
+MAX_DEPTH = 8
+MAX_STRING = 2000
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}", re.ASCII)
+_PACKAGE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?", re.ASCII)  # PEP 508 names
+_PYTHON = re.compile(r"3\.[0-9]{1,2}", re.ASCII)
+_PLATFORM = re.compile(r"linux/(amd64|arm64|ppc64le|s390x|riscv64)(/v[0-9])?", re.ASCII)
+_WORD = re.compile(r"[A-Za-z0-9_.+:/@=,;-]+", re.ASCII)  # a URL, a platform tag, an arch list: one shell word
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
+
+
+def _check_tree(where: str, node: Any, path: str = "", depth: int = 0) -> None:
+    if depth > MAX_DEPTH:
+        raise UserError(f"nested deeper than {MAX_DEPTH} levels at {shorten(path, 80)}", where=where,
+                        fix="a matrix is a few tables deep; see matrix.toml")
+    if isinstance(node, dict):
+        for key, value in node.items():
+            _check_string(where, f"{path}.{key}" if path else str(key), key, "key")
+            _check_tree(where, value, f"{path}.{key}" if path else str(key), depth + 1)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            _check_tree(where, value, f"{path}[{i}]", depth + 1)
+    elif isinstance(node, str):
+        _check_string(where, path, node, "value")
+
+
+def _check_string(where: str, path: str, text: str, what: str) -> None:
+    m = _CONTROL.search(text)
+    if m:
+        raise UserError(f"the {what} at {shorten(path, 80)} holds a control character ({m.group(0)!r})",
+                        where=where, fix="matrix strings are one line of text: remove it")
+    if len(text) > MAX_STRING:
+        raise UserError(f"the {what} at {shorten(path, 80)} is {len(text)} characters long", where=where,
+                        fix=f"keep it under {MAX_STRING}")
+
+
+def _grammar(where: str, field: str, value: str, pattern: re.Pattern, what: str) -> None:
+    if not pattern.fullmatch(value):
+        raise UserError(f"{field} = {shorten(value, 80)!r} is not {what}", where=where)
+
+
+def _check_cell_values(where: str, c: Cell) -> None:
+    """The values a cell renders into its Dockerfile, its tags and its labels, each against its grammar."""
+    w = f"{where}: cell {shorten(c.name, 60)}"
+    from builder import reference
+
+    _grammar(w, "name", c.name, _TAG, "usable in an image tag (letters, digits, '_', '.', '-'; 128 at most)")
+    _grammar(w, "tag", c.tag, _TAG, "a valid image tag")
+    for t in c.version_tags:
+        _grammar(w, "naming.version_tags", t, _TAG, "a valid image tag")
+    _grammar(w, "naming.version", c.version, _TAG, "usable in an image tag (e.g. 0.4.0)")
+    if not reference.is_name(c.repository):
+        raise UserError(f"naming.repository = {shorten(c.repository, 80)!r} is not an image repository name",
+                        where=w, fix="lower case letters, digits and separators, e.g. trainbox or ghcr.io/org/trainbox")
+    _grammar(w, "naming.source", c.source, _WORD, "a URL")
+    for field in ("base_image", "build_image"):
+        image = getattr(c, field)
+        if image is not None and not (reference.REFERENCE.fullmatch(image) and len(image) <= reference.NAME_MAX):
+            raise UserError(f"{field} = {shorten(image, 80)!r} is not an image reference", where=w,
+                            fix="NAME[:TAG][@DIGEST], e.g. nvidia/cuda:12.9.1-base-ubuntu24.04")
+    _grammar(w, "python", c.python, _PYTHON, "a Python version like 3.12")
+    _grammar(w, "arch.platform", c.platform, _PLATFORM, "a platform like linux/amd64 or linux/arm64")
+    _grammar(w, "arch.uv_platform", c.uv_platform, _WORD, "a platform tag like x86_64-manylinux_2_28")
+    for field in ("cuda_arch_list", "torch_arch_list"):
+        if getattr(c, field):
+            _grammar(w, field, getattr(c, field), re.compile(r"[0-9A-Za-z.+; ]*"),
+                     "a list like 9.0a;10.0+PTX")
+    for name in c.pins:
+        _grammar(w, "package name", name, _PACKAGE, "a package name (PEP 508)")
+    a = c.attention
+    for key in ("package",):
+        if a.get(key):
+            _grammar(w, f"attention.{key}", a[key], _PACKAGE, "a package name (PEP 508)")
+    for key in ("version", "source", "source_subdir"):
+        if a.get(key):
+            _grammar(w, f"attention.{key}", a[key], _WORD, "one word (no spaces or quotes)")
+    for k, v in (a.get("build_env") or {}).items():
+        _grammar(w, "attention.build_env name", k, _ENV_NAME, "an environment variable name")
+        _grammar(w, f"attention.build_env.{k}", str(v), re.compile(r"[A-Za-z0-9_.,:/+=-]*"), "a plain value")
+    for name, url in c.index_templates.items():
+        _grammar(w, f"index.{name}", url, re.compile(r"[^\s'\"\\`$]*"), "a URL (no spaces, quotes, backslashes or $)")
 
 
 def _check_table(where: str, table: Any, schema: dict, required: tuple = ()) -> dict:

@@ -74,6 +74,7 @@ def run_main(main, argv: list[str] | None = None, prog: str | None = None) -> in
         from entrypoints import redact
 
         message = redact.text(" ".join(str(e).split()))  # one line, no credentials, bounded
+        message = "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in message)
         if len(message) > 2000:
             message = f"{message[:2000]}... ({len(message)} characters)"
         print(f"{prog or PROG}: error: {message}", file=sys.stderr)
