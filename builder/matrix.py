@@ -342,6 +342,7 @@ def _build(path: Path, data: dict) -> Matrix:
     for name, t in cudas.items():
         _check_table(f"{f}: cuda.{name!r}", t, _CUDA, ("base_image", "python", "min_driver"))
         _version(f"{f}: cuda.{name!r}", name)
+        _grammar(f"{f}: cuda.{name!r}", "python", t["python"], _PYTHON, "a Python version like 3.12")  # unused too
     gpus = data["gpu"]
     for name, t in gpus.items():
         w = f"{f}: gpu.{name}"

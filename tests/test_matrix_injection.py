@@ -107,3 +107,24 @@ SETTINGS = settings(max_examples=int(os.environ.get("TRAINBOX_FUZZ_EXAMPLES", "1
        how=st.sampled_from(["end", "start", "replace"]))
 def test_any_mutation_is_refused_or_renders_the_same_instructions(original, tmp_path_factory, i, payload, how):
     check(original, tmp_path_factory.mktemp("m"), mutated(i, payload, how))
+
+
+@pytest.mark.parametrize("old,new,needle", [
+    ('repository = "trainbox"', 'repository = "Train Box!"', "is not an image repository name"),
+    ('platform = "linux/amd64"', 'platform = "amd64"', "is not a platform"),
+    ('python = "3.12"', 'python = "3.12\\" && echo x && \\""', "is not a Python version"),
+    ('packages = { jupyterlab = "4.6.6"', 'packages = { "jupyterlab ; os_name == \'nt\'" = "4.6.6"',
+     "is not a package name"),
+    ('packages = { jupyterlab = "4.6.6"', 'packages = { "jupyter lab" = "4.6.6"', "is not a package name"),
+])
+def test_values_with_the_wrong_grammar_are_refused(original, tmp_path, old, new, needle):
+    assert old in BASE_TEXT
+    rc, err, rendered = render(tmp_path, BASE_TEXT.replace(old, new, 1))
+    assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1 and rendered == {}, err
+
+
+def test_a_non_ascii_cell_name_and_a_deep_matrix_are_one_line(tmp_path):
+    rc, err, _ = render(tmp_path / "a", BASE_TEXT.replace('name = "smoke"', 'name = "smöke"', 1))
+    assert rc == 2 and "usable in an image tag" in err, err
+    rc, err, _ = render(tmp_path / "b", BASE_TEXT + "\n[deep]\nx = " + "[" * 5000 + "]" * 5000 + "\n")
+    assert rc == 2 and "nested" in err and len(err.strip().splitlines()) == 1, err
