@@ -11,7 +11,8 @@ from types import MappingProxyType
 
 from builder.errors import UserError, reports_user_errors
 from builder.matrix import DEFAULT_MATRIX, ROOT, Cell, Matrix, load_matrix
-from builder.options import BuildOptions, check_registry, parse_bases, parse_build_args, parse_secrets
+from builder.options import (BuildOptions, check_dir, check_file_target, check_registry, parse_bases,
+                             parse_build_args, parse_secrets)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -188,9 +189,15 @@ def output_dir(args) -> Path:
         print(f"{args.matrix} is not the repository's matrix: rendering into {out} (choose with --output-dir)",
               file=sys.stderr)
         return out
-    if not own and args.output_dir.resolve() == ROOT.resolve():
-        raise UserError(f"--matrix {args.matrix} with --output-dir {args.output_dir}: a foreign matrix would write over "
-                        "the repository's committed images/ and locks/", fix="choose another --output-dir")
+    out, root = args.output_dir.resolve(), ROOT.resolve()
+    if not own and (out == root or root in out.parents):
+        raise UserError(f"--matrix {args.matrix} with --output-dir {args.output_dir}: a foreign matrix would write "
+                        "inside the repository (over or beside its committed images/ and locks/)",
+                        fix="choose another --output-dir, outside the repository")
+    if own and root in out.parents:
+        raise UserError(f"--output-dir {args.output_dir} is inside the repository: its images/ and locks/ would "
+                        "be a second, stray copy", fix="leave --output-dir out (the repository itself) or pick a "
+                        "folder outside it")
     return args.output_dir
 
 
@@ -198,6 +205,17 @@ def build_options(args, config: dict, out: Path) -> BuildOptions:
     """The one typed options object, from the parsed arguments; every check here runs before any work."""
     from builder import indexes
     where = str(args.config) if args.config else "--config"
+    # Everything a build writes or reads at its end is checked now: a bad one costs seconds, not a GPU build.
+    if args.output_dir is not None:
+        check_dir(args.output_dir, "--output-dir")
+    if args.sqsh is not None:
+        check_dir(args.sqsh, "--sqsh")
+        from builder import enroot
+        enroot.squash_options(args.sqsh_compression, args.sqsh_block_size)
+    elif args.sqsh_block_size is not None or args.sqsh_compression is not None:
+        raise UserError("--sqsh-block-size/--sqsh-compression without --sqsh", fix="add --sqsh DIR")
+    if args.report is not None:
+        check_file_target(args.report, "--report")
     return BuildOptions(
         output_dir=out, bases=MappingProxyType(parse_bases(args.base, config.get("bases"), where)),
         index_overrides=MappingProxyType(indexes.parse_overrides(args.index, config.get("index"))),
@@ -225,11 +243,18 @@ def run(argv: list[str] | None = None) -> int:
         return 0
     from builder import lock
     opts = dataclasses.replace(opts, output_dir=output_dir(args))
-    if args.lock:
-        return lock.lock_cells(cells, root=opts.output_dir, quiet=args.quiet, overrides=opts.index_overrides)
-    from builder import render
-    paths = render.write_cells(cells, root=opts.output_dir)
-    lock.seed(cells, opts.output_dir)
+    temporary = opts.output_dir != ROOT and args.output_dir is None  # output_dir() made it for a foreign matrix
+    try:
+        if args.lock:
+            return lock.lock_cells(cells, root=opts.output_dir, quiet=args.quiet, overrides=opts.index_overrides)
+        from builder import render
+        paths = render.write_cells(cells, root=opts.output_dir)
+        lock.seed(cells, opts.output_dir)
+    except BaseException:
+        if temporary:  # a failed foreign render leaves no empty temporary folder behind
+            import shutil
+            shutil.rmtree(opts.output_dir, ignore_errors=True)
+        raise
     if args.dry_run:
         if not args.quiet:
             print("\n".join(plan_lines(cells, opts.bases, paths, opts.output_dir, opts.index_overrides, opts.frozen,

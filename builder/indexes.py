@@ -8,6 +8,7 @@ digest (a mirror must not make a lock stale) and `--dry-run` prints them without
 from __future__ import annotations
 
 import os
+import re
 
 from builder import templating
 from builder.errors import UserError
@@ -45,8 +46,17 @@ def parse_overrides(pairs: list[str] | None, config: dict | None = None, env=Non
                                 "(e.g. --index torch=https://mirror.example/whl/{variant})")
             if not isinstance(url, str):
                 raise UserError(f"{source}: index {name} must be a URL string")
+            check_url(url, f"{source} {name}")
             out[name] = url
     return out
+
+
+def check_url(url: str, where: str) -> str:
+    """An index URL (template): http(s) or file, a host, nothing a shell or a Dockerfile line would split on."""
+    if not re.fullmatch(r"(?i)(https?://[^/\s'\"\\`$]+|file://)[^\s'\"\\`$]*", url):
+        raise UserError(f"{where}: {redact(url)[:200]!r} is not an index URL",
+                        fix="give http(s)://HOST/PATH or file:///PATH, e.g. --index torch=https://mirror.example/whl/{variant}")
+    return url
 
 
 def url(cell: Cell, name: str, overrides: dict[str, str] | None = None) -> str:

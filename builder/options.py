@@ -2,6 +2,7 @@
 this object."""
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -9,7 +10,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from builder import reference
-from builder.errors import UserError
+from builder.errors import UserError, shorten
 from builder.matrix import ROOT
 
 
@@ -30,17 +31,60 @@ def parse_bases(pairs: list[str] | None, table: Mapping | None = None, where: st
     return out
 
 
+SECRET_FIELDS = ("id", "src", "source", "env", "type", "required")
+
+
 def parse_secrets(specs: list[str] | None) -> tuple[str, ...]:
-    """`id=ID,src=PATH` specs, checked: the file must exist (BuildKit would fail late and unclearly)."""
+    """`id=ID,src=PATH` (or env=VAR) specs, checked: known fields only, the file readable or the variable set
+    (BuildKit would fail late and unclearly). Errors name the id, never the value of anything."""
     out = []
     for s in specs or []:
         fields = dict(kv.partition("=")[::2] for kv in s.split(","))
-        if not fields.get("id") or not (fields.get("src") or fields.get("env")):
-            raise UserError(f"--secret {s!r}: expected id=ID,src=PATH (e.g. id=hf_token,src=$HOME/.hf_token)")
-        if fields.get("src") and not Path(fields["src"]).is_file():
-            raise UserError(f"--secret {s!r}: file {fields['src']} does not exist")
+        unknown = sorted(set(fields) - set(SECRET_FIELDS))
+        if unknown:
+            raise UserError(f"--secret: unknown field {shorten(unknown[0], 40)!r}",
+                            fix=f"use {', '.join(SECRET_FIELDS[:4])}: e.g. id=hf_token,src=$HOME/.hf_token")
+        sid, src = fields.get("id", ""), fields.get("src") or fields.get("source")
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", sid) or not (src or fields.get("env")):
+            raise UserError("--secret: expected id=ID,src=PATH or id=ID,env=VAR (ID: letters, digits, _ . -)",
+                            fix="e.g. id=hf_token,src=$HOME/.hf_token")
+        if src and not (Path(src).is_file() and os.access(src, os.R_OK)):
+            raise UserError(f"--secret id={sid}: file {shorten(src, 120)} does not exist or is not readable")
+        if fields.get("env") and fields["env"] not in os.environ:
+            raise UserError(f"--secret id={sid}: environment variable {shorten(fields['env'], 60)} is not set")
         out.append(s)
     return tuple(out)
+
+
+def check_dir(path: str | Path, flag: str) -> Path:
+    """A folder the build will write into: a folder already, or creatable; writable; not under /proc, /sys, /dev."""
+    p = Path(os.path.abspath(os.path.expanduser(str(path))))
+    if p.parts[1:2] in (("proc",), ("sys",), ("dev",)):
+        raise UserError(f"{flag} {shorten(str(path), 120)} is under /{p.parts[1]}, which holds no files",
+                        fix="pass a folder on a real disk")
+    probe = p
+    try:
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+    except PermissionError:
+        raise UserError(f"{flag} {shorten(str(path), 120)}: a folder on the way is not writable or readable by this "
+                        "user", fix="pass a writable folder") from None
+    if not probe.is_dir():
+        raise UserError(f"{flag} {shorten(str(path), 120)}: {shorten(str(probe), 120)} is a file, not a folder",
+                        fix="pass a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {shorten(str(path), 120)}: {shorten(str(probe), 120)} is not writable",
+                        fix="pass a writable folder")
+    return Path(path)
+
+
+def check_file_target(path: str | Path, flag: str) -> Path:
+    """A file the build will write at the end (e.g. --report): its folder checked now, not after an hour's build."""
+    p = Path(path)
+    check_dir(p.parent if str(p.parent) else ".", flag)
+    if p.is_dir():
+        raise UserError(f"{flag} {shorten(str(path), 120)} is a folder", fix="pass a file path, e.g. report.json")
+    return p
 
 
 def parse_build_args(pairs: list[str] | None) -> dict[str, str]:

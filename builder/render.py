@@ -115,26 +115,14 @@ def render_record(cell: Cell) -> str:
     return json.dumps(image_record(cell), indent=2, sort_keys=False) + "\n"
 
 
-def _write_atomic(path: Path, text: str) -> bool:
-    """Write via a temp file + rename; returns whether the content changed."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        if path.read_text(encoding="utf-8") == text:
-            return False
-    except OSError:
-        pass
-    atomic.write_text(path, text)
-    return True
-
-
 def write_cells(cells: list[Cell], root: Path | str = ROOT) -> dict[str, Path]:
     """Render every cell first (so a bad cell writes nothing), then write images/<tag>/{Dockerfile,image.json}."""
     root = Path(root)
     rendered = [(c, render(c), render_record(c)) for c in cells]
-    out: dict[str, Path] = {}
+    files: dict[Path, str] = {}
     for cell, dockerfile, record in rendered:
-        path = root / cell.dockerfile
-        _write_atomic(path, dockerfile)
-        _write_atomic(path.parent / "image.json", record)
-        out[cell.tag] = path
-    return out
+        files[root / cell.dockerfile] = dockerfile
+        files[(root / cell.dockerfile).parent / "image.json"] = record
+    # All cells or none: an error or Ctrl-C while writing leaves images/ as it was (atomic.write_all).
+    atomic.write_all(files)
+    return {cell.tag: root / cell.dockerfile for cell, _, _ in rendered}

@@ -127,6 +127,7 @@ def replacing(path: str | Path, mode: int | None = 0o644):
     the temporary goes and DEST stays as it was."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale(path)  # what an earlier writer of PATH on this host left when it was killed
     tmp = temp_path(path)
     try:
         yield tmp
@@ -195,6 +196,50 @@ def replacing_dir(path: str | Path, replace: bool = True):
         if tmp.exists() or tmp.is_symlink():
             remove(tmp)  # a failed write, or the old folder after the swap
     fsync_path(path.parent)
+
+
+@contextlib.contextmanager
+def signals_held():
+    """SIGINT/SIGTERM/SIGHUP wait until the block ends (a few renames that must all happen, or none)."""
+    import signal
+
+    held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def write_all(files: dict[Path, str], mode: int = 0o644) -> list[Path]:
+    """Write several files as one change: every new content goes to a temporary first (an error or a signal then
+    leaves every file as it was), then all are renamed into place with SIGINT/SIGTERM held. Returns those changed."""
+    staged: list[tuple[Path, Path]] = []
+    try:
+        for path, text in files.items():
+            path = Path(path)
+            try:
+                if path.read_text(encoding="utf-8") == text:
+                    continue
+            except (OSError, UnicodeDecodeError):
+                pass
+            path.parent.mkdir(parents=True, exist_ok=True)
+            clean_stale(path)
+            tmp = temp_path(path)
+            staged.append((tmp, path))
+            with open(tmp, "xb") as f:
+                f.write(text.encode("utf-8"))
+            os.chmod(tmp, mode)
+            fsync_path(tmp)
+        with signals_held():
+            for tmp, path in staged:
+                os.replace(tmp, path)
+    finally:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
+    for parent in {path.parent for _, path in staged}:
+        fsync_path(parent)
+    return [path for _, path in staged]
 
 
 def copy_tree(src: str | Path, dest: str | Path) -> Path:
