@@ -71,13 +71,9 @@ def run_main(main, argv: list[str] | None = None, prog: str | None = None) -> in
     try:
         return main(sys.argv[1:] if argv is None else argv)
     except UsageError as e:
-        from entrypoints import redact
+        from entrypoints.errors import line
 
-        message = redact.text(" ".join(str(e).split()))  # one line, no credentials, bounded
-        message = "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in message)
-        if len(message) > 2000:
-            message = f"{message[:2000]}... ({len(message)} characters)"
-        print(f"{prog or PROG}: error: {message}", file=sys.stderr)
+        print(f"{prog or PROG}: error: {line(e)}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         return 128 + signal.SIGINT

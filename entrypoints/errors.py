@@ -5,3 +5,12 @@ class UsageError(Exception):
     """Bad config/arguments/data: say what, where and how to fix. Raised before any model loads."""
 
     exit_code = 2
+
+
+def line(e: BaseException) -> str:
+    """How a UsageError is printed: one line (every non-printable character escaped), no credentials, bounded."""
+    from entrypoints import redact
+
+    text = redact.text(" ".join(str(e).split()))
+    text = "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+    return text if len(text) <= 2000 else f"{text[:2000]}... ({len(text)} characters)"

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from entrypoints import attention, config, data, launch, lifecycle, rewards, runlog, speed, throughput
+from entrypoints import errors
 from entrypoints.errors import UsageError
 
 PROG = "trainbox grpo"
@@ -348,10 +349,13 @@ def main(argv: list[str]) -> int:
             if plan.env:  # one Slurm task per rank: RANK/WORLD_SIZE/... before the Trainer's device setup
                 launch.apply_env(plan, os.environ)
             args = finalize(raw, world_size())
-            return train(script, args, model_args, validate(script, args, model_args))
+            with lifecycle.ends_on_crash():
+                return train(script, args, model_args, validate(script, args, model_args))
     except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {errors.line(e)}", file=sys.stderr)
         return 2
+    except lifecycle.Crashed as e:  # after the run log was closed and copied: leave now, whatever still runs
+        return lifecycle.exit_now(e.code)
 
 
 @dataclass

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from . import config as cfg
 from . import atomic, launch, lifecycle, runlog, sft
+from . import errors
 from .errors import UsageError
 
 
@@ -193,10 +194,13 @@ def main(argv: list[str]) -> int:
             if plan.env:
                 launch.apply_env(plan, os.environ)
                 data_args, q_args, launch_args, model_args, training_args = parse(argv)
-            return train(data_args, q_args, model_args, training_args)
+            with lifecycle.ends_on_crash():
+                return train(data_args, q_args, model_args, training_args)
     except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {errors.line(e)}", file=sys.stderr)
         return 2
+    except lifecycle.Crashed as e:  # after the run log was closed and copied: leave now, whatever still runs
+        return lifecycle.exit_now(e.code)
 
 
 if __name__ == "__main__":

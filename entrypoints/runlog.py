@@ -66,13 +66,32 @@ def _tee_streams(log):
         sys.stdout, sys.stderr = out, err
 
 
+_log_lock = threading.Lock()  # stdout's and stderr's pumps write whole lines to the one log, one at a time
+
+
 def _pump(read_fd: int, write_fd: int, log) -> None:
-    """Copy everything from the pipe to the terminal/file it replaced and to the log, until the pipe closes.
-    Never stops early: a full pipe would block the training process."""
+    """Copy everything from the pipe to the terminal/file it replaced (at once) and to the log (whole lines only:
+    with PYTHONUNBUFFERED=1 print() writes the text and its newline separately, and the other stream's line could
+    land between them), until the pipe closes. Never stops early: a full pipe would block the training process."""
+    partial = b""
+
+    def to_log(data: bytes) -> None:
+        with _log_lock, contextlib.suppress(OSError, ValueError):
+            log.write(data)
+
     while chunk := os.read(read_fd, 65536):
-        for write in (lambda b: os.write(write_fd, b), log.write):
-            with contextlib.suppress(OSError, ValueError):
-                write(chunk)
+        with contextlib.suppress(OSError, ValueError):
+            os.write(write_fd, chunk)
+        partial += chunk
+        cut = partial.rfind(b"\n") + 1
+        if cut:
+            to_log(partial[:cut])
+            partial = partial[cut:]
+        elif len(partial) > 1 << 20:  # a megabyte with no newline (a progress bar's \r): write it as it is
+            to_log(partial)
+            partial = b""
+    if partial:
+        to_log(partial)
     os.close(read_fd)
 
 

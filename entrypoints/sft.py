@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from . import attention, data, launch, lifecycle, precision, runlog, speed, throughput
 from . import config as cfg
+from . import errors
 from .errors import UsageError
 
 
@@ -237,10 +238,13 @@ def main(argv: list[str]) -> int:
                 # distributed defaults (FSDP2 on GPUs) and the Trainer's device setup see them.
                 launch.apply_env(plan, os.environ)
                 data_args, launch_args, model_args, training_args = parse(argv)
-            return train(data_args, model_args, training_args)
+            with lifecycle.ends_on_crash():
+                return train(data_args, model_args, training_args)
     except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {errors.line(e)}", file=sys.stderr)
         return 2
+    except lifecycle.Crashed as e:  # after the run log was closed and copied: leave now, whatever still runs
+        return lifecycle.exit_now(e.code)
 
 
 if __name__ == "__main__":

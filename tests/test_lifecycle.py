@@ -284,3 +284,53 @@ def test_dataloader_workers_outlive_the_preemption_signal(tmp_path):
                                 timeout=120) for how in ("plain", "shielded")}
     assert runs["plain"].returncode != 0 and "killed by signal: Terminated" in runs["plain"].stderr  # the failure
     assert runs["shielded"].returncode == 0 and "batches 4" in runs["shielded"].stdout, runs["shielded"].stderr
+
+
+# ------------------------------------------------------------------ a crashed run ends (lifecycle.ends_on_crash)
+
+
+
+@pytest.mark.parametrize("name,nproc", [("sft", 1), ("sft", 2), ("qlora", 1)])
+def test_an_injected_crash_with_loader_workers_exits_nonzero_within_30s(tiny_model, tmp_path, name, nproc):
+    """The crash at step 2 with 2 persistent DataLoader workers per rank (which ignore SIGTERM): before, the process
+    hung in multiprocessing's exit handler (measured: still alive after 10 min, SIGTERM only said it would
+    checkpoint); now it exits 1 within seconds, leaving no process behind; with 2 ranks the other rank ends too."""
+    import psutil
+
+    from test_data import write_messages
+    from test_sft import FAST, env_for
+
+    data = write_messages(tmp_path / "chat.jsonl", 32)
+    argv = ["--model_name_or_path", str(tiny_model), "--dataset", str(data), "--output_dir", str(tmp_path / "out"),
+            "--max_steps", "5", *FAST, "--dataloader_num_workers", "2", "--dataloader_persistent_workers", "true"]
+    if nproc > 1:
+        argv += ["--nproc-per-node", str(nproc)]
+    # torchrun's ranks run `python -m entrypoints.sft`, not this script: the crash is injected there by a
+    # sitecustomize on PYTHONPATH.
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os\nif os.environ.get('LOCAL_RANK') == '1' or os.environ.get('TRAINBOX_CRASH_ALL'):\n"
+        "    import transformers\n    real = transformers.Trainer.training_step\n"
+        "    def training_step(self, *a, **k):\n        if self.state.global_step >= 1:\n"
+        "            raise RuntimeError('injected crash at step 2')\n        return real(self, *a, **k)\n"
+        "    transformers.Trainer.training_step = training_step\n")
+    env = env_for(tmp_path)
+    env["PYTHONPATH"] = f"{site}{os.pathsep}{env['PYTHONPATH']}"
+    env["TRAINBOX_CRASH_ALL"] = "" if nproc > 1 else "1"
+    t0 = time.monotonic()
+    p = subprocess.Popen([sys.executable, "-m", f"entrypoints.{name}", *argv], cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, 9)
+        raise AssertionError(f"{name} x{nproc}: still running 300 s after start (a hang)")
+    took = time.monotonic() - t0
+    assert p.returncode != 0 and took < 30 + 60, (took, out[-3000:])  # 30 s past start-up, on a busy 2-core box
+    assert "injected crash at step 2" in out, out[-3000:]
+    crashed_at = out.index("injected crash at step 2")
+    assert "[trainbox] the run crashed" in out[crashed_at - 5000:] or "[trainbox] the run crashed" in out, out[-3000:]
+    left = [q for q in psutil.process_iter(["cmdline"]) if str(tmp_path / "out") in " ".join(q.info["cmdline"] or [])]
+    assert left == [], f"processes left behind: {left}"
+    print(f"{name} x{nproc}: exit {p.returncode} after {took:.1f} s (start-up and 1 step included)")
