@@ -242,10 +242,10 @@ def write_all(files: dict[Path, str], mode: int = 0o644) -> list[Path]:
     return [path for _, path in staged]
 
 
-def copy_tree(src: str | Path, dest: str | Path) -> Path:
-    """Copy folder SRC to DEST (symlinks kept as links) through `replacing_dir`."""
+def copy_tree(src: str | Path, dest: str | Path, ignore=None) -> Path:
+    """Copy folder SRC to DEST (symlinks kept as links; `ignore` as shutil.copytree's) through `replacing_dir`."""
     with replacing_dir(dest) as tmp:
-        shutil.copytree(src, tmp, symlinks=True, dirs_exist_ok=True)
+        shutil.copytree(src, tmp, symlinks=True, dirs_exist_ok=True, ignore=ignore)
     return Path(dest)
 
 

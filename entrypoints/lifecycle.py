@@ -264,8 +264,22 @@ _CKPT = re.compile(r"^checkpoint-(\d+)$")
 
 
 def _complete(path: str) -> bool:
-    # trainer_state.json is written after the weights and optimizer; without it the checkpoint was cut short.
-    return os.path.isfile(os.path.join(path, "trainer_state.json"))
+    """trainer_state.json is written after the weights and optimizer; without it, or with one that does not parse
+    (a kill during the Trainer's plain write), the checkpoint was cut short and resuming from it would crash every
+    requeued job the same way."""
+    import json
+
+    state = os.path.join(path, "trainer_state.json")
+    try:
+        with open(state, encoding="utf-8") as f:
+            json.load(f)
+        return True
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError) as e:
+        print(f"[trainbox] skipping {path} for resume: its trainer_state.json does not parse ({type(e).__name__})",
+              file=sys.stderr, flush=True)
+        return False
 
 
 def resume_checkpoint(output_dir: str) -> str | None:
@@ -274,7 +288,7 @@ def resume_checkpoint(output_dir: str) -> str | None:
         return None
     from transformers.trainer_utils import get_last_checkpoint
 
-    last = get_last_checkpoint(output_dir)
+    last = get_last_checkpoint(output_dir)  # the newest with a trainer_state.json (parsed or not)
     if last is None:
         return None
     if _complete(last):
@@ -305,13 +319,21 @@ def artifact_dir() -> str | None:
     return os.environ.get("ARTIFACT_DIR") or os.environ.get("SAKURA_ARTIFACT_DIR") or None
 
 
+# Checkpoints (weights + optimizer state: ~100 GB for an 8B full fine-tune) stay in OUTPUT_DIR unless asked for.
+CHECKPOINTS_ENV = "TRAINBOX_ARTIFACT_CHECKPOINTS"
+
+
 def copy_artifacts(src: str, dest_root: str, name: str) -> str:
-    """Copy src to DEST_ROOT/<basename of src> through the one atomic writer (never half-written, swapped whole)."""
+    """Copy src to DEST_ROOT/<basename of src> through the one atomic writer (never half-written, swapped whole):
+    the final model or adapter, a merged model, the logs; `checkpoint-*` only with TRAINBOX_ARTIFACT_CHECKPOINTS=1."""
+    import shutil
+
     final = Path(dest_root) / (Path(src).name or name)
     if final.resolve() == Path(src).resolve():
         return str(final)
     atomic.clean_stale(final)  # what an earlier copy on this host left when it was killed
-    return str(atomic.copy_tree(src, final))
+    keep = os.environ.get(CHECKPOINTS_ENV, "").lower() in ("1", "true", "yes")
+    return str(atomic.copy_tree(src, final, ignore=None if keep else shutil.ignore_patterns("checkpoint-*")))
 
 
 def find_callback(trainer, cls=PreemptionCallback):
@@ -400,7 +422,10 @@ def finish(trainer, output_dir: str, started: float, name: str) -> None:
         return
     line = summary(trainer, output_dir, started, name)
     dest = artifact_dir()
-    if dest:
+    if dest and was_preempted():
+        # Slurm's grace period is for the checkpoint, not for copying; the requeued run copies at its end.
+        line += " artifacts not copied (preempted; the resumed run copies them)"
+    elif dest:
         copied = copy_artifacts(output_dir, dest, name)
         line += f" artifacts {copied}"
     print(line, flush=True)

@@ -128,7 +128,7 @@ def test_finish_copies_to_artifact_dir(fresh, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SAKURA_ARTIFACT_DIR", str(art))
     lifecycle.finish(fake_trainer(tmp_path), str(out), time.time(), "qlora")
     assert (art / "outputs" / "model.safetensors").read_bytes() == b"weights"
-    assert (art / "outputs" / "checkpoint-5").is_dir()
+    assert not (art / "outputs" / "checkpoint-5").exists()  # checkpoints only on request
     assert f"artifacts {art / 'outputs'}" in capsys.readouterr().out
     # A second run replaces the copy; ARTIFACT_DIR wins over SAKURA_ARTIFACT_DIR; no temp dirs left behind.
     (out / "model.safetensors").write_bytes(b"new")
@@ -334,3 +334,49 @@ def test_an_injected_crash_with_loader_workers_exits_nonzero_within_30s(tiny_mod
     left = [q for q in psutil.process_iter(["cmdline"]) if str(tmp_path / "out") in " ".join(q.info["cmdline"] or [])]
     assert left == [], f"processes left behind: {left}"
     print(f"{name} x{nproc}: exit {p.returncode} after {took:.1f} s (start-up and 1 step included)")
+
+
+def test_a_truncated_trainer_state_resumes_from_the_checkpoint_before(fresh, tmp_path, tiny_model):
+    """A kill during the Trainer's plain write of trainer_state.json: the unit check, then a real sft resume."""
+    make_ckpt(tmp_path / "u", 1)
+    bad = make_ckpt(tmp_path / "u", 2)
+    (bad / "trainer_state.json").write_text('{"global_step": 2, "log_hist')
+    assert lifecycle.resume_checkpoint(str(tmp_path / "u")) == str(tmp_path / "u" / "checkpoint-1")
+
+    from test_data import write_messages
+    from test_sft import FAST, env_for
+
+    data = write_messages(tmp_path / "chat.jsonl", 16)
+    out = tmp_path / "out"
+    run = [sys.executable, "-m", "entrypoints.sft", "--model_name_or_path", str(tiny_model), "--dataset", str(data),
+           "--output_dir", str(out), "--save_steps", "1", *FAST]
+    r = subprocess.run([*run, "--max_steps", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=env_for(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    state = out / "checkpoint-2" / "trainer_state.json"
+    state.write_text(state.read_text()[:40])  # cut short
+    r = subprocess.run([*run, "--max_steps", "3"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=env_for(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "skipping" in r.stderr and "checkpoint-2" in r.stderr and "does not parse" in r.stderr, r.stderr[-3000:]
+    assert json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())["global_step"] == 3
+
+
+def test_checkpoints_reach_the_artifacts_only_on_request_and_nothing_is_copied_when_preempted(fresh, tmp_path,
+                                                                                             monkeypatch, capsys):
+    out = tmp_path / "outputs"
+    (out / "checkpoint-5").mkdir(parents=True)
+    (out / "checkpoint-5" / "optimizer.pt").write_bytes(b"big")
+    (out / "logs").mkdir()
+    (out / "logs" / "sft.log").write_text("log")
+    (out / "model.safetensors").write_bytes(b"weights")
+    monkeypatch.setenv("ARTIFACT_DIR", str(tmp_path / "a"))
+    monkeypatch.setenv(lifecycle.CHECKPOINTS_ENV, "1")
+    lifecycle.finish(fake_trainer(tmp_path), str(out), time.time(), "sft")
+    assert (tmp_path / "a" / "outputs" / "checkpoint-5" / "optimizer.pt").is_file()
+    assert (tmp_path / "a" / "outputs" / "logs" / "sft.log").is_file()
+    monkeypatch.setenv("ARTIFACT_DIR", str(tmp_path / "b"))
+    monkeypatch.setattr(lifecycle, "_preempted", True)
+    lifecycle.finish(fake_trainer(tmp_path), str(out), time.time(), "sft")
+    assert not (tmp_path / "b").exists()
+    assert "artifacts not copied (preempted" in capsys.readouterr().out
