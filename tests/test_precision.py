@@ -69,3 +69,19 @@ def test_resume_continues_from_the_float32_masters():
     run(opt_b, [b], 30)
     torch.testing.assert_close(opt_b.masters[0][0], opt_a.masters[0][0], rtol=0, atol=0)
     assert torch.equal(a, b)
+
+
+def test_gradient_accumulation_keeps_float32_weights():
+    """bf16 weights would sum micro-batch gradients in bf16: with accumulation the float32 path is chosen."""
+    from types import SimpleNamespace
+
+    from entrypoints import speed
+
+    for steps, master in ((1, True), (4, False)):
+        args = SimpleNamespace(bf16=True, optim="adamw_torch_fused", gradient_accumulation_steps=steps)
+        model_args = SimpleNamespace(dtype="auto")
+        line = speed.choose_precision(args, model_args, on_gpu=True, shards=1)
+        assert args.trainbox_master_weights is master, line
+        assert (model_args.dtype == "bfloat16") is master
+        if not master:
+            assert "gradient_accumulation_steps 4" in line
