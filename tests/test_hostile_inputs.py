@@ -149,3 +149,36 @@ def test_fuzz_sample_through_the_real_command(tiny_model, files):
                             "--dataset", str(files / "good.jsonl"), "--output_dir", str(files / "out"), *extra],
                            cwd=files, env=env(files), capture_output=True, text=True, timeout=300)
         assert r.returncode == 2 and "Traceback" not in r.stderr, (extra, r.stderr[-2000:])
+
+
+def test_a_binary_image_record_is_one_line(tmp_path):
+    record = tmp_path / "image.json"
+    record.write_bytes(b"\xff\xfe{\x00\x80")
+    r = subprocess.run([sys.executable, "-m", "entrypoints", "doctor"], cwd=tmp_path, capture_output=True, text=True,
+                       env={**env(tmp_path), "TRAINBOX_IMAGE_INFO": str(record)}, timeout=300)
+    # doctor diagnoses: the broken record is its FAIL row and the verdict is "broken" (exit 1), not a traceback.
+    assert r.returncode == 1 and "Traceback" not in r.stdout + r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+    assert [ln for ln in r.stdout.splitlines() if ln.startswith("image record") and "FAIL" in ln
+            and "not UTF-8 text" in ln], r.stdout
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not __import__("shutil").which("setpriv"), reason="needs root to switch user")
+def test_an_output_folder_this_user_cannot_write_is_one_line(tiny_model, tmp_path):
+    import shutil
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="trainbox-ro-", dir="/tmp"))  # pytest's tmp is root's only (0700)
+    try:
+        base.chmod(0o755)
+        (base / "ro").mkdir(mode=0o555)
+        (base / "ro").chmod(0o555)
+        data = rows(base / "good.jsonl", GOOD, GOOD)
+        model = base / "model"
+        shutil.copytree(tiny_model, model)
+        r = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", sys.executable, "-m",
+                            "entrypoints.sft", "--model_name_or_path", str(model), "--dataset", str(data),
+                            "--output_dir", str(base / "ro" / "out")], cwd=base, capture_output=True, text=True,
+                           env={**env(base), "HOME": str(base)}, timeout=300)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    assert r.returncode == 2 and "not writable" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
