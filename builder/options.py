@@ -12,6 +12,7 @@ from typing import Mapping
 from builder import reference
 from builder.errors import UserError, shorten
 from builder.matrix import ROOT
+from entrypoints import atomic
 
 
 def parse_bases(pairs: list[str] | None, table: Mapping | None = None, where: str = "--config") -> dict[str, str]:
@@ -58,23 +59,9 @@ def parse_secrets(specs: list[str] | None) -> tuple[str, ...]:
 
 def check_dir(path: str | Path, flag: str) -> Path:
     """A folder the build will write into: a folder already, or creatable; writable; not under /proc, /sys, /dev."""
-    p = Path(os.path.abspath(os.path.expanduser(str(path))))
-    if p.parts[1:2] in (("proc",), ("sys",), ("dev",)):
-        raise UserError(f"{flag} {shorten(str(path), 120)} is under /{p.parts[1]}, which holds no files",
-                        fix="pass a folder on a real disk")
-    probe = p
-    try:
-        while not probe.exists() and probe != probe.parent:
-            probe = probe.parent
-    except PermissionError:
-        raise UserError(f"{flag} {shorten(str(path), 120)}: a folder on the way is not writable or readable by this "
-                        "user", fix="pass a writable folder") from None
-    if not probe.is_dir():
-        raise UserError(f"{flag} {shorten(str(path), 120)}: {shorten(str(probe), 120)} is a file, not a folder",
-                        fix="pass a folder")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise UserError(f"{flag} {shorten(str(path), 120)}: {shorten(str(probe), 120)} is not writable",
-                        fix="pass a writable folder")
+    why = atomic.why_not_a_folder(path)
+    if why:
+        raise UserError(f"{flag} {shorten(str(path), 120)}: {why}", fix="pass a writable folder on a real disk")
     return Path(path)
 
 

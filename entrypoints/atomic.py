@@ -118,6 +118,27 @@ def fsync_tree(root: str | Path) -> None:
     fsync_path(root)
 
 
+def why_not_a_folder(path: str | Path) -> str | None:
+    """Why PATH can't be (made) a folder this user writes into (a file on the way, /proc /sys /dev, no write
+    permission, a read-only mount), or None. Checked before long work, by the builder and the trainers alike."""
+    p = Path(os.path.abspath(os.path.expanduser(str(path))))
+    if p.parts[1:2] in (("proc",), ("sys",), ("dev",)):
+        return f"it is under /{p.parts[1]}, which holds no files"
+    probe = p
+    try:
+        while not probe.exists() and probe != probe.parent:
+            if probe.is_symlink():
+                return f"{probe} is a broken symbolic link"
+            probe = probe.parent
+        if not probe.is_dir():
+            return f"{probe} is a file, not a folder"
+    except PermissionError:
+        return "a folder on the way is not writable or readable by this user"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not writable by this user (uid {os.getuid()})"
+    return None
+
+
 # ---------------------------------------------------------------- files
 
 @contextlib.contextmanager

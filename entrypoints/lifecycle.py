@@ -41,21 +41,9 @@ def output_dir(configured: str | None) -> str:
 
 def check_writable_dir(path: str, option: str) -> str:
     """`path` if it is a writable folder or can be made one; else one UsageError (a file there, read-only, /proc)."""
-
-    p = Path(os.path.abspath(os.path.expanduser(path)))
-    if p.parts[1:2] in (("proc",), ("sys",), ("dev",)):
-        raise UsageError(f"{option} {path}: under /{p.parts[1]}, which holds no files; pass a folder on a real disk")
-    probe = p
-    while not probe.exists():
-        if probe.is_symlink():  # a dangling link
-            raise UsageError(f"{option} {path}: {probe} is a broken symbolic link; fix it or pass another folder")
-        probe = probe.parent
-    if not probe.is_dir():
-        raise UsageError(f"{option} {path}: {probe} is a file, not a folder; pass a folder")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        what = "is" if probe == p else f"would be made in {probe}, which is"
-        raise UsageError(f"{option} {path} {what} not writable by this user (uid {os.getuid()}); pass a writable "
-                         "folder (and check the container's mounts)")
+    why = atomic.why_not_a_folder(path)
+    if why:
+        raise UsageError(f"{option} {path}: {why}; pass a writable folder (and check the container's mounts)")
     return path
 
 
