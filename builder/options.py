@@ -43,8 +43,8 @@ def parse_secrets(specs: list[str] | None) -> tuple[str, ...]:
         fields = dict(kv.partition("=")[::2] for kv in s.split(","))
         unknown = sorted(set(fields) - set(SECRET_FIELDS))
         if unknown:
-            raise UserError(f"--secret: unknown field {shorten(unknown[0], 40)!r}",
-                            fix=f"use {', '.join(SECRET_FIELDS[:4])}: e.g. id=hf_token,src=$HOME/.hf_token")
+            raise UserError(f"--secret: unknown field {shorten(unknown[0], 40)!r}; expected id=ID,src=PATH or "
+                            "id=ID,env=VAR", fix="e.g. id=hf_token,src=$HOME/.hf_token")
         sid, src = fields.get("id", ""), fields.get("src") or fields.get("source")
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", sid) or not (src or fields.get("env")):
             raise UserError("--secret: expected id=ID,src=PATH or id=ID,env=VAR (ID: letters, digits, _ . -)",
