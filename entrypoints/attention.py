@@ -3,15 +3,22 @@
 One decision for `doctor` and the trainers (`decide` is pure; `choose` feeds it what this process can import and
 run). Order by image record:
 
-    fa3 (Hopper images)    FA3 -> FA4 -> FA2 -> PyTorch varlen flash -> SDPA
-    fa2 (Ampere images)    FA2 -> PyTorch varlen flash -> SDPA
-    sdpa (Blackwell, CPU)  FA4 -> PyTorch varlen flash -> SDPA
+    fa3 (Hopper images)    FA3 -> FA4 -> FA2 -> PyTorch varlen flash -> SDPA -> eager
+    fa2 (Ampere images)    FA2 -> PyTorch varlen flash -> SDPA -> eager
+    sdpa (Blackwell, CPU)  FA4 -> PyTorch varlen flash -> SDPA -> eager
+    no GPU                 SDPA -> eager
 
 "PyTorch varlen flash" is torch's own FlashAttention kernel behind `torch.nn.attention.varlen.varlen_attn` (torch >=
 2.10, sm80+), registered here as the transformers attention `trainbox_varlen`: like the flash-attn packages it takes
 the cumulative sequence lengths of a packed batch, so padding-free training needs no flash-attn wheel. Every kernel
 but SDPA is tried on a tiny forward+backward before it is chosen: a wheel built for another torch or GPU falls
 through to the next one with the reason printed. `--attn_implementation` always wins.
+
+The choice sees the model (`Needs`): a kernel that would drop a sliding window, an attention-logit softcap or
+attention sinks is skipped with the reason printed, never used. Each kernel honours what its table entry says: the
+flash-attn packages take windows and softcaps (transformers passes them), torch's varlen kernel a window (torch >=
+2.12, checked against SDPA on a tiny batch before it is trusted), SDPA a window through transformers' mask, and
+eager (the model's own code) everything. transformers' SDPA silently ignores softcaps and sinks.
 """
 
 from __future__ import annotations
@@ -32,22 +39,62 @@ class Kernel:
     min_cc: tuple[int, int] | None = None
     max_cc: tuple[int, int] | None = None
     packed: bool = True  # takes packed rows (cu_seqlens / position_ids) without attending across examples
+    honours: frozenset[str] = frozenset()  # of Needs.FEATURES this kernel applies (the rest it would drop)
 
 
+WINDOW, SOFTCAP, SINKS = "window", "softcap", "sinks"
 KERNELS = {
-    "fa3": Kernel("flash_attention_3", "FlashAttention 3", (9, 0), (9, 9)),
+    "fa3": Kernel("flash_attention_3", "FlashAttention 3", (9, 0), (9, 9), honours=frozenset({WINDOW, SOFTCAP})),
+    # FA4 takes windows, but its CuTe backward for them is new: trusted for plain causal attention only.
     "fa4": Kernel("flash_attention_4", "FlashAttention 4 (CuTe)", (9, 0), (12, 9)),
-    "fa2": Kernel("flash_attention_2", "FlashAttention 2", (8, 0), (9, 9)),
-    "varlen": Kernel(VARLEN, "PyTorch varlen flash attention", (8, 0), None),
-    # SDPA keeps packed examples apart only through a dense block mask (transformers builds it from position_ids):
-    # correct, but quadratic in the packed row, so the trainers pack for SDPA only on CPU.
-    "sdpa": Kernel("sdpa", "PyTorch SDPA", None, None, packed=False),
+    "fa2": Kernel("flash_attention_2", "FlashAttention 2", (8, 0), (9, 9), honours=frozenset({WINDOW, SOFTCAP})),
+    "varlen": Kernel(VARLEN, "PyTorch varlen flash attention", (8, 0), None, honours=frozenset({WINDOW})),
+    "sdpa": Kernel("sdpa", "PyTorch SDPA", None, None, packed=False, honours=frozenset({WINDOW})),
+    "eager": Kernel("eager", "eager (the model's own attention)", None, None, packed=False,
+                    honours=frozenset({WINDOW, SOFTCAP, SINKS})),
 }
+# Why the trainers never pack for SDPA or eager (TRL's rule too): they see packed examples only through the mask the
+# model builds, and not every model builds it from position_ids (gpt-oss's doesn't: packed examples then attend to
+# each other, measured on the test zoo); where one does, the mask is quadratic in the packed row.
+UNPACKED_WHY = "SDPA and eager keep packed examples apart only if the model's mask follows the positions, not a given"
 ORDER = {
-    "fa3": ("fa3", "fa4", "fa2", "varlen", "sdpa"),
-    "fa2": ("fa2", "varlen", "sdpa"),
-    "sdpa": ("fa4", "varlen", "sdpa"),
+    "fa3": ("fa3", "fa4", "fa2", "varlen", "sdpa", "eager"),
+    "fa2": ("fa2", "varlen", "sdpa", "eager"),
+    "sdpa": ("fa4", "varlen", "sdpa", "eager"),
 }
+CPU_ORDER = ("sdpa", "eager")
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a model's attention does beyond causal softmax(QK^T/sqrt(d))V: a sliding window (on some or all layers),
+    tanh softcapping of the attention logits, learned attention sinks (gpt-oss)."""
+
+    window: int | None = None
+    softcap: float | None = None
+    sinks: bool = False
+
+    def features(self) -> frozenset[str]:
+        return frozenset(f for f, on in ((WINDOW, self.window), (SOFTCAP, self.softcap), (SINKS, self.sinks)) if on)
+
+    def describe(self, features) -> str:
+        says = {WINDOW: f"a {self.window}-token sliding window", SOFTCAP: f"attention logits softcapped at {self.softcap}",
+                SINKS: "attention sinks"}
+        return ", ".join(says[f] for f in (WINDOW, SOFTCAP, SINKS) if f in features)
+
+
+def needs(conf, model=None) -> Needs:
+    """The Needs of a transformers config (its text config for multimodal ones); `model` (e.g. built on the meta
+    device) adds sinks found as parameters."""
+    text = conf.get_text_config() if hasattr(conf, "get_text_config") else conf
+    window = getattr(text, "sliding_window", None)
+    types = getattr(text, "layer_types", None)
+    if types is not None and "sliding_attention" not in types:
+        window = None  # e.g. Qwen2/3 with use_sliding_window off: every layer is full attention
+    softcap = getattr(text, "attn_logit_softcapping", None)
+    sinks = getattr(text, "model_type", "") == "gpt_oss" or (
+        model is not None and any(n.rsplit(".", 1)[-1] in ("sinks", "s_aux") for n, _ in model.named_parameters()))
+    return Needs(window=int(window) if window else None, softcap=float(softcap) if softcap else None, sinks=sinks)
 # Names a user may pass to --attn_implementation besides transformers' own.
 ALIASES = {name: k.impl for name, k in KERNELS.items()}
 
@@ -74,36 +121,46 @@ def order(info: dict | None) -> tuple[str, ...]:
 
 
 def decide(info: dict | None, capability: tuple[int, int] | None, usable: Callable[[str], str | None],
-           requested: str | None = None) -> Choice:
-    """The kernel for a GPU of `capability` (None: no GPU). `usable(name)` returns None when the kernel imports and
-    runs here, else why not. `requested` (the user's --attn_implementation) wins without checks."""
+           requested: str | None = None, model: Needs = Needs()) -> Choice:
+    """The kernel for a GPU of `capability` (None: no GPU) and a model that needs `model`. `usable(name)` returns
+    None when the kernel imports and runs here, else why not. `requested` (the user's --attn_implementation) wins
+    without checks, but a kernel that drops what the model needs is named in the reason."""
     if requested:
         impl = ALIASES.get(requested, requested)
         name = next((n for n, k in KERNELS.items() if k.impl == impl), "user")
-        return Choice(name, impl, "set by --attn_implementation")
+        lost = model.features() - KERNELS[name].honours if name in KERNELS else frozenset()
+        return Choice(name, impl, "set by --attn_implementation"
+                      + (f"; WARNING: it drops this model's {model.describe(lost)}" if lost else ""))
     wanted = (info or {}).get("attention_backend") or "sdpa"
-    if capability is None:
-        return Choice("sdpa", "sdpa", "no GPU")
     skipped = []
-    for name in order(info):
+    for name in (CPU_ORDER if capability is None else order(info)):
         k = KERNELS[name]
+        lost = model.features() - k.honours
+        if lost:
+            if name == wanted or name in ("fa2", "varlen", "sdpa"):
+                skipped.append((name, f"would drop this model's {model.describe(lost)}"))
+            continue
+        if capability is None:
+            return Choice(name, k.impl, "no GPU", tuple(skipped))
         sm = f"sm{capability[0]}{capability[1]}"
         if k.min_cc and capability < k.min_cc or k.max_cc and capability > k.max_cc:
             if name == wanted:
                 skipped.append((name, f"needs {_span(k)}; this GPU is {sm}"))
             continue
-        why = None if name == "sdpa" else usable(name)  # SDPA is torch itself: always there
+        why = None if name in ("sdpa", "eager") else usable(name)  # torch and transformers themselves: always there
         if why is None:
             if info is None:
                 reason = "no image record: the best that runs here"
             elif name == wanted:
                 reason = "the image's default"
+            elif skipped and "would drop" in skipped[-1][1]:
+                reason = "the first that runs here and honours this model's attention"
             else:
                 reason = f"first that runs here after the image's {wanted}"
             return Choice(name, k.impl, reason, tuple(skipped))
         if name == wanted or name in ("fa2", "varlen"):  # worth telling; optional extras (fa4) are not
             skipped.append((name, why))
-    return Choice("sdpa", "sdpa", "nothing else runs here", tuple(skipped))
+    raise AssertionError("eager honours everything and always runs")  # pragma: no cover
 
 
 def _span(k: Kernel) -> str:
@@ -150,9 +207,9 @@ def _cu(n: int = 256):
     return torch.tensor([0, 100, n], device="cuda", dtype=torch.int32)
 
 
-def runtime_usable(name: str) -> str | None:
-    """None when kernel `name` imports and runs on this GPU, else the reason."""
-    if name == "sdpa":
+def runtime_usable(name: str, model: Needs = Needs()) -> str | None:
+    """None when kernel `name` imports and runs on this GPU (and applies `model`'s window where it must), else why."""
+    if name in ("sdpa", "eager"):
         return None
     if name == "fa3":
         if importlib.util.find_spec("flash_attn_interface") is None or not _dist_installed("flash-attn-3", "flash_attn_3"):
@@ -176,23 +233,48 @@ def runtime_usable(name: str) -> str | None:
         fn = _varlen_fn()
         if fn is None:
             return "this torch has no torch.nn.attention.varlen"
-        return _try_kernel(lambda q, k, v: _varlen_call(fn, q, k, v, _cu(), _cu(), 156, 156, None))
+        if model.window and "window_size" not in inspect.signature(fn).parameters:
+            return "this torch's varlen_attn takes no window (torch < 2.12)"
+        why = _try_kernel(lambda q, k, v: _varlen_call(fn, q, k, v, _cu(), _cu(), 156, 156, None))
+        return why or (_window_check(fn) if model.window else None)
     return f"unknown kernel {name}"
+
+
+def _window_check(fn, window: int = 8) -> str | None:
+    """The varlen kernel's window against SDPA with the window as a dense mask (float32), on two packed rows: the
+    window's bounds are easy to get wrong by one token, and a wrong one would change every windowed layer."""
+    import torch
+    import torch.nn.functional as F
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(256, 4, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    try:
+        out = _varlen_call(fn, q, k, v, _cu(), _cu(), 156, 156, None, window=window).float()
+    except Exception as e:  # noqa: BLE001 - any failure means "use the next kernel"
+        return f"its windowed test op failed ({type(e).__name__})"
+    worst = 0.0
+    for a, b in ((0, 100), (100, 256)):
+        qs, ks, vs = (t[a:b].float().transpose(0, 1) for t in (q, k, v))
+        mask = _dense_mask(None, b - a, b - a, True, window, q.device)[0]
+        ref = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask).transpose(0, 1)
+        worst = max(worst, float((out[a:b] - ref).abs().max()))
+    return None if worst < 3e-2 else f"its sliding window disagrees with SDPA's (max diff {worst:.3f})"
 
 
 def _first(r):
     return r[0] if isinstance(r, tuple) else r
 
 
-def choose(requested: str | None = None, info: dict | None = None) -> Choice:
-    """The kernel for this process's GPU (device 0 of what it sees), registering ours when chosen."""
+def choose(requested: str | None = None, info: dict | None = None, model: Needs = Needs()) -> Choice:
+    """The kernel for this process's GPU (device 0 of what it sees) and a model that needs `model`, registering ours
+    when chosen."""
     import torch
 
     from . import imageinfo
 
     info = imageinfo.load() if info is None else info
     cc = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-    choice = decide(info, cc, runtime_usable, requested)
+    choice = decide(info, cc, lambda name: runtime_usable(name, model), requested, model)
     if choice.impl == VARLEN:
         register_varlen()
     return choice
@@ -209,8 +291,9 @@ def _varlen_fn():
     return varlen_attn
 
 
-def _varlen_call(fn, q, k, v, cu_q, cu_k, max_q, max_k, scale):
-    """q/k/v (tokens, heads, dim). torch 2.10/2.11 say causal with `is_causal`, 2.12+ with a window; GQA likewise."""
+def _varlen_call(fn, q, k, v, cu_q, cu_k, max_q, max_k, scale, window: int | None = None):
+    """q/k/v (tokens, heads, dim). torch 2.10/2.11 say causal with `is_causal`, 2.12+ with a window; GQA likewise.
+    `window`: transformers' sliding_window, the tokens each query sees counting itself (flash's left bound + 1)."""
     params = inspect.signature(fn).parameters
     kw = {}
     if "scale" in params:
@@ -218,7 +301,9 @@ def _varlen_call(fn, q, k, v, cu_q, cu_k, max_q, max_k, scale):
     elif scale is not None and abs(scale - q.shape[-1] ** -0.5) > 1e-6:
         raise ValueError(f"this torch's varlen_attn has no `scale` and the model scales by {scale}")
     if "window_size" in params:
-        kw["window_size"] = (-1, 0)
+        kw["window_size"] = (window - 1 if window else -1, 0)
+    elif window:
+        raise ValueError("this torch's varlen_attn takes no window (torch < 2.12)")
     else:
         kw["is_causal"] = True
     if k.shape[1] != q.shape[1]:
@@ -236,12 +321,14 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
 
     Packed rows (TRL's padding-free collator passes cu_seq_lens_*/max_length_*, or position_ids restart at 0) go
     through the varlen kernel, so no example attends to another; unpacked rows without padding use SDPA's causal
-    kernel; a padded batch (2-D mask, e.g. evaluation) uses SDPA with that mask.
+    kernel; a padded batch (2-D mask, e.g. evaluation) uses SDPA with that mask. A layer's `sliding_window` applies on
+    every path. Softcaps and sinks are not applied: `decide` never picks this kernel for a model that has them.
     """
     import torch
     import torch.nn.functional as F
 
     b, h, s, d = query.shape
+    window = kwargs.get("sliding_window")
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
     pos = kwargs.get("position_ids")
@@ -260,18 +347,30 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
     if cu_q is not None and b == 1 and attention_mask is None:
         q, k, v = (t.transpose(1, 2)[0].to(dtype) for t in (query, key, value))
         out = _varlen_call(_varlen_fn(), q, k, v, cu_q.to(torch.int32), (cu_k if cu_k is not None else cu_q).to(torch.int32),
-                           max_q, max_k if max_k is not None else max_q, scaling)
+                           max_q, max_k if max_k is not None else max_q, scaling, window=window)
         return out.unsqueeze(0).to(query.dtype), None
     causal = module.is_causal if is_causal is None else is_causal
+    kv = key.shape[2]
     mask = None
-    if attention_mask is not None:  # 2-D padding mask (flash-style masks are passed through as given)
-        keep = attention_mask.bool()[:, None, None, :]
-        mask = keep & torch.ones(s, key.shape[2], dtype=torch.bool, device=query.device).tril(key.shape[2] - s) \
-            if causal else keep
+    if attention_mask is not None or (window and kv > window):  # 2-D padding mask and/or a window that cuts
+        mask = _dense_mask(attention_mask, s, kv, causal, window, query.device)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
                                          is_causal=bool(causal and mask is None and s > 1),
                                          enable_gqa=key.shape[1] != h)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _dense_mask(attention_mask, s: int, kv: int, causal: bool, window: int | None, device):
+    """(batch or 1, 1, s, kv) bool: True where a query (the last s of kv positions) may attend."""
+    import torch
+
+    q_pos = torch.arange(kv - s, kv, device=device)[:, None]
+    k_pos = torch.arange(kv, device=device)[None, :]
+    mask = (k_pos <= q_pos) if causal else torch.ones(s, kv, dtype=torch.bool, device=device)
+    if window:
+        mask = mask & (k_pos > q_pos - window)
+    mask = mask[None, None]
+    return mask & attention_mask.bool()[:, None, None, :] if attention_mask is not None else mask
 
 
 def register_varlen() -> None:

@@ -407,8 +407,9 @@ def train(script, args, model_args, checked: Checked) -> int:
             + (f"; resuming from {checked.resume}" if checked.resume else ""),
             flush=True,
         )
-    line = choose_checkpointing(args, model_args, checked.mode, script.max_prompt_tokens)
-    lines = [line, *choose_policy_forward(script, args, model_args)]
+    facts = speed.model_facts(model_args.model_name_or_path, model_args.model_revision)
+    line = choose_checkpointing(args, model_args, checked.mode, script.max_prompt_tokens, facts)
+    lines = [line, *choose_policy_forward(script, args, model_args, facts.attention)]
     if lifecycle.is_main_process():
         for line in lines:
             print(f"[trainbox] grpo: {line}", flush=True)
@@ -423,7 +424,7 @@ def train(script, args, model_args, checked: Checked) -> int:
     return lifecycle.exit_code()
 
 
-def choose_checkpointing(args, model_args, mode: str, max_prompt_tokens: int | None) -> str:
+def choose_checkpointing(args, model_args, mode: str, max_prompt_tokens: int | None, facts) -> str:
     """TRL turns gradient checkpointing on for GRPO; full fine-tuning turns it off when the policy's training memory
     fits in what colocated vLLM leaves (speed.py's estimate; the micro-batch is prompt + completion tokens of each
     completion). LoRA/QLoRA keep TRL's choice: their point is fitting a big base in little memory."""
@@ -438,36 +439,31 @@ def choose_checkpointing(args, model_args, mode: str, max_prompt_tokens: int | N
         if args.use_vllm and args.vllm_mode == "colocate":  # vLLM takes its share of the whole GPU at start
             free -= int(args.vllm_gpu_memory_utilization * total)
     tokens = args.per_device_train_batch_size * ((max_prompt_tokens or 512) + args.max_completion_length)
-    facts = speed.model_facts(model_args.model_name_or_path, model_args.model_revision)
     return speed.choose_checkpointing(args, facts, shards=1, free=free, tokens=tokens)
 
 
-def choose_policy_forward(script, args, model_args) -> list[str]:
+def choose_policy_forward(script, args, model_args, needs=None) -> list[str]:
     """The policy's attention kernel (attention.choose, as sft) and whether its log-prob forward is padding-free;
     sets model_args.attn_implementation and script.padding_free, returns the lines to print.
 
     Padding-free needs a kernel that keeps packed sequences apart: FlashAttention or torch's varlen kernel take the
-    boundaries from the position ids. SDPA can only do it through a dense block mask over the whole packed row:
-    on a GPU that is quadratic in the chunk's tokens (padding-free stays off); on CPU it is the only kernel and correct.
+    boundaries from the position ids (attention.UNPACKED_WHY says why SDPA and eager don't).
     """
-    import torch
-
     init = args.model_init_kwargs or {}
     requested = (model_args.attn_implementation if "attn_implementation" in config.explicit(model_args)
                  else init.get("attn_implementation"))
-    choice = attention.choose(requested)
+    choice = attention.choose(requested, model=needs or attention.Needs())
     model_args.attn_implementation = choice.impl  # our aliases (varlen, fa2, ...) resolved to transformers' names
     if "attn_implementation" in init:
         args.model_init_kwargs = {**init, "attn_implementation": choice.impl}
-    on_gpu = torch.cuda.is_available() and not args.use_cpu
     if script.padding_free is not None:
         why = "set by --padding_free"
-    elif choice.packed or not on_gpu:
+    elif choice.packed:
         script.padding_free = True
-        why = "the kernel keeps packed sequences apart" if choice.packed else "CPU: a block-diagonal mask"
+        why = "the kernel keeps packed sequences apart"
     else:
         script.padding_free = False
-        why = f"{choice.impl} on a GPU could keep packed sequences apart only with a dense mask"
+        why = f"{choice.impl}: {attention.UNPACKED_WHY}"
     how = ("padding-free (one packed row of real tokens per chunk; no compute on padding)" if script.padding_free
            else "padded rows (TRL's)")
     return [choice.line(), f"policy forward: {how}: {why}"]

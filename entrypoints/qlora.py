@@ -79,6 +79,15 @@ def validate(data_args, model_args, training_args):
         raise UsageError(f"--dtype {model_args.dtype}: qlora needs bfloat16, float16 or float32 (the compute dtype)")
 
 
+def choose_lora_dropout(model_args, facts) -> str | None:
+    """PEFT puts LoRA on an MoE model's fused expert weights (Mixtral, Qwen3-MoE in transformers 5) through a
+    parameter wrapper that refuses dropout: the default 0.05 would crash there, so MoE models get 0."""
+    if not facts.experts or model_args.lora_dropout == 0 or "lora_dropout" in cfg.explicit(model_args):
+        return None
+    model_args.lora_dropout = 0.0
+    return f"LoRA dropout 0 (MoE, {facts.experts} experts: PEFT's LoRA on fused expert weights takes no dropout)"
+
+
 def _peft_config(model_args):
     from trl import get_peft_config
 
@@ -156,6 +165,8 @@ def train(data_args, q_args, model_args, training_args, name: str = "qlora") -> 
     with training_args.main_process_first(local=False, desc="dataset"):
         train_ds = sft.prepare_dataset(data_args, training_args)
     ckpt = lifecycle.resolve_resume(data_args.resume, training_args.output_dir)
+    choice, facts = sft.tune(model_args, training_args, shards=sft.shards(training_args), checkpointing=False)
+    dropout = choose_lora_dropout(model_args, facts)
     peft_config = _peft_config(model_args)
     if lifecycle.is_main_process():
         bits = "4-bit " + model_args.bnb_4bit_quant_type if model_args.load_in_4bit else ("8-bit" if model_args.load_in_8bit else "unquantized")
@@ -165,7 +176,8 @@ def train(data_args, q_args, model_args, training_args, name: str = "qlora") -> 
             f"outputs {training_args.output_dir}" + (f", resuming from {ckpt}" if ckpt else ""),
             flush=True,
         )
-    choice, facts = sft.tune(model_args, training_args, shards=sft.shards(training_args), checkpointing=False)
+        if dropout:
+            print(f"[trainbox] {name}: {dropout}", flush=True)
     model = load_quantized(model_args, choice.impl)
     trainer = sft.build_trainer(model, training_args, train_ds, tokenizer, peft_config=peft_config)
     sft.finish_tuning(trainer, facts, qlora=True)

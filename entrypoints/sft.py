@@ -141,8 +141,8 @@ def shards(training_args) -> int:
 def tune(model_args, training_args, shards: int, checkpointing: bool = True):
     """Attention kernel and speed defaults (speed.py) for this model and GPU, printed once; returns (choice, facts)."""
     requested = model_args.attn_implementation if "attn_implementation" in cfg.explicit(model_args) else None
-    choice = attention.choose(requested)
     facts = speed.model_facts(model_args.model_name_or_path, model_args.model_revision)
+    choice = attention.choose(requested, model=facts.attention)
     lines = speed.apply(training_args, model_args, choice, facts, shards=shards, checkpointing=checkpointing)
     if lifecycle.is_main_process():
         for line in lines:

@@ -22,6 +22,7 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
+from . import attention
 from . import config as cfg
 
 GiB = 2**30
@@ -36,6 +37,8 @@ class ModelFacts:
     hidden: int
     intermediate: int
     attn_width: int  # heads x head dim: the width of QK^T and AV
+    attention: "attention.Needs" = None  # windows, softcaps, sinks: what the attention kernel must honour
+    experts: int = 0  # routed experts per MoE layer (0: dense)
 
     @property
     def matmul_params(self) -> int:
@@ -65,6 +68,8 @@ def model_facts(model_path: str, revision: str | None = None) -> ModelFacts:
         hidden=text.hidden_size,
         intermediate=getattr(text, "intermediate_size", 4 * text.hidden_size) or 4 * text.hidden_size,
         attn_width=heads * head_dim,
+        attention=attention.needs(conf, model),
+        experts=int(getattr(text, "num_local_experts", 0) or getattr(text, "num_experts", 0) or 0),
     )
 
 
@@ -133,17 +138,17 @@ def choose_liger(args, f: ModelFacts) -> str:
     return "Liger kernels on (RMSNorm, RoPE, SwiGLU)" if why is None else f"Liger kernels off: {why}"
 
 
-def choose_packing(args, packed_ok: bool, on_gpu: bool) -> str:
+def choose_packing(args, packed_ok: bool) -> str:
     explicit = cfg.explicit(args)
     if {"packing", "padding_free"} & explicit:
         return (f"packing {'on (' + args.packing_strategy + ')' if args.packing else 'off'}, padding-free "
                 f"{'on' if args.padding_free or args.packing else 'off'} (set by you)")
-    if packed_ok or not on_gpu:
+    if packed_ok:
         args.packing = True
         args.packing_strategy = args.packing_strategy if "packing_strategy" in explicit else "bfd"
         return (f"packing on ({args.packing_strategy}, padding-free: no compute on padding; examples kept apart by "
-                f"{'the attention kernel' if on_gpu else 'a block-diagonal mask'})")
-    return "packing off: this attention kernel can't keep packed examples apart cheaply; batches are padded"
+                "the attention kernel)")
+    return f"packing off: {attention.UNPACKED_WHY}; batches are padded"
 
 
 def apply(args, model_args, choice, f: ModelFacts, *, shards: int, checkpointing: bool = True) -> list[str]:
@@ -152,7 +157,7 @@ def apply(args, model_args, choice, f: ModelFacts, *, shards: int, checkpointing
     import torch
 
     on_gpu = torch.cuda.is_available() and not args.use_cpu
-    lines = [choice.line(), choose_packing(args, choice.packed, on_gpu), choose_liger(args, f)]
+    lines = [choice.line(), choose_packing(args, choice.packed), choose_liger(args, f)]
     if checkpointing:
         lines.append(choose_checkpointing(args, f, shards, free_gpu_bytes() if on_gpu else None))
     else:

@@ -314,8 +314,8 @@ def test_gsm8k_end_to_end_with_default_output_artifacts_and_tensorboard(tiny_mod
                  cwd=tmp_path, env={"OUTPUT_DIR": str(out), "SAKURA_ARTIFACT_DIR": str(art)})
     assert r.returncode == 0, r.stderr[-3000:]
     assert "rollouts: transformers generate (auto: vllm not installed)" in r.stdout
-    # On CPU the policy's log-prob forward is packed (test_padding_free_* check its numbers against TRL's).
-    assert "grpo: policy forward: padding-free" in r.stdout and "CPU: a block-diagonal mask" in r.stdout
+    # SDPA (CPU) keeps TRL's padded policy forward (test_padding_free_* check the packed one against TRL's).
+    assert "grpo: policy forward: padded rows (TRL's)" in r.stdout
     summary = [line for line in r.stdout.splitlines() if line.startswith("[trainbox] grpo done:")]
     assert summary and "steps 2/2" in summary[0] and f"outputs {out}" in summary[0] and "tokens/s" in summary[0]
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
@@ -426,13 +426,16 @@ def test_checkpointing_is_chosen_for_full_and_left_to_trl_for_adapters(tiny_mode
     """TRL turns checkpointing on for GRPO; full fine-tuning decides from the memory estimate (CPU: off, memory is
     not the limit), lora/qlora keep TRL's choice, and the user's flag wins."""
     from entrypoints.grpo import choose_checkpointing, finalize, parse
+    from entrypoints.speed import model_facts
+
+    facts = model_facts(str(tiny_model))
 
     def decide(mode, *extra):
         script, _launch, raw, model_args = parse(["--model_name_or_path", str(tiny_model), "--dataset", str(gsm8k_file),
                                                   "--preset", "gsm8k", "--output_dir", str(tmp_path), *extra])
         args = finalize(raw, 1)
         args.use_vllm = False
-        return choose_checkpointing(args, model_args, mode, None), args.gradient_checkpointing
+        return choose_checkpointing(args, model_args, mode, None, facts), args.gradient_checkpointing
 
     line, on = decide("full")
     assert (line, on) == ("gradient checkpointing off (CPU: memory is not the limit)", False)
@@ -537,17 +540,17 @@ def test_policy_forward_choice(tiny_model, gsm8k_file, monkeypatch):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
         args.use_cpu = not gpu  # parsed here without a GPU, the config says CPU
         # attention.choose's own decision on a pretend sm90 GPU where only the kernels in `runs` work.
-        monkeypatch.setattr(attention, "choose", lambda req=None: attention.decide(
-            {"attention_backend": "fa3"}, (9, 0) if gpu else None, lambda n: None if n in runs else "absent", req))
+        monkeypatch.setattr(attention, "choose", lambda req=None, model=None: attention.decide(
+            {"attention_backend": "fa3"}, (9, 0) if gpu else None, lambda n: None if n in runs else "absent", req,
+            model=model))
         lines = grpo.choose_policy_forward(script, args, model_args)
         monkeypatch.undo()
         return script.padding_free, model_args.attn_implementation, lines[-1]
 
-    assert decide() == (True, "sdpa", "policy forward: padding-free (one packed row of real tokens per chunk; no "
-                                      "compute on padding): CPU: a block-diagonal mask")
+    assert decide() == (False, "sdpa", f"policy forward: padded rows (TRL's): sdpa: {attention.UNPACKED_WHY}")
     on, impl, line = decide(gpu=True, runs=("varlen",))
     assert (on, impl) == (True, attention.VARLEN) and line.endswith("the kernel keeps packed sequences apart")
     on, impl, line = decide(gpu=True)
-    assert (on, impl) == (False, "sdpa") and "padded rows (TRL's)" in line and "dense mask" in line
+    assert (on, impl) == (False, "sdpa") and "padded rows (TRL's)" in line
     assert decide("--padding_free", "false")[0] is False
     assert decide("--attn_implementation", "flash_attention_2", gpu=True)[:2] == (True, "flash_attention_2")

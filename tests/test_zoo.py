@@ -1,0 +1,149 @@
+"""The model zoo on CPU: for every architecture in tests/zoo.py the attention choice sees what the model needs
+(windows, softcaps, sinks), the chosen kernel gives eager's logits, and sft (with a resume), qlora and grpo each train
+it and write a model that loads. The GPU half (every kernel trainbox may pick, packed/padded/single rows against
+eager in bf16) is tests/gpu/zoo_logits.py."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from entrypoints import attention, speed
+from test_data import write_dolly, write_messages
+from test_grpo import gsm8k_rows, write_jsonl
+from zoo import WINDOW, ZOO, expected_features, make_zoo_model
+
+ROOT = Path(__file__).resolve().parents[1]
+NAMES = list(ZOO)
+
+
+@pytest.fixture(scope="module")
+def zoo_dir(tmp_path_factory):
+    base = tmp_path_factory.mktemp("zoo")
+    for name in NAMES:
+        make_zoo_model(base / name, name)
+    return base
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("zoo-data")
+    return {"chat": write_messages(d / "chat.jsonl", 16), "dolly": write_dolly(d / "dolly.jsonl", 16),
+            "gsm8k": write_jsonl(d / "gsm8k.jsonl", gsm8k_rows(8))}
+
+
+# ---------------------------------------------------------------- the choice sees the model
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_needs_reads_every_feature_from_the_saved_model(zoo_dir, name):
+    facts = speed.model_facts(str(zoo_dir / name))
+    assert facts.attention.features() == expected_features(name)
+    if "window" in expected_features(name):
+        assert facts.attention.window == WINDOW
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_no_kernel_that_drops_a_feature_is_picked(zoo_dir, name):
+    """On a pretend sm90 where every kernel runs, and where only some do: the pick honours all the model needs, and
+    each kernel passed over for the model says which feature it would drop."""
+    needs = speed.model_facts(str(zoo_dir / name)).attention
+    want = expected_features(name)
+    for runs in (set(attention.KERNELS), {"varlen", "sdpa", "eager"}, {"fa4", "sdpa", "eager"}):
+        c = attention.decide({"attention_backend": "fa3"}, (9, 0), lambda n: None if n in runs else "absent",
+                             model=needs)
+        assert want <= attention.KERNELS[c.name].honours, (runs, c)
+        for skipped, why in c.skipped:
+            if skipped in runs:
+                assert "would drop" in why and not want <= attention.KERNELS[skipped].honours
+    cpu = attention.decide(None, None, lambda n: None, model=needs)
+    assert want <= attention.KERNELS[cpu.name].honours and not cpu.packed
+
+
+def test_a_requested_kernel_that_drops_a_feature_is_kept_but_warned():
+    c = attention.decide({"attention_backend": "fa3"}, (9, 0), lambda n: None, "sdpa",
+                         model=attention.Needs(window=WINDOW, softcap=50.0))
+    assert c.impl == "sdpa" and "WARNING" in c.reason and "softcap" in c.reason
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_chosen_kernel_gives_eager_logits(zoo_dir, name):
+    """Single rows and a padded batch (64 tokens: four times the window) through the kernel the CPU run picks."""
+    from transformers import AutoModelForCausalLM
+
+    path = zoo_dir / name
+    choice = attention.decide(None, None, lambda n: None, model=speed.model_facts(str(path)).attention)
+    ref = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    ours = AutoModelForCausalLM.from_pretrained(path, attn_implementation=choice.impl).eval()
+    torch.manual_seed(0)
+    rows = [torch.randint(10, 300, (n,)) for n in (64, 40)]
+    ids, mask = torch.zeros(2, 64, dtype=torch.long), torch.zeros(2, 64, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)], mask[i, : len(r)] = r, 1
+    with torch.no_grad():
+        single = [ref(r[None]).logits[0] for r in rows]
+        padded = ours(ids, attention_mask=mask).logits
+        for i, r in enumerate(rows):
+            assert (ours(r[None]).logits[0] - single[i]).abs().max() < 1e-4
+            assert (padded[i, : len(r)] - single[i]).abs().max() < 1e-4
+        if expected_features(name) and name != "gpt-oss":  # (its sinks are weights: the window alone is checked)
+            # The features matter at this length: the same weights without window and softcap give other logits.
+            from transformers import AutoConfig
+
+            conf = AutoConfig.from_pretrained(path)
+            conf.sliding_window, conf.attn_logit_softcapping = 1 << 20, None
+            plain = AutoModelForCausalLM.from_pretrained(path, config=conf, attn_implementation="eager").eval()
+            assert (plain(rows[0][None]).logits[0] - single[0]).abs().max() > 1e-3
+
+
+# ---------------------------------------------------------------- every entrypoint trains every architecture
+
+# One process per model runs the jobs in turn (the imports dominate a tiny run's time on CPU).
+DRIVER = """
+import json, sys
+from entrypoints import grpo, qlora, sft
+for job, argv in json.loads(sys.argv[1]):
+    rc = {"sft": sft, "qlora": qlora, "grpo": grpo}[job].main(argv)
+    print("ZOO-RC", job, rc, flush=True)
+"""
+COMMON = ["--logging_steps", "1", "--disable_tqdm", "true", "--report_to", "none", "--dataloader_num_workers", "0"]
+
+
+def jobs(model: Path, data: dict, out: Path) -> list:
+    sft_args = ["--model_name_or_path", str(model), "--dataset", str(data["chat"]), "--output_dir", str(out / "sft"),
+                "--max_length", "64", "--per_device_train_batch_size", "2", "--save_steps", "2", *COMMON]
+    return [
+        ("sft", [*sft_args, "--max_steps", "2"]),
+        ("sft", [*sft_args, "--max_steps", "3"]),  # resumes from checkpoint-2
+        ("qlora", ["--model_name_or_path", str(model), "--dataset", str(data["dolly"]), "--output_dir",
+                   str(out / "qlora"), "--max_length", "64", "--per_device_train_batch_size", "2", "--max_steps", "1",
+                   "--merge", *COMMON]),
+        ("grpo", ["--model_name_or_path", str(model), "--dataset", str(data["gsm8k"]), "--preset", "gsm8k",
+                  "--output_dir", str(out / "grpo"), "--max_steps", "1", "--num_generations", "4",
+                  "--per_device_train_batch_size", "4", "--max_completion_length", "8", "--bf16", "false", *COMMON]),
+    ]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_sft_resume_qlora_grpo_train_and_save_loadable_models(zoo_dir, data, tmp_path, name):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    env = {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+           "HF_DATASETS_CACHE": str(tmp_path / "hf"), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-u", "-c", DRIVER, json.dumps(jobs(zoo_dir / name, data, out))], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=600)
+    log = r.stdout + r.stderr
+    assert [line for line in r.stdout.splitlines() if line.startswith("ZOO-RC")] == [
+        "ZOO-RC sft 0", "ZOO-RC sft 0", "ZOO-RC qlora 0", "ZOO-RC grpo 0"], log[-4000:]
+    if ZOO[name][1].get("num_local_experts") or ZOO[name][1].get("num_experts"):
+        assert "LoRA dropout 0 (MoE, 4 experts" in log  # PEFT's fused-expert LoRA refuses dropout
+    assert "resuming from" in log.lower() and "checkpoint-2" in log, log[-4000:]
+    state = json.loads((out / "sft" / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["global_step"] == 3 and [e["step"] for e in state["log_history"] if "loss" in e] == [1, 2, 3]
+    for saved in (out / "sft", out / "qlora" / "merged", out / "grpo"):
+        AutoModelForCausalLM.from_pretrained(saved)
+    assert (out / "qlora" / "adapter_model.safetensors").is_file()
