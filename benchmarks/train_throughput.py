@@ -144,7 +144,7 @@ if _out:
                        "gradient_checkpointing": bool(args.gradient_checkpointing),
                        "packing": bool(getattr(args, "packing", False)),
                        "padding_free": bool(getattr(args, "padding_free", False)),
-                       "liger": bool(getattr(args, "use_liger_kernel", False)),
+                       "liger": bool(getattr(args, "use_liger_kernel", False) or getattr(args, "trainbox_liger", False)),
                        "attn": str(getattr(self.trainer.model.config, "_attn_implementation", "?")),
                        "param_dtype": str(next(self.trainer.model.parameters()).dtype)}, open(_out, "w"))
 

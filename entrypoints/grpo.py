@@ -439,7 +439,9 @@ def choose_checkpointing(args, model_args, mode: str, max_prompt_tokens: int | N
         if args.use_vllm and args.vllm_mode == "colocate":  # vLLM takes its share of the whole GPU at start
             free -= int(args.vllm_gpu_memory_utilization * total)
     tokens = args.per_device_train_batch_size * ((max_prompt_tokens or 512) + args.max_completion_length)
-    return speed.choose_checkpointing(args, facts, shards=1, free=free, tokens=tokens)
+    # TRL loads a reference model like the policy (float32 here) only when the KL term is on.
+    ref = 4 * facts.params if args.beta else 0
+    return speed.choose_memory(args, facts, shards=1, free=free, tokens=tokens, extra=ref)[0]
 
 
 def choose_policy_forward(script, args, model_args, needs=None) -> list[str]:

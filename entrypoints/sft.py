@@ -168,6 +168,8 @@ def finish_tuning(trainer, facts, qlora: bool = False) -> None:
                            memory_first=qlora)
     if line and lifecycle.is_main_process():
         print(f"[trainbox] {line}", flush=True)
+    if getattr(trainer.args, "trainbox_liger", False):
+        speed.apply_liger(trainer.model, facts.model_type)
     cb = lifecycle.find_callback(trainer, throughput.Throughput)
     if cb:
         cb.flops_per_token = throughput.flops_per_token(facts, throughput.example_lengths(trainer.train_dataset))

@@ -3,17 +3,21 @@
 What is decided here, each only when the user did not set it (`--option` or YAML always wins):
 - packing: best-fit-decreasing packing with padding-free batches (TRL's `packing_strategy="bfd"`), so no compute is
   spent on padding; each example keeps its own positions, and the attention kernel keeps examples apart (varlen
-  kernels take the sequence boundaries; on CPU transformers builds a block-diagonal mask). With plain GPU SDPA, which
-  could only do that through a dense mask over the whole packed batch, batches stay padded.
+  kernels take the sequence boundaries). With SDPA or eager batches stay padded (attention.UNPACKED_WHY).
 - Liger kernels (RMSNorm, RoPE, SwiGLU; TRL keeps its own fused LM head + loss) where liger-kernel supports the model.
-- gradient checkpointing: off when the estimate below fits in 85 % of the GPU's free memory, else on.
+- memory (choose_memory): gradient checkpointing off and float32 master weights when the estimate below fits in
+  85 % of the GPU's free memory; else the float32 path (TRL's), then checkpointing; an error when nothing fits.
 - precision: bf16 weights with float32 master weights in the optimizer (precision.py says why) for one process per
   model copy; FSDP2 keeps float32 shards and computes in bf16.
 
-The estimate (bytes): weights + grads + AdamW states = 16 per parameter (fp32; 8-bit optimizers 10), sharded over the
-FSDP ranks, plus bf16 weight copies under autocast (2 per parameter), plus activations without checkpointing:
-per token and layer about 16*hidden + 10*intermediate bytes (bf16 inputs of every matmul, norm outputs, the
-SwiGLU gate/up/product, attention output and its log-sum-exp), times the tokens of one micro-batch.
+The estimate (bytes, per GPU) is the larger of two phases. Optimizer step: AdamW's moments (8 per parameter; 8-bit
+optimizers 2) + the model: float32 weights and grads (8; FSDP2 divides both by the shards) or, with master
+weights, bf16 weights and grads + float32 masters (8) + the float32 copy of every gradient the step makes (4), so
+16 vs 20. Forward/backward: the same without that copy, plus bf16 all-gathered layers under FSDP2 (every layer,
+2 per parameter, when it does not reshard after forward), plus activations: per token and layer about
+16*hidden + 10*intermediate bytes (bf16 inputs of every matmul, norm outputs, the SwiGLU gate/up/product,
+attention output and its log-sum-exp) without checkpointing; with it, each layer's input (2*hidden) plus one
+layer's worth. Measured with `trl sft` on an 8B Llama shape (batch 2 x 1024, checkpointing): 16.0 bytes/param.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 
 from . import attention
 from . import config as cfg
+from .errors import UsageError
 
 GiB = 2**30
 
@@ -73,15 +78,25 @@ def model_facts(model_path: str, revision: str | None = None) -> ModelFacts:
     )
 
 
-def state_bytes_per_param(optim: str) -> int:
-    return 10 if "8bit" in optim else 16
-
-
-def estimate_bytes(f: ModelFacts, tokens: int, optim: str, shards: int = 1) -> dict[str, int]:
-    states = f.params * state_bytes_per_param(optim) // max(1, shards)
-    casts = 2 * f.params // max(1, shards)
-    acts = tokens * f.layers * (16 * f.hidden + 10 * f.intermediate)
-    return {"states": states, "casts": casts, "activations": acts, "total": states + casts + acts}
+def estimate_bytes(f: ModelFacts, tokens: int, optim: str, *, shards: int = 1, masters: bool = False,
+                   checkpointing: bool = False, unsharded: bool = False, extra: int = 0) -> dict[str, int]:
+    """Peak bytes on one GPU: the larger of the forward/backward phase and the optimizer step (module docstring).
+    `unsharded`: FSDP2 keeps every all-gathered bf16 layer from forward to backward (no reshard after forward).
+    `extra`: bytes beside the trained model (GRPO's reference model)."""
+    n, k = f.params, max(1, shards)
+    states = n * (2 if "8bit" in optim else 8) // k  # AdamW's two moments (8-bit: one byte each)
+    if masters:  # bf16 weights and grads + float32 masters; the step makes a float32 copy of every gradient
+        model, step_copy = 8 * n, 4 * n
+    else:  # float32 weights and grads (FSDP2: sharded); bf16 casts of the weights under autocast or all-gather
+        model, step_copy = 8 * n // k, 0
+        if k > 1:
+            model += 2 * n if unsharded else 4 * n // max(1, f.layers)
+    per_token = 16 * f.hidden + 10 * f.intermediate  # one layer's saved activations per token (bf16)
+    acts = tokens * (f.layers * 2 * f.hidden + per_token if checkpointing else f.layers * per_token)
+    train = states + model + acts + extra
+    step = states + model + step_copy + extra
+    return {"states": states, "model": model, "activations": acts, "step": step, "extra": extra,
+            "total": max(train, step), "per_param": (states + model + step_copy) / n if n else 0.0}
 
 
 def free_gpu_bytes() -> int | None:
@@ -97,22 +112,47 @@ def _optim_name(args) -> str:
     return str(getattr(args.optim, "value", args.optim))
 
 
-def choose_checkpointing(args, f: ModelFacts, shards: int, free: int | None, tokens: int | None = None) -> str:
-    """Set args.gradient_checkpointing unless the user did; return the line that says what and why. `tokens`: of one
-    micro-batch (default: batch x max_length, SFT's worst case)."""
+def choose_memory(args, f: ModelFacts, shards: int, free: int | None, *, tokens: int | None = None,
+                  masters_ok: bool = False, extra: int = 0) -> tuple[str, str | None]:
+    """Gradient checkpointing and whether float32 master weights fit: the first of (no checkpointing, masters),
+    (no checkpointing, float32 path), (checkpointing, masters), (checkpointing, float32 path) whose estimate fits
+    in 85 % of `free`; a user's --gradient_checkpointing is kept. When even the last exceeds all of `free`, one
+    error names what would fit. Sets args.gradient_checkpointing; returns (its line, why masters are off or None).
+    `tokens`: of one micro-batch (default batch x max_length, SFT's worst case)."""
     tokens = tokens or args.per_device_train_batch_size * (getattr(args, "max_length", None) or 1024)
-    est = estimate_bytes(f, tokens, _optim_name(args), shards)
-    detail = (f"estimate {est['total'] / GiB:.1f} GiB = states {est['states'] / GiB:.1f} + bf16 copies "
-              f"{est['casts'] / GiB:.1f} + activations {est['activations'] / GiB:.1f} for {tokens} tokens/micro-batch")
-    if "gradient_checkpointing" in cfg.explicit(args):
-        return f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'} (set by you; {detail})"
+    explicit = "gradient_checkpointing" in cfg.explicit(args)
     if free is None:
-        args.gradient_checkpointing = False
-        return "gradient checkpointing off (CPU: memory is not the limit)"
-    fits = est["total"] <= 0.85 * free
-    args.gradient_checkpointing = not fits
-    return (f"gradient checkpointing {'off' if fits else 'on'}: {detail}, "
-            f"{'fits in' if fits else 'exceeds'} 85 % of {free / GiB:.1f} GiB free")
+        if not explicit:
+            args.gradient_checkpointing = False
+        return (f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'} "
+                + ("(set by you)" if explicit else "(CPU: memory is not the limit)"), None)
+    optim = _optim_name(args)
+    unsharded = shards > 1 and not reshards_after_forward(memory_first=False)
+    ckpts = [bool(args.gradient_checkpointing)] if explicit else [False, True]
+    plans = [(c, m) for c in ckpts for m in ([True, False] if masters_ok else [False])]
+    est = {p: estimate_bytes(f, tokens, optim, shards=shards, masters=p[1], checkpointing=p[0],
+                             unsharded=unsharded, extra=extra) for p in plans}
+    chosen = next((p for p in plans if est[p]["total"] <= 0.85 * free), plans[-1])
+    e = est[chosen]
+    if e["total"] > free:
+        raise UsageError(
+            f"{f.params / 1e9:.1f} B parameters need about {e['total'] / GiB:.1f} GiB per GPU to train in full even "
+            f"with gradient checkpointing and without master weights, and {free / GiB:.1f} GiB are free: use more "
+            "GPUs (FSDP2 shards the states), an 8-bit optimizer (--optim adamw_bnb_8bit), `trainbox qlora`, or a "
+            "smaller --per_device_train_batch_size with --gradient_accumulation_steps")
+    args.gradient_checkpointing = chosen[0]
+    detail = (f"estimate {e['total'] / GiB:.1f} GiB = {e['per_param']:.0f} B/param "
+              f"({'bf16 weights + float32 masters' if chosen[1] else 'float32 weights'}, {optim}"
+              + (f", {shards} shards" if shards > 1 else "") + f") + activations {e['activations'] / GiB:.1f} GiB "
+              f"for {tokens} tokens/micro-batch" + (f" + {e['extra'] / GiB:.1f} GiB reference model" if extra else "")
+              + f", {'within' if e['total'] <= 0.85 * free else 'over'} 85 % of {free / GiB:.1f} GiB free")
+    line = (f"gradient checkpointing {'on' if chosen[0] else 'off'}"
+            + (f" (set by you; {detail})" if explicit else f": {detail}"))
+    masters_off = None
+    if masters_ok and not chosen[1]:
+        masters_off = (f"master weights would need {est[(chosen[0], True)]['total'] / GiB:.1f} GiB, "
+                       f"over 85 % of {free / GiB:.1f} GiB free")
+    return line, masters_off
 
 
 def liger_reason(model_type: str) -> str | None:
@@ -131,11 +171,27 @@ def liger_reason(model_type: str) -> str | None:
 
 
 def choose_liger(args, f: ModelFacts) -> str:
+    """Sets args.trainbox_liger (apply_liger runs on the loaded model) unless the user set TRL's own flag."""
+    args.trainbox_liger = False
     if "use_liger_kernel" in cfg.explicit(args):
         return f"Liger kernels {'on' if args.use_liger_kernel else 'off'} (set by you)"
     why = liger_reason(f.model_type)
-    args.use_liger_kernel = why is None
+    args.trainbox_liger = why is None
     return "Liger kernels on (RMSNorm, RoPE, SwiGLU)" if why is None else f"Liger kernels off: {why}"
+
+
+def apply_liger(model, model_type: str) -> None:
+    """Liger's own patch for this model type on the loaded model (a PEFT wrapper's base), instead of TRL's
+    `use_liger_kernel`, deprecated in TRL 1.16. Layer kernels only: TRL's fused LM head computes the loss."""
+    import inspect
+
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    fn = MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]
+    wanted = dict(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
+    params = inspect.signature(fn).parameters
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    fn(model=base, **{k: v for k, v in wanted.items() if k in params})
 
 
 def choose_packing(args, packed_ok: bool) -> str:
@@ -158,8 +214,11 @@ def apply(args, model_args, choice, f: ModelFacts, *, shards: int, checkpointing
 
     on_gpu = torch.cuda.is_available() and not args.use_cpu
     lines = [choice.line(), choose_packing(args, choice.packed), choose_liger(args, f)]
+    masters_off = None
     if checkpointing:
-        lines.append(choose_checkpointing(args, f, shards, free_gpu_bytes() if on_gpu else None))
+        line, masters_off = choose_memory(args, f, shards, free_gpu_bytes() if on_gpu else None,
+                                          masters_ok=_float32_reason(args, model_args, on_gpu, shards) is None)
+        lines.append(line)
     else:
         lines.append(f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}"
                      + (" (set by you)" if "gradient_checkpointing" in cfg.explicit(args) else " (qlora default)"))
@@ -167,17 +226,15 @@ def apply(args, model_args, choice, f: ModelFacts, *, shards: int, checkpointing
         args.include_num_input_tokens_seen = "non_padding"  # the summary's tokens/s counts real tokens only
     if on_gpu and "dataloader_num_workers" not in cfg.explicit(args):
         args.dataloader_num_workers = min(2, os.cpu_count() or 1)
-    lines.append(choose_precision(args, model_args, on_gpu, shards))
+    lines.append(choose_precision(args, model_args, on_gpu, shards, masters_off))
     return lines
 
 
 MASTER_WEIGHT_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 
 
-def choose_precision(args, model_args, on_gpu: bool, shards: int) -> str:
-    """bf16 weights + float32 master weights in the optimizer (precision.py) for one process per model copy on a
-    GPU; sets model_args.dtype and args.trainbox_master_weights. FSDP keeps its own float32 shards."""
-    args.trainbox_master_weights = False
+def _float32_reason(args, model_args, on_gpu: bool, shards: int) -> str | None:
+    """The precision line when float32 master weights are not for this run, None when they are."""
     if "dtype" in cfg.explicit(model_args):
         return f"precision: {model_args.dtype} weights (set by you)"
     if not on_gpu or not args.bf16:
@@ -196,9 +253,28 @@ def choose_precision(args, model_args, on_gpu: bool, shards: int) -> str:
         # masters accumulate in float32 themselves.
         return (f"precision: float32 weights under bf16 autocast (gradient_accumulation_steps "
                 f"{args.gradient_accumulation_steps}: bf16 weights would accumulate gradients in bf16)")
+    return None
+
+
+def choose_precision(args, model_args, on_gpu: bool, shards: int, masters_off: str | None = None) -> str:
+    """bf16 weights + float32 master weights in the optimizer (precision.py) for one process per model copy on a
+    GPU, unless `masters_off` (choose_memory: they don't fit) says why not; sets model_args.dtype and
+    args.trainbox_master_weights. FSDP keeps its own float32 shards."""
+    args.trainbox_master_weights = False
+    line = _float32_reason(args, model_args, on_gpu, shards)
+    if line:
+        return line
+    if masters_off:
+        return f"precision: float32 weights under bf16 autocast (TRL's; {masters_off})"
     model_args.dtype = "bfloat16"
     args.trainbox_master_weights = True
-    return f"precision: bf16 weights, float32 master weights in the optimizer ({optim}); no autocast casts"
+    return f"precision: bf16 weights, float32 master weights in the optimizer ({_optim_name(args)}); no autocast casts"
+
+
+def reshards_after_forward(memory_first: bool) -> bool:
+    """FSDP2 keeps all-gathered layers from forward to backward inside one node (less traffic), not across nodes."""
+    single_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) == int(os.environ.get("WORLD_SIZE", "1"))
+    return memory_first or not single_node
 
 
 def tune_fsdp(trainer, activation_checkpointing: bool, memory_first: bool = False) -> str | None:
@@ -212,8 +288,7 @@ def tune_fsdp(trainer, activation_checkpointing: bool, memory_first: bool = Fals
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     plugin = trainer.accelerator.state.fsdp_plugin
-    single_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) == int(os.environ.get("WORLD_SIZE", "1"))
-    plugin.reshard_after_forward = memory_first or not single_node
+    plugin.reshard_after_forward = reshards_after_forward(memory_first)
     plugin.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                                          output_dtype=torch.bfloat16)
     if activation_checkpointing:

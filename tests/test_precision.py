@@ -1,6 +1,7 @@
 """bf16 weights + float32 master weights (entrypoints/precision.py): updates too small for bf16 are kept, the
 trajectory is fp32 AdamW's, the LR schedule reaches the inner optimizer, and a resumed run continues exactly."""
 
+import pytest
 import torch
 
 from entrypoints.precision import MasterWeights
@@ -85,3 +86,68 @@ def test_gradient_accumulation_keeps_float32_weights():
         assert (model_args.dtype == "bfloat16") is master
         if not master:
             assert "gradient_accumulation_steps 4" in line
+
+
+# ---------------------------------------------------------------- the memory plan (speed.choose_memory)
+GIB = 2**30
+LLAMA_8B = dict(model_type="llama", params=8_030_261_248, embedding_params=525_336_576, layers=32, hidden=4096,
+                intermediate=14336, attn_width=4096)  # Llama-3.1-8B's shape
+
+
+def plan(free_gib, shards=1, extra=0, masters_ok=True, **set_by_user):
+    from types import SimpleNamespace
+
+    from entrypoints import config, speed
+
+    args = SimpleNamespace(per_device_train_batch_size=2, max_length=1024, optim="adamw_torch_fused",
+                           gradient_checkpointing=set_by_user.get("gradient_checkpointing", True))
+    setattr(args, config._EXPLICIT_ATTR, frozenset(set_by_user))
+    line, masters_off = speed.choose_memory(args, speed.ModelFacts(**LLAMA_8B), shards, int(free_gib * GIB),
+                                            masters_ok=masters_ok, extra=extra)
+    return args.gradient_checkpointing, masters_off, line
+
+
+def test_8b_on_one_h200_drops_master_weights_and_checkpoints_where_trl_trains():
+    """The case measured on an H200: 139.2 GiB free. Master weights need 20 bytes/param (149.6 GiB) at the step:
+    the float32 path (16, what `trl sft` peaked at) with checkpointing is what fits."""
+    ckpt, masters_off, line = plan(139.2)
+    assert ckpt is True and masters_off and "149.6 GiB" in masters_off
+    assert "estimate 120.6 GiB = 16 B/param (float32 weights" in line and "over 85 % of 139.2 GiB" in line
+
+
+def test_1b_keeps_master_weights_and_skips_checkpointing():
+    from entrypoints import speed
+
+    small = {**LLAMA_8B, "params": 1_235_814_400, "layers": 16, "hidden": 2048, "intermediate": 8192}
+    e = speed.estimate_bytes(speed.ModelFacts(**small), 2048, "adamw_torch_fused", masters=True)
+    assert e["per_param"] == 20 and e["total"] < 0.85 * 139 * GIB
+    e8 = speed.estimate_bytes(speed.ModelFacts(**small), 2048, "adamw_bnb_8bit")
+    assert e8["per_param"] == 10  # 8-bit moments: 2 bytes instead of 8
+
+
+def test_nothing_fits_is_one_error_naming_the_options():
+    from entrypoints.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"8.0 B parameters need about 120.6 GiB .* 80.0 GiB are free: use more GPUs"
+                                         r".*adamw_bnb_8bit.*trainbox qlora.*gradient_accumulation_steps"):
+        plan(80)
+
+
+def test_user_checkpointing_is_kept_and_only_precision_varies():
+    ckpt, masters_off, line = plan(139.2, gradient_checkpointing=False)
+    assert ckpt is False and masters_off and line.startswith("gradient checkpointing off (set by you; estimate 132.4")
+
+
+def test_fsdp_without_reshard_counts_unsharded_bf16_layers_and_grpo_its_reference_model(monkeypatch):
+    from entrypoints import speed
+
+    f = speed.ModelFacts(**LLAMA_8B)
+    sharded = speed.estimate_bytes(f, 2048, "adamw_torch_fused", shards=2, checkpointing=True)
+    kept = speed.estimate_bytes(f, 2048, "adamw_torch_fused", shards=2, checkpointing=True, unsharded=True)
+    assert kept["total"] - sharded["total"] == 2 * f.params - 4 * f.params // f.layers
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    # one node: no reshard, so 4 + 4 sharded + 2 whole bytes/param (and no checkpointing: it fits)
+    assert "estimate 87.5 GiB = 10 B/param" in plan(139.2, shards=2, masters_ok=False)[2]
+    ref = plan(192, masters_ok=False, extra=4 * f.params)[2]  # (a B200: on an H200 policy + reference exceed it)
+    assert "+ 29.9 GiB reference model" in ref
