@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from . import helpcache
 from .errors import UsageError
 
 Translator = Callable[[Any], dict]
@@ -184,7 +185,8 @@ def parse_args(
     config_path, argv = _split_config(list(argv))
     explicit: set[str] = set()
 
-    if "use_cpu" in known and not _cuda_available():
+    helping = helpcache.asked(argv)
+    if "use_cpu" in known and not helping and not _cuda_available():
         # No GPU here: TrainingArguments would reject its bf16 default; say so instead of failing.
         parser.set_defaults(use_cpu=True)
     if defaults:
@@ -226,6 +228,15 @@ def parse_args(
             action.required = False
         parser.set_defaults(**defaults)
         explicit |= set(defaults)
+
+    if helping:
+        # Printed here (not by argparse) so it can be kept: the dispatcher prints it next time without importing
+        # the trainers (helpcache.py). With --config the defaults shown are the file's, so that one isn't kept.
+        text = parser.format_help()
+        if config_path is None:
+            helpcache.store(prog.split()[-1], text)
+        print(text, end="")
+        raise SystemExit(0)
 
     argv = _translate_cli(argv, legacy)
     for a in argv:

@@ -100,6 +100,13 @@ def main(argv: list[str]) -> int:
         print(f"{PROG}: entrypoint {name!r} is not installed in this image ({module_file(name)} is missing); "
               f"`{PROG} --help` lists what is", file=sys.stderr)
         return 2
+    from entrypoints import helpcache
+
+    if name in PUBLIC and helpcache.asked(args) and "--config" not in args:
+        text = helpcache.load(name)  # the trainers' --help without importing TRL (helpcache.py)
+        if text is not None:
+            print(text, end="")
+            return 0
     if name in PUBLIC:
         # Before the entrypoint imports HF/torch: under enroot/pyxis defaults $HOME is read-only (cachedirs.py).
         from entrypoints import cachedirs

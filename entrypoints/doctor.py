@@ -16,6 +16,7 @@ hangs becomes a failed row, not a dead doctor); nothing here needs torch, so a l
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -168,10 +169,14 @@ if gpu():
     ref = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
     out['op'] = bool(torch.allclose(y.float(), ref, atol=1e-2, rtol=1e-2))
 """,
+    # Without a GPU only the version (metadata): importing bitsandbytes takes 5 s of CPU, and its point is the GPU op.
     "bitsandbytes": """
-import bitsandbytes as bnb
-out['version'] = bnb.__version__
-if gpu():
+if not gpu():
+    from importlib import metadata
+    out['version'] = metadata.version('bitsandbytes')
+else:
+    import bitsandbytes as bnb
+    out['version'] = bnb.__version__
     import torch
     from bitsandbytes import functional as F
     w = torch.randn(128, 64, device='cuda', dtype=torch.float16)
@@ -179,13 +184,15 @@ if gpu():
     err = (F.dequantize_4bit(q, state) - w).abs().mean().item()
     out['op'] = err < 0.2
 """,
+    # Versions from the installed metadata: importing transformers and TRL costs 8 s of CPU (the trainers import
+    # them at start anyway and fail loudly there); what doctor compares with the image record is the version.
     "stack": """
-import importlib
+from importlib import metadata
 for m in ('transformers', 'trl', 'peft', 'accelerate'):
     try:
-        out[m] = importlib.import_module(m).__version__
-    except Exception as e:
-        out[m + '_error'] = f'{type(e).__name__}: {e}'
+        out[m] = metadata.version(m)
+    except metadata.PackageNotFoundError:
+        out[m + '_error'] = f"ModuleNotFoundError: No module named '{m}'"
 """,
 }
 
@@ -211,6 +218,8 @@ def run_probe(name: str, gpu: bool) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 # What the image expects
 # ---------------------------------------------------------------------------------------------------------------
+MODULES = {"fa3": ("flash_attn_interface", "flash_attn_3"), "fa2": ("flash_attn",), "vllm": ("vllm",),
+           "bitsandbytes": ("bitsandbytes",)}  # the top-level modules each optional probe imports
 ALIASES = {"fa3": ("flash-attn-3", "flash_attn_3", "flash-attn3", "flash_attn_interface"),
            "fa2": ("flash-attn", "flash_attn"), "vllm": ("vllm",), "bitsandbytes": ("bitsandbytes",),
            "torch": ("torch",), "stack": ("transformers", "trl", "peft", "accelerate")}
@@ -468,9 +477,12 @@ def main(argv: list[str]) -> int:
     # GPU ops only where a GPU may exist (nvidia-smi may be absent in a container that still has the device nodes)
     may_have_gpu = bool(smi.get("gpus")) or os.path.exists("/dev/nvidiactl")
     wanted = [n for n in PROBES if exp[n] is not False or n == "torch"]
+    # A probe whose module is not there at all need not start a Python (an import of torch costs seconds).
+    probes = {n: {"error": f"ModuleNotFoundError: No module named '{MODULES[n][0]}'"} for n in wanted
+              if n in MODULES and not any(importlib.util.find_spec(m) for m in MODULES[n])}
     with ThreadPoolExecutor(max_workers=len(wanted)) as pool:
-        futures = {n: pool.submit(run_probe, n, may_have_gpu) for n in wanted}
-        probes = {n: f.result() for n, f in futures.items()}
+        futures = {n: pool.submit(run_probe, n, may_have_gpu) for n in wanted if n not in probes}
+        probes.update({n: f.result() for n, f in futures.items()})
     if exp["torch"] is False and "No module named 'torch'" in probes["torch"].get("error", ""):
         probes.pop("torch")
     installed = {d: installed_version(d) for d in ((info or {}).get("versions") or {})}

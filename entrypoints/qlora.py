@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from . import config as cfg
-from . import atomic, launch, lifecycle, runlog, sft
+from . import atomic, helpcache, launch, lifecycle, runlog, sft
 from . import errors
 from .errors import UsageError
 
@@ -27,10 +27,12 @@ class QLoRAArguments:
     merge: bool = field(default=False, metadata={"help": "also save base+adapter merged (bf16) to OUTPUT_DIR/merged"})
 
 
-def qlora_defaults() -> dict:
-    import torch
+def qlora_defaults(gpu: bool | None = None) -> dict:
+    """`gpu` None: ask torch. --help shows the GPU defaults on every host (helpcache.py: one text for all)."""
+    if gpu is None:
+        import torch
 
-    gpu = torch.cuda.is_available()
+        gpu = torch.cuda.is_available()
     sharded = gpu and int(os.environ.get("WORLD_SIZE", "1")) > 1
     return {
         # Across GPUs: FSDP2 shards the base too. It can shard 4-bit weights only when they are stored in a float
@@ -65,7 +67,7 @@ def parse(argv: list[str], prog: str = "trainbox qlora"):
         argv,
         prog=prog,
         legacy={**cfg.LEGACY_TRAINING, **cfg.LEGACY_SFT},
-        defaults=qlora_defaults(),
+        defaults=qlora_defaults(gpu=True if helpcache.asked(argv) else None),
     )
 
 

@@ -131,10 +131,14 @@ def test_image_contract(tag):
         assert k in labels
     for pkg, ver in cell.pins.items():
         assert f'io.trainbox.version.{pkg}="{cell.requirement(pkg).split("==")[1]}"' in labels
-    # The entrypoints layer is the last one that adds files: only ARG/LABEL (no layers) follow it.
-    last_copy = max(i for i, (w, r) in enumerate(ins) if w in ("COPY", "RUN", "ADD"))
+    # The entrypoints layer is the last COPY; only the help texts rendered from it (one RUN, as root) and ARG/LABEL
+    # (no layers) follow it, so a code change rebuilds two small layers.
+    last_copy = max(i for i, (w, r) in enumerate(ins) if w in ("COPY", "ADD"))
     assert ins[last_copy] == ("COPY", "entrypoints/ /opt/trainbox/entrypoints/")
-    assert {w for w, _ in ins[last_copy + 1:]} <= {"ARG", "LABEL"}
+    assert ins[last_copy + 1: last_copy + 4] == [("USER", "root"), (
+        "RUN", "HOME=/tmp/help-home TRAINBOX_HELP_DIR=/opt/trainbox/help python -m entrypoints.helpcache && rm -rf "
+               "/tmp/help-home"), ("USER", "1000:1000")]
+    assert {w for w, _ in ins[last_copy + 4:]} <= {"ARG", "LABEL"}
     # Hash-checked install from the venv's lock, wheelhouse first.
     assert f"COPY locks/.gitkeep locks/{cell.venv}.tx[t] /tmp/trainbox/locks/" in text
     hint = f"--lock --cuda {cell.cuda} --arch {cell.arch}" if cell.cuda else f"--lock {tag}"

@@ -1,0 +1,96 @@
+"""`--help` of the trainers without importing them: their options come from TRL's and transformers' dataclasses,
+whose import alone takes 8-9 s on a busy 2-core host. The text printed once (at image build: the Dockerfile runs
+each `--help`) is kept beside a key of what produced it (the installed versions of the libraries that define the
+options and our own sources); the dispatcher prints it while the key still matches, else the entrypoint renders
+it again and stores it. The text is the same on every host: help never looks at the GPU (config.parse_args).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from importlib import metadata
+from pathlib import Path
+
+IMAGE_DIR = "/opt/trainbox/help"  # written at image build (the entrypoints' folder's sibling)
+LIBRARIES = ("trl", "transformers", "peft", "accelerate")
+
+
+def asked(argv: list[str]) -> bool:
+    """-h/--help among the options (not after `--`, where arguments go to another program)."""
+    head = argv[: argv.index("--")] if "--" in argv else argv
+    return "-h" in head or "--help" in head
+
+
+def key() -> str:
+    h = hashlib.sha256()
+    for lib in LIBRARIES:
+        try:
+            h.update(f"{lib}={metadata.version(lib)}\n".encode())
+        except metadata.PackageNotFoundError:
+            h.update(f"{lib}=none\n".encode())
+    for src in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(src.name.encode() + b"\0" + src.read_bytes())
+    return h.hexdigest()[:32]
+
+
+def _dirs() -> list[Path]:
+    """$TRAINBOX_HELP_DIR, else the image's folder (only in an image: beside /opt/trainbox/entrypoints); then the
+    user's cache."""
+    user = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trainbox" / "help"
+    in_image = Path(__file__).resolve().parent == Path(IMAGE_DIR).parent / "entrypoints"
+    first = os.environ.get("TRAINBOX_HELP_DIR") or (IMAGE_DIR if in_image else None)
+    return [Path(first), user] if first else [user]
+
+
+def _file(d: Path, name: str) -> Path:
+    return d / f"{name}.txt"
+
+
+def load(name: str) -> str | None:
+    """The stored help of entrypoint `name` if it was made by exactly what is installed now."""
+    want = key()
+    for d in _dirs():
+        try:
+            stored_key, _, text = _file(d, name).read_text(encoding="utf-8").partition("\n")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if stored_key == want:
+            return text
+    return None
+
+
+def store(name: str, text: str) -> None:
+    """Keep `text` in the first folder that takes it (whole or not at all); nowhere is fine too."""
+    from . import atomic
+
+    for d in _dirs():
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            atomic.write_text(_file(d, name), f"{key()}\n{text}")
+            return
+        except OSError:
+            continue
+
+
+def render_all() -> list[str]:
+    """Render and store the help of every trainer this install has (at image build: one Python, one TRL import)."""
+    import contextlib
+    import importlib
+    import io
+
+    done = []
+    for name in ("sft", "qlora", "grpo"):
+        if not (Path(__file__).parent / f"{name}.py").is_file():
+            continue
+        module = importlib.import_module(f"entrypoints.{name}")
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
+            module.parse(["--help"])
+        if load(name) is None:
+            raise RuntimeError(f"--help of {name} was not stored in any of {[str(d) for d in _dirs()]}")
+        done.append(name)
+    return done
+
+
+if __name__ == "__main__":
+    print("help rendered for", ", ".join(render_all()))

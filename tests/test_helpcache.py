@@ -1,0 +1,81 @@
+"""The trainers' --help printed from the kept text: the same bytes as rendering it, without importing TRL or
+transformers (a poisoned import proves it), one text on every host, re-rendered once the installed versions or our
+sources change."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from entrypoints import helpcache
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def trainbox(*args, env, pythonpath=()):
+    env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join([*map(str, pythonpath), str(ROOT)])}
+    env.pop("TRAINBOX_HELP_DIR", None)
+    return subprocess.run([sys.executable, "-m", "entrypoints", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.fixture
+def poisoned(tmp_path):
+    """A folder whose trl and transformers packages raise on import."""
+    for pkg in ("trl", "transformers"):
+        (tmp_path / "poison" / pkg).mkdir(parents=True)
+        (tmp_path / "poison" / pkg / "__init__.py").write_text(f"raise ImportError('{pkg} was imported')\n")
+    return tmp_path / "poison"
+
+
+@pytest.mark.parametrize("name", ["sft", "qlora", "grpo"])
+def test_second_help_prints_the_same_text_without_importing_trl(tmp_path, poisoned, name):
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    first = trainbox(name, "--help", env=env)
+    assert first.returncode == 0 and "--model_name_or_path" in first.stdout, first.stderr[-2000:]
+    again = trainbox(name, "--help", env=env, pythonpath=[poisoned])
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert again.stdout == first.stdout
+    assert (tmp_path / "cache" / "trainbox" / "help" / f"{name}.txt").is_file()
+    # Without the kept text the poisoned import is what runs: the test above would have caught a miss.
+    cold = trainbox(name, "--help", env={"XDG_CACHE_HOME": str(tmp_path / "empty")}, pythonpath=[poisoned])
+    assert cold.returncode != 0 and "was imported" in cold.stderr
+
+
+def test_help_is_the_same_on_every_host():
+    """qlora's optimizer default depends on the GPU; its --help shows the GPU's on a CPU host too (and sft's does
+    not force use_cpu), so the text kept at image build is right where the image runs."""
+    from entrypoints import qlora
+
+    assert qlora.qlora_defaults(gpu=True)["optim"] == "paged_adamw_8bit"
+    text = subprocess.run([sys.executable, "-m", "entrypoints.qlora", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": str(ROOT), "TRAINBOX_HELP_DIR": "/nonexistent/x"},
+                          timeout=300).stdout
+    assert "paged_adamw_8bit" in text.split("--optim", 1)[1].split("--", 1)[0]
+
+
+def test_a_stale_or_foreign_text_is_not_printed(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINBOX_HELP_DIR", str(tmp_path))
+    helpcache.store("sft", "usage: trainbox sft ...\n")
+    assert helpcache.load("sft") == "usage: trainbox sft ...\n"
+    real = helpcache.metadata.version
+    monkeypatch.setattr(helpcache.metadata, "version", lambda d: "0.0.1" if d == "trl" else real(d))
+    assert helpcache.load("sft") is None  # another TRL: other options
+    monkeypatch.undo()
+    monkeypatch.setenv("TRAINBOX_HELP_DIR", str(tmp_path))
+    (tmp_path / "sft.txt").write_bytes(b"\xff\xfe binary")
+    assert helpcache.load("sft") is None
+
+
+def test_help_with_a_config_file_is_rendered_not_kept(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("learning_rate: 0.5\n")
+    r = trainbox("sft", "--config", str(cfg), "--help", env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert r.returncode == 0 and "--learning_rate" in r.stdout
+    assert not (tmp_path / "cache" / "trainbox" / "help" / "sft.txt").exists()
+
+
+def test_asked_ignores_arguments_after_double_dash():
+    assert helpcache.asked(["--dataset", "d", "-h"]) and not helpcache.asked(["--", "--help"])
