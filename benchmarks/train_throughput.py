@@ -4,6 +4,7 @@
     python benchmarks/train_throughput.py qlora [--steps 20]                # plain PEFT+bitsandbytes vs trainbox qlora (8B)
     python benchmarks/train_throughput.py grpo  [--steps 12]                # trl grpo vs trainbox grpo (1B, vLLM if present)
     python benchmarks/train_throughput.py check                             # packed == alone with the GPU's kernel
+    python benchmarks/train_throughput.py memory [--steps 6]                # 8B full sft on one GPU: peak memory
 
 Models are random-init shapes built here, tokenizers are word-level ones built here (one token per word, so the
 generated lengths are the token lengths), data is chat `messages` JSONL. Lengths: "mix" is lognormal (median 350
@@ -342,6 +343,37 @@ def qlora(a) -> None:
     json.dump(results, open(work / "qlora-results.json", "w"), indent=1, default=str)
 
 
+def memory(a) -> None:
+    """Full fine-tuning of the 8B shape on one GPU, each tool with its defaults (batch 2, max length 1024, a save of
+    the model only): does it train, its peak allocated memory, and our plan's estimate beside it."""
+    import re
+    import shutil
+
+    work = Path(a.work)
+    log = work / "memory.log"
+    model = make_model(work / "llama-8b", "llama-8b")
+    data = write_chat(work / "data-8b", lengths("uniform", a.steps * 2 * 2, 1024))
+    common = ["--model_name_or_path", str(model), "--max_length", "1024", "--per_device_train_batch_size", "2",
+              "--max_steps", str(a.steps), "--save_only_model", "true", "--logging_steps", "1", "--report_to", "none",
+              "--seed", "0", "--disable_tqdm", "true"]  # fmt: skip
+    py, out = sys.executable, work / "o-8b"
+    runs = [("8b-trl", [py, "-m", "trl.cli.main", "sft", "--dataset_name", str(data), "--output_dir", str(out),
+                        *common]),
+            ("8b-ours", [py, "-m", "entrypoints", "sft", "--dataset", str(data / "train.jsonl"), "--output_dir",
+                         str(out), "--resume", "never", *common])]
+    for label, argv in runs:
+        start = log.stat().st_size if log.is_file() else 0
+        res = run(label, argv, work, log)
+        saved = sorted(p.name for p in out.glob("*.safetensors")) if out.is_dir() else []
+        shutil.rmtree(out, ignore_errors=True)  # 32 GB of float32 weights: the next run needs the disk
+        text = log.read_text(errors="replace")[start:]
+        est = re.findall(r"^\[trainbox\] (gradient checkpointing.*|precision:.*)$", text, re.M)
+        print(f"RESULT {json.dumps({k: v for k, v in res.items() if k != 'losses'})}", flush=True)
+        print(f"SUMMARY memory {label}: {'trained' if not res.get('failed') else 'FAILED'}, "
+              + (f"peak allocated {res['peak_gib']:.2f} GiB, {res['steps']} timed steps, " if 'peak_gib' in res else "")
+              + f"saved {len(saved)} safetensors file(s)" + "".join(f"\n    {e}" for e in est), flush=True)
+
+
 def write_prompts(path: Path, rows: int, seed: int = 0) -> Path:
     """GRPO rows as `grpo --preset gsm8k` makes them: the system prompt + a question (prompt messages), an answer."""
     from entrypoints.rewards import SYSTEM_PROMPT
@@ -441,7 +473,7 @@ def check(a) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["sft", "qlora", "grpo", "check"])
+    ap.add_argument("what", choices=["sft", "qlora", "grpo", "check", "memory"])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--kinds", nargs="+", default=["mix", "uniform"], choices=["mix", "uniform"])
     ap.add_argument("--runs", type=int, default=4, help="qlora, grpo: how many of plain, ours, ours, plain")
@@ -450,7 +482,7 @@ def main() -> None:
     ap.add_argument("--work", default=tempfile.mkdtemp(prefix="bench-"))
     a = ap.parse_args()
     Path(a.work).mkdir(parents=True, exist_ok=True)
-    {"sft": sft, "qlora": qlora, "grpo": grpo, "check": check}[a.what](a)
+    {"sft": sft, "qlora": qlora, "grpo": grpo, "check": check, "memory": memory}[a.what](a)
 
 
 if __name__ == "__main__":
