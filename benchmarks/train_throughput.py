@@ -189,7 +189,8 @@ def run(label: str, argv: list[str], work: Path, log: Path) -> dict:
     if r.returncode != 0 or not out.is_file():
         print(f"{label}: FAILED (exit {r.returncode}); see {log}", flush=True)
         os.system(f"tail -n 30 {log}")
-        return {"label": label, "failed": True}
+        # What was measured up to the end of training (a failed save comes after it) is still reported.
+        return {**(json.loads(out.read_text()) if out.is_file() else {}), "label": label, "failed": True}
     res = json.loads(out.read_text())
     res.update(label=label, wall=time.time() - t)
     return res
@@ -356,7 +357,9 @@ def memory(a) -> None:
     common = ["--model_name_or_path", str(model), "--max_length", "1024", "--per_device_train_batch_size", "2",
               "--max_steps", str(a.steps), "--save_only_model", "true", "--logging_steps", "1", "--report_to", "none",
               "--seed", "0", "--disable_tqdm", "true"]  # fmt: skip
-    py, out = sys.executable, work / "o-8b"
+    # The final save is 32 GB of float32 weights: on the fullest-free of the work folder and /dev/shm (RAM).
+    where = [d for d in (work, Path("/dev/shm")) if d.is_dir()]
+    py, out = sys.executable, max(where, key=lambda d: shutil.disk_usage(d).free) / "o-8b"
     runs = [("8b-trl", [py, "-m", "trl.cli.main", "sft", "--dataset_name", str(data), "--output_dir", str(out),
                         *common]),
             ("8b-ours", [py, "-m", "entrypoints", "sft", "--dataset", str(data / "train.jsonl"), "--output_dir",

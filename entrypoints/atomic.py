@@ -122,7 +122,8 @@ def why_not_a_folder(path: str | Path) -> str | None:
     """Why PATH can't be (made) a folder this user writes into (a file on the way, /proc /sys /dev, no write
     permission, a read-only mount), or None. Checked before long work, by the builder and the trainers alike."""
     p = Path(os.path.abspath(os.path.expanduser(str(path))))
-    if p.parts[1:2] in (("proc",), ("sys",), ("dev",)):
+    # /dev/shm is a tmpfs (shared memory) that holds files like any folder: only the device tree itself is refused.
+    if p.parts[1:2] in (("proc",), ("sys",)) or (p.parts[1:2] == ("dev",) and p.parts[2:3] != ("shm",)):
         return f"it is under /{p.parts[1]}, which holds no files"
     probe = p
     try:

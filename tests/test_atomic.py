@@ -174,3 +174,12 @@ def test_another_hosts_write_in_flight_survives_our_cleaner(tmp_path):
     assert b.wait(timeout=30) == 0
     assert dest.read_text() == "in flight on node-b"
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([dest.name, fake_b_elsewhere.name])
+
+
+def test_pseudo_filesystems_are_refused_but_dev_shm_is_a_folder(tmp_path):
+    from entrypoints.atomic import why_not_a_folder
+
+    for bad in ("/proc/trainbox", "/sys/x", "/dev/trainbox-out", "/dev/null/x"):
+        assert "holds no files" in why_not_a_folder(bad)
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        assert why_not_a_folder("/dev/shm/trainbox-out") is None  # a tmpfs: 8B outputs go there on a small disk
