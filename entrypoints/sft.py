@@ -215,6 +215,8 @@ def train(data_args, model_args, training_args, name: str = "sft") -> int:
                             optimizer_cls_and_kwargs=(precision.optimizer_for(SFTTrainer, training_args, model)
                                                       if getattr(training_args, "trainbox_master_weights", False)
                                                       else None))
+    if getattr(training_args, "trainbox_master_weights", False):
+        precision.attach(trainer)  # clipping and the logged grad_norm read the float32 gradient sums
     finish_tuning(trainer, facts)
     trainer.train(resume_from_checkpoint=ckpt)
     if not lifecycle.was_preempted():

@@ -10,14 +10,14 @@ What is decided here, each only when the user did not set it (`--option` or YAML
 - precision: bf16 weights with float32 master weights in the optimizer (precision.py says why) for one process per
   model copy; FSDP2 keeps float32 shards and computes in bf16.
 
-The estimate (bytes, per GPU) is the larger of two phases. Optimizer step: AdamW's moments (8 per parameter; 8-bit
-optimizers 2) + the model: float32 weights and grads (8; FSDP2 divides both by the shards) or, with master
-weights, bf16 weights and grads + float32 masters (8) + the float32 copy of every gradient the step makes (4), so
-16 vs 20. Forward/backward: the same without that copy, plus bf16 all-gathered layers under FSDP2 (every layer,
-2 per parameter, when it does not reshard after forward), plus activations: per token and layer about
-16*hidden + 10*intermediate bytes (bf16 inputs of every matmul, norm outputs, the SwiGLU gate/up/product,
-attention output and its log-sum-exp) without checkpointing; with it, each layer's input (2*hidden) plus one
-layer's worth. Measured with `trl sft` on an 8B Llama shape (batch 2 x 1024, checkpointing): 16.0 bytes/param.
+The estimate (bytes, per GPU): AdamW's moments (8 per parameter; 8-bit optimizers 2) + the model: float32
+weights and grads (8; FSDP2 divides both by the shards) or, with master weights, bf16 weights + float32 masters +
+float32 gradient sums (10), so 16 vs 18; plus bf16 all-gathered layers under FSDP2 (every layer, 2 per parameter,
+when it does not reshard after forward); plus activations: per token and layer about 16*hidden + 10*intermediate
+bytes (bf16 inputs of every matmul, norm outputs, the SwiGLU gate/up/product, attention output and its
+log-sum-exp) without checkpointing; with it, each layer's input (2*hidden) plus one layer's worth.
+Measured on one H200, 8B Llama shape, batch 2 x 1024, checkpointing: `trl sft` and `trainbox sft` (float32
+path) both peaked at 119.75 GiB allocated, estimate 120.6 GiB.
 """
 
 from __future__ import annotations
@@ -80,23 +80,20 @@ def model_facts(model_path: str, revision: str | None = None) -> ModelFacts:
 
 def estimate_bytes(f: ModelFacts, tokens: int, optim: str, *, shards: int = 1, masters: bool = False,
                    checkpointing: bool = False, unsharded: bool = False, extra: int = 0) -> dict[str, int]:
-    """Peak bytes on one GPU: the larger of the forward/backward phase and the optimizer step (module docstring).
-    `unsharded`: FSDP2 keeps every all-gathered bf16 layer from forward to backward (no reshard after forward).
-    `extra`: bytes beside the trained model (GRPO's reference model)."""
+    """Peak bytes on one GPU (module docstring). `unsharded`: FSDP2 keeps every all-gathered bf16 layer from
+    forward to backward (no reshard after forward). `extra`: bytes beside the trained model (GRPO's reference)."""
     n, k = f.params, max(1, shards)
     states = n * (2 if "8bit" in optim else 8) // k  # AdamW's two moments (8-bit: one byte each)
-    if masters:  # bf16 weights and grads + float32 masters; the step makes a float32 copy of every gradient
-        model, step_copy = 8 * n, 4 * n
+    if masters:  # bf16 weights + float32 masters and float32 gradient sums (precision.py): 2 + 4 + 4
+        model = 10 * n
     else:  # float32 weights and grads (FSDP2: sharded); bf16 casts of the weights under autocast or all-gather
-        model, step_copy = 8 * n // k, 0
+        model = 8 * n // k
         if k > 1:
             model += 2 * n if unsharded else 4 * n // max(1, f.layers)
     per_token = 16 * f.hidden + 10 * f.intermediate  # one layer's saved activations per token (bf16)
     acts = tokens * (f.layers * 2 * f.hidden + per_token if checkpointing else f.layers * per_token)
-    train = states + model + acts + extra
-    step = states + model + step_copy + extra
-    return {"states": states, "model": model, "activations": acts, "step": step, "extra": extra,
-            "total": max(train, step), "per_param": (states + model + step_copy) / n if n else 0.0}
+    return {"states": states, "model": model, "activations": acts, "extra": extra,
+            "total": states + model + acts + extra, "per_param": (states + model) / n if n else 0.0}
 
 
 def free_gpu_bytes() -> int | None:
@@ -247,12 +244,6 @@ def _float32_reason(args, model_args, on_gpu: bool, shards: int) -> str | None:
     optim = _optim_name(args)
     if optim not in MASTER_WEIGHT_OPTIMS:
         return f"precision: float32 weights under bf16 autocast (optim {optim} is not wrapped with master weights)"
-    if args.gradient_accumulation_steps > 1:
-        # bf16 .grad would sum the micro-batches in bf16 before the float32 master sees them (relative error 2-7e-3
-        # after 4-64 of them, vs 1.5e-3 for one rounding): correct before fast, TRL's float32 path until the
-        # masters accumulate in float32 themselves.
-        return (f"precision: float32 weights under bf16 autocast (gradient_accumulation_steps "
-                f"{args.gradient_accumulation_steps}: bf16 weights would accumulate gradients in bf16)")
     return None
 
 
