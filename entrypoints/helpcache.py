@@ -77,9 +77,12 @@ def render_all() -> list[str]:
     """Render and store the help of every trainer this install has (at image build: one Python, one TRL import)."""
     import contextlib
     import importlib
+    import importlib.util
     import io
 
     done = []
+    if importlib.util.find_spec("trl") is None:  # a light image (jupyter, doctor): no trainer to ask
+        return done
     for name in ("sft", "qlora", "grpo"):
         if not (Path(__file__).parent / f"{name}.py").is_file():
             continue
@@ -93,4 +96,4 @@ def render_all() -> list[str]:
 
 
 if __name__ == "__main__":
-    print("help rendered for", ", ".join(render_all()))
+    print("help rendered for", ", ".join(render_all()) or "no trainer (no TRL in this image)")

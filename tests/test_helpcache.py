@@ -79,3 +79,16 @@ def test_help_with_a_config_file_is_rendered_not_kept(tmp_path):
 
 def test_asked_ignores_arguments_after_double_dash():
     assert helpcache.asked(["--dataset", "d", "-h"]) and not helpcache.asked(["--", "--help"])
+
+
+def test_image_build_step_renders_every_trainer_and_nothing_in_a_light_image(tmp_path, monkeypatch):
+    """`python -m entrypoints.helpcache` (the Dockerfile's RUN): all three texts kept; without TRL (the light arm64
+    smoke image: jupyter and doctor only) nothing to render and no failure."""
+    monkeypatch.setenv("TRAINBOX_HELP_DIR", str(tmp_path / "help"))
+    assert helpcache.render_all() == ["sft", "qlora", "grpo"]
+    assert all(helpcache.load(n) for n in ("sft", "qlora", "grpo"))
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "trl" else real(name, *a))
+    assert helpcache.render_all() == []
