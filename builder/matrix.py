@@ -17,7 +17,8 @@ DEFAULT_MATRIX = ROOT / "matrix.toml"
 
 # The schema: every table's allowed keys and their types. Unknown keys are errors (typos must not pass silently).
 _TOP = {"schema": int, "naming": dict, "arch": dict, "cuda": dict, "gpu": dict, "torch_variant": dict,
-        "attention": dict, "stack": dict, "facts": dict, "expand": dict, "cell": list, "rule": list, "index": dict}
+        "attention": dict, "stack": dict, "facts": dict, "expand": dict, "cell": list, "rule": list, "index": dict,
+        "fabric": dict}
 _REQUIRED_TOP = ("schema", "naming", "arch", "gpu", "torch_variant", "attention", "stack", "rule")
 _NAMING = {"repository": str, "tag": str, "cell_name": str, "version_tags": list, "version": str, "source": str}
 _ARCH = {"platform": str, "uv_platform": str}
@@ -34,6 +35,7 @@ _EXPAND = {"arch": list, "cuda": list, "gpu": list, "stack": str}
 _CELL = {"name": str, "arch": (str, list), "cuda": str, "gpu": str, "torch_variant": str, "base_image": str,
          "python": str, "attention": str, "stack": (str, dict)}
 _RULE = {"id": str, "reason": str}
+_FABRIC = {"packages": list, "env": dict}
 _TYPE_NAMES = {str: "a string", int: "an integer", list: "an array", dict: "a table", bool: "a boolean"}
 
 
@@ -83,6 +85,9 @@ class Cell:
     default_index: bool       # torch (and vLLM) come from the default index, no +variant local version
     flash: dict | None = field(default=None, hash=False, compare=True)   # {"how": "index"|"source", ...}
     index_templates: dict = field(default_factory=dict, hash=False, compare=False)
+    # [fabric]: GPU cells only (NCCL's InfiniBand/RoCE transport needs the RDMA userspace; CPU cells run no NCCL).
+    fabric_packages: tuple[str, ...] = ()
+    fabric_env: tuple[tuple[str, str], ...] = ()
 
     @property
     def dockerfile(self) -> Path:
@@ -200,6 +205,8 @@ _PYTHON = re.compile(r"3\.[0-9]{1,2}", re.ASCII)
 _PLATFORM = re.compile(r"linux/(amd64|arm64|ppc64le|s390x|riscv64)(/v[0-9])?", re.ASCII)
 _WORD = re.compile(r"[A-Za-z0-9_.+:/@=,;-]+", re.ASCII)  # a URL, a platform tag, an arch list: one shell word
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
+_ENV_VALUE = re.compile(r"[A-Za-z0-9_.,:/+=-]*", re.ASCII)
+_DEB_PACKAGE = re.compile(r"[a-z0-9][a-z0-9+.-]+", re.ASCII)  # Debian Policy 5.6.1
 
 
 def _check_tree(where: str, node: Any, path: str = "", depth: int = 0) -> None:
@@ -269,7 +276,12 @@ def _check_cell_values(where: str, c: Cell) -> None:
             _grammar(w, f"attention.{key}", a[key], _WORD, "one word (no spaces or quotes)")
     for k, v in (a.get("build_env") or {}).items():
         _grammar(w, "attention.build_env name", k, _ENV_NAME, "an environment variable name")
-        _grammar(w, f"attention.build_env.{k}", str(v), re.compile(r"[A-Za-z0-9_.,:/+=-]*"), "a plain value")
+        _grammar(w, f"attention.build_env.{k}", str(v), _ENV_VALUE, "a plain value")
+    for name in c.fabric_packages:
+        _grammar(w, "fabric.packages", name, _DEB_PACKAGE, "a Debian package name")
+    for k, v in c.fabric_env:
+        _grammar(w, "fabric.env name", k, _ENV_NAME, "an environment variable name")
+        _grammar(w, f"fabric.env.{k}", v, _ENV_VALUE, "a plain value")
     for name, url in c.index_templates.items():
         _grammar(w, f"index.{name}", url, re.compile(r"[^\s'\"\\`$]*"), "a URL (no spaces, quotes, backslashes or $)")
 
@@ -394,6 +406,7 @@ def _build(path: Path, data: dict) -> Matrix:
                             where=w)
     index = data.get("index", {})
     _check_table(f"{f}: index", index, {n: str for n in INDEX_NAMES})
+    _check_fabric(f, data.get("fabric", {}))
     stacks = _resolve_stacks(f, data["stack"])
     facts = data.get("facts", {})
     _check_table(f"{f}: facts", facts, _FACTS)
@@ -470,6 +483,15 @@ def _build(path: Path, data: dict) -> Matrix:
     if not cells:
         raise UserError("the matrix yields no cells", where=f, fix="see `python build.py --explain`")
     return Matrix(path=path, cells=tuple(cells), exclusions=tuple(exclusions), rules=rule_table, data=data)
+
+
+def _check_fabric(f: str, fabric: dict) -> None:
+    """[fabric]: Debian packages and ENV lines every GPU image gets (their grammar: _check_cell_values)."""
+    w = f"{f}: fabric"
+    _check_table(w, fabric, _FABRIC)
+    if "packages" in fabric:
+        _str_list(f"{w}.packages", fabric["packages"])
+    _str_table(f"{w}.env", fabric.get("env", {}))
 
 
 def _check_facts(f: str, facts: dict) -> None:
@@ -607,4 +629,6 @@ def _make_cell(f, data, naming, vtags, *, name, arch, cuda, gpu, variant, stack,
         version=naming["version"], source=naming["source"], version_tags=version_tags, venv=venv or tag,
         default_index=bool(variant and data["torch_variant"][variant].get("default_index")),
         flash=_flash(data["attention"][attention], arch, variant) if cuda else None,
-        index_templates=dict(data.get("index", {})))
+        index_templates=dict(data.get("index", {})),
+        fabric_packages=tuple(sorted(data.get("fabric", {}).get("packages", []))) if cuda else (),
+        fabric_env=tuple(sorted(data.get("fabric", {}).get("env", {}).items())) if cuda else ())

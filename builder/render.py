@@ -19,8 +19,8 @@ from builder.matrix import ROOT, Cell
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 
 # OS packages of the runtime: CPU cells only need python; CUDA cells add what Triton's JIT needs at first use (a C
-# compiler and Python headers for its launcher stub). nvcc, git and the CUDA devel image live only in the stage that
-# compiles FlashAttention from source.
+# compiler and Python headers for its launcher stub) and matrix.toml's [fabric] packages (RDMA userspace for NCCL).
+# nvcc, git and the CUDA devel image live only in the stage that compiles FlashAttention from source.
 _APT_BASE = ("ca-certificates", "python3", "python3-venv", "tini")  # tini: the image's PID 1
 _APT_GPU = ("gcc", "libc6-dev", "python3-dev")
 
@@ -91,7 +91,7 @@ def render(cell: Cell) -> str:
             f"{cell.arch}")
     ctx = {
         "c": cell,
-        "apt_packages": sorted(set(_APT_BASE + (_APT_GPU if cell.cuda else ()))),
+        "apt_packages": sorted(set(_APT_BASE + (_APT_GPU if cell.cuda else ()) + cell.fabric_packages)),
         "cpu_torch": cell.torch_variant == "cpu" and "torch" in cell.pins,
         # Shared stages must not name the cell (they would differ between the cells that share them).
         "lock_hint": (f"python build.py --lock --cuda {cell.cuda} --arch {cell.arch}" if cell.venv != cell.tag

@@ -177,6 +177,12 @@ def test_broken_matrices(name, needles, tmp_path):
     ('prebuilt = { x86_64 = { cu126 = "cu126", cu129 = "cu126", cu130 = "cu130" },', 'prebuilt = { x86_64 = "0",',
      ["attention.fa3.prebuilt.x86_64", "must be a table, got str"]),
     ('probe = ["aarch64"]', 'probe = ["x86_64", "aarch64", "x86_64"]', ["attention.fa3.probe", "duplicate"]),
+    # [fabric] goes into apt and ENV lines as it is
+    ('packages = ["ibverbs-providers", "ibverbs-utils", "rdmacm-utils"]', 'packages = ["ibverbs-providers", "x; rm"]',
+     ["fabric.packages", "not a Debian package name"]),
+    ('MELLANOX_VISIBLE_DEVICES = "all"', 'MELLANOX_VISIBLE_DEVICES = "all $HOME"', ["fabric.env", "a plain value"]),
+    ('MELLANOX_VISIBLE_DEVICES = "all"', '"MELLANOX-X" = "all"', ["fabric.env name", "environment variable name"]),
+    ('env = { MELLANOX_VISIBLE_DEVICES', 'envs = { MELLANOX_VISIBLE_DEVICES', ["fabric", "unknown key 'envs'"]),
 ])
 def test_inconsistent_matrices(tmp_path, old, new, needles):
     text = base_text()

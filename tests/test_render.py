@@ -270,3 +270,21 @@ def test_the_venv_reaches_the_runtime_only_through_the_copy(tag):
     deps = text[text.index("AS deps"):]
     assert deps.index("python3 -m venv /opt/venv") < deps.index("pip install")
     assert "COPY --from=deps /opt/venv /opt/venv" in text
+
+
+@pytest.mark.parametrize("tag", sorted(CELLS))
+def test_gpu_images_carry_the_fabric_and_ask_enroot_for_hcas(tag):
+    """Every GPU image installs matrix.toml's [fabric] packages (RDMA userspace: NCCL's IB/RoCE transport) in the base
+    stage's one apt layer and sets its env (enroot's mellanox hook injects HCAs only when asked); CPU images neither.
+    No NCCL_* variable is baked in: under pyxis the image env would shadow the job's."""
+    cell, text = CELLS[tag], (ROOT / CELLS[tag].dockerfile).read_text()
+    fabric = M.data["fabric"]
+    base = text.split("FROM base AS deps")[0]
+    apt = [rest for word, rest in instructions(base) if word == "RUN" and "apt-get install" in rest]
+    assert len(apt) == 1
+    env = " ".join(rest for word, rest in instructions(text.split("AS runtime")[1]) if word == "ENV")
+    assert "NCCL_" not in env
+    for pkg in fabric["packages"]:
+        assert (re.search(rf"\b{re.escape(pkg)}\b", apt[0]) is not None) == bool(cell.cuda), (tag, pkg)
+    for k, v in fabric["env"].items():
+        assert (f"{k}={v}" in env.split()) == bool(cell.cuda), (tag, k)
