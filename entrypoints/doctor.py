@@ -1,4 +1,4 @@
-"""What this image is and whether this host can run it: GPUs, driver vs CUDA, NCCL, FA3/FA2/vLLM/bitsandbytes.
+"""What this image is and whether this host can run it: GPU, driver vs CUDA, NCCL, fabric, FA3/FA2/vLLM/bitsandbytes.
 
 Exit codes:
   0  everything the image needs works on this host (a GPU image on a GPU host; a CPU image anywhere: it trains on CPU)
@@ -9,7 +9,8 @@ Exit codes:
   4  runs, with a fallback: e.g. a Hopper image (FA3) on an Ampere GPU falls back to SDPA, a driver that runs the
      image only through CUDA minor-version compatibility, a package version that differs from the image record
   2  bad usage
-Broken wins over no-GPU, which wins over fallback. Every check runs in a child process (an import that crashes or
+Broken wins over no-GPU, which wins over fallback. WARN rows (the fabric: RDMA ports, GPUDirect RDMA, /dev/shm,
+libibverbs, the network NCCL loads) name a fix but change no exit code: one node trains without RDMA. Every check runs in a child process (an import that crashes or
 hangs becomes a failed row, not a dead doctor); nothing here needs torch, so a light image without torch is fine.
 """
 
@@ -29,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from importlib import metadata
 
-from entrypoints import attention, imageinfo
+from entrypoints import attention, fabric, imageinfo
 
 EXIT_OK, EXIT_BROKEN, EXIT_NO_GPU, EXIT_FALLBACK = 0, 1, 3, 4
 VERDICTS = {EXIT_OK: "ok", EXIT_BROKEN: "broken", EXIT_NO_GPU: "no-gpu", EXIT_FALLBACK: "fallback"}
@@ -48,7 +49,7 @@ MINOR_COMPAT_FLOOR = {"12": "525.60.13", "13": "580.65.06"}
 @dataclass
 class Check:
     name: str
-    status: str  # ok | fallback | fail | no-gpu | info
+    status: str  # ok | fallback | fail | no-gpu | info | warn (no effect on the exit code)
     detail: str
 
 
@@ -251,7 +252,7 @@ def same_version(recorded: str, found: str) -> bool:
 # Verdict (pure: tests feed it facts)
 # ---------------------------------------------------------------------------------------------------------------
 def evaluate(info: dict | None, smi: dict, probes: dict[str, dict], installed: dict[str, str | None],
-             record_error: str | None = None) -> list[Check]:
+             record_error: str | None = None, fabric_facts: dict | None = None) -> list[Check]:
     checks: list[Check] = []
     add = lambda n, s, d: checks.append(Check(n, s, d))  # noqa: E731
     exp = expected(info)
@@ -347,6 +348,10 @@ def evaluate(info: dict | None, smi: dict, probes: dict[str, dict], installed: d
         else:
             add("nccl", "fail", f"torch.cuda.nccl.version() failed: {t.get('nccl_error')}; "
                                 "multi-GPU training won't run")
+    if fabric_facts is not None:  # fabric.py: RDMA ports, GPUDirect, /dev/shm, libibverbs, NCCL's network
+        gpu_image = None if info is None else bool(image_cuda)
+        for name, status, detail in fabric.rows(fabric_facts, bool(torch_ok and t.get("available")), gpu_image):
+            add(name, status, detail)
 
     # -- optional pieces ------------------------------------------------------------------------------------------
     stack = probes.get("stack") or {}
@@ -457,7 +462,9 @@ def render(info: dict | None, host: dict, checks: list[Check], code: int) -> str
     meaning = {EXIT_OK: "everything the image needs works on this host", EXIT_BROKEN: "broken: fix the FAIL rows",
                EXIT_NO_GPU: "no GPU here: the image is fine but can't train on this host",
                EXIT_FALLBACK: "runs, with fallbacks: see the FALLBACK rows"}
-    lines += ["", f"VERDICT: {VERDICTS[code]} (exit {code}): {meaning[code]}"]
+    warns = sum(c.status == "warn" for c in checks)
+    lines += ["", f"VERDICT: {VERDICTS[code]} (exit {code}): {meaning[code]}"
+              + (f"; {warns} WARN row(s) name a fix" if warns else "")]
     return "\n".join(lines)
 
 
@@ -480,16 +487,20 @@ def main(argv: list[str]) -> int:
     # A probe whose module is not there at all need not start a Python (an import of torch costs seconds).
     probes = {n: {"error": f"ModuleNotFoundError: No module named '{MODULES[n][0]}'"} for n in wanted
               if n in MODULES and not any(importlib.util.find_spec(m) for m in MODULES[n])}
-    with ThreadPoolExecutor(max_workers=len(wanted)) as pool:
+    # The NCCL probe needs CUDA torch and a GPU: asked only where both may be (it runs beside the other probes).
+    nccl_probe = may_have_gpu and importlib.util.find_spec("torch") is not None
+    with ThreadPoolExecutor(max_workers=len(wanted) + 1) as pool:
+        fab = pool.submit(fabric.facts, nccl_probe)
         futures = {n: pool.submit(run_probe, n, may_have_gpu) for n in wanted if n not in probes}
         probes.update({n: f.result() for n, f in futures.items()})
+        fabric_facts = fab.result()
     if exp["torch"] is False and "No module named 'torch'" in probes["torch"].get("error", ""):
         probes.pop("torch")
     installed = {d: installed_version(d) for d in ((info or {}).get("versions") or {})}
-    checks = evaluate(info, smi, probes, installed, record_error)
+    checks = evaluate(info, smi, probes, installed, record_error, fabric_facts)
     code = exit_code(checks)
     host = {"hostname": socket.gethostname(), "machine": platform.machine(), "python": platform.python_version(),
-            "nvidia_smi": smi, "probes": probes}
+            "nvidia_smi": smi, "probes": probes, "fabric": fabric_facts}
     if args.json:
         print(json.dumps({"verdict": VERDICTS[code], "exit_code": code, "image": info, "host": host,
                           "checks": [asdict(c) for c in checks]}, indent=2))
