@@ -37,6 +37,7 @@ APT = {"slurmctld": "slurm-wlm", "slurmd": "slurm-wlm", "sbatch": "slurm-client"
 NETNS_SUBNET = "10.213.77"
 BRIDGE = "tbx-slurm0"
 NETNS_PARTITION = "netns"
+FIRST_JOB_ID = 13000
 
 
 def netns_node(i: int) -> dict:
@@ -113,6 +114,9 @@ def write_conf(d: Path, node: str, cpus: int, netns_nodes: int = 0) -> Path:
     conf.write_text(f"""\
 # Written by devenv/slurm.py: a test cluster; everything lives under {d}.
 ClusterName=trainbox
+# Job ids from {FIRST_JOB_ID}: a job-id port of the old `20000 + id % 20000` kind would be ephemeral (>= 32768), so
+# the job tests see whether the launcher keeps the rendezvous below the kernel's ephemeral range.
+FirstJobId={FIRST_JOB_ID}
 SlurmctldHost={node}({ctl_addr})
 SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}

@@ -57,6 +57,10 @@ TORCH_DEFAULT_PORTS = (29400, 29500)
 EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 TORCHRUN_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"  # not SIGTERM: see _signals_flag
 LAUNCH_FIELDS = ("nnodes", "nproc_per_node", "node_rank", "master_addr", "master_port")
+# What plan() reads inside an srun step with one task per node; a job script that clears the environment (enroot
+# start) passes these names through. Empty counts as unset.
+SLURM_STEP_ENV = ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_JOB_NODELIST", "SLURM_NNODES", "SLURM_JOB_NUM_NODES",
+                  "SLURM_NODEID", "SLURM_STEP_RESV_PORTS", "SLURM_GPUS_ON_NODE")
 
 
 @dataclass

@@ -6,10 +6,12 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from builder.slurm import JobSpec, UserError, parse_mount, render, sqsh_name, write
+from entrypoints import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 PYXIS = JobSpec(tag="smoke-x86_64", entrypoint="sft", mode="pyxis", config="/data/sft.yaml",
@@ -70,10 +72,43 @@ def test_pyxis_script():
                       "/lus/hf:/cache/huggingface"]
     assert "--container-workdir=/workspace" in srun and "--no-container-mount-home" in srun
     env = next(a for a in srun if a.startswith("--container-env=")).split("=", 1)[1].split(",")
-    assert env == ["MASTER_ADDR", "MASTER_PORT", "HF_HOME", "OUTPUT_DIR"]
-    assert "--nproc-per-node 4" in text and '--node-rank "$SLURM_NODEID"' in text
+    assert env == ["HF_HOME", "OUTPUT_DIR"]  # the Slurm variables pass through: the image does not set them
+    assert "LAUNCH=(--nproc-per-node 4)" in text
     assert "exec trainbox \"$@\"" in text  # pyxis skips the ENTRYPOINT: call the dispatcher by name
     assert "ARGS=(sft --config /data/sft.yaml --max_steps 10)" in text
+
+
+def _launch_flags(text: str):
+    """The launcher flags the job script gives every node's dispatcher (its LAUNCH array)."""
+    line = next(ln for ln in text.splitlines() if ln.startswith("LAUNCH=("))
+    words = shlex.split(line[len("LAUNCH=("):-1])
+    kw = {w[2:].replace("-", "_"): int(v) if v.isdigit() else v for w, v in zip(words[::2], words[1::2])}
+    return SimpleNamespace(**{f: kw.get(f) for f in launch.LAUNCH_FIELDS})
+
+
+@pytest.mark.parametrize("mode", ["pyxis", "enroot", "bare"])
+def test_the_script_leaves_the_rendezvous_to_the_launcher(mode, monkeypatch):
+    """One port rule (launch.slurm_port), none in the script: no arithmetic on the job id, no MASTER_* passed.
+    A job id whose old-formula port (20000 + id % 20000) is ephemeral gets a port below the kernel's range;
+    one node gets torchrun --standalone."""
+    monkeypatch.setattr(launch.shutil, "which", lambda name: None)  # our host-list parser, not scontrol
+    kw = {"sqsh": None, "workdir": "/repo"} if mode == "bare" else {"sqsh": "/s/t.sqsh"}
+    for nodes in (1, 2):
+        text = render(JobSpec(tag="t", mode=mode, config="/c.yaml", nodes=nodes, gpus_per_node=0, **kw))
+        assert "SLURM_JOB_ID %" not in text and "$((" not in text and "MASTER_" not in text
+        assert "--master-" not in text and "--node-rank" not in text and "--nnodes" not in text
+        job = 13000  # 20000 + 13000 % 20000 = 33000: inside Linux's default ephemeral range (32768-60999)
+        env = {"SLURM_JOB_ID": str(job), "SLURM_STEP_ID": "0", "SLURM_JOB_NODELIST": "tbx[1-2]" if nodes > 1 else
+               "tbx1", "SLURM_NNODES": str(nodes), "SLURM_NODEID": "0"}
+        p = launch.plan(_launch_flags(text), env)
+        cmd = " ".join(launch.torchrun_command(p, "m", []))
+        if nodes == 1:
+            assert p.standalone and "--standalone" in cmd and "--rdzv-endpoint" not in cmd
+        else:
+            eph = launch.ephemeral_range()[0]
+            assert 20000 + job % 20000 >= eph, "the job id no longer exercises the old formula's failure"
+            assert p.master_port < eph and p.master_port == launch.slurm_port(env)
+            assert f"--rdzv-endpoint tbx1:{p.master_port}" in cmd and p.is_host
 
 
 def test_enroot_script():
@@ -81,7 +116,8 @@ def test_enroot_script():
                           gpus_per_node=8, data="/lus/d", mounts=(parse_mount("/a:/b:ro"),)))
     assert 'enroot create --force --name "$name" "$TRAINBOX_SQSH"' in text
     assert "enroot start --mount /a:/b:none:x-create=auto,rbind,ro --mount /lus/d:/data" in text
-    assert "--env MASTER_ADDR --env MASTER_PORT" in text
+    # enroot start clears the environment: the launcher's Slurm variables are named.
+    assert "".join(f" --env {k}" for k in launch.SLURM_STEP_ENV) in text
     assert "enroot remove --force" in text
     assert "--container-image" not in text
     assert "--nproc-per-node 8" in text

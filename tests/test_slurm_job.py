@@ -98,8 +98,8 @@ def test_rendered_sft_job_runs_to_completion(slurm, tiny_model, tmp_path):
     log = Path(job["StdOut"]).read_text(errors="replace")
     assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", log[-3000:]
     assert job["NumNodes"] == "1" and job["JobName"] == "sft-smoke-cpu"
-    # The dispatcher's launcher took the script's explicit flags and started 2 workers.
-    assert "launch (launcher flags): torchrun nnodes=1 nproc_per_node=2 node_rank=0" in log
+    # The dispatcher's launcher took the script's --nproc-per-node and, one node, torchrun --standalone.
+    assert "launch (launcher flags, one node): torchrun nnodes=1 nproc_per_node=2 node_rank=0 rdzv=standalone" in log
     assert "2 processes" in log
     assert "[trainbox] sft done: steps 4/4" in log
     out = tmp_path / "out"

@@ -20,6 +20,7 @@ import pytest
 
 from devenv import slurm as devslurm
 from builder.slurm import JobSpec, parse_mount, write
+from entrypoints import launch
 from test_slurm_job import _sft_setup, enroot_path, submit, wait_job
 
 pytestmark = pytest.mark.slurm
@@ -44,12 +45,20 @@ def _config(tmp: Path, model: Path, max_steps: int, save_steps: int) -> Path:
     return cfg
 
 
-def _assert_two_nodes(log: str, nnodes_line: str = "torchrun nnodes=2 nproc_per_node=1") -> None:
+def _assert_two_nodes(log: str, job_id: str, nnodes_line: str = "torchrun nnodes=2 nproc_per_node=1") -> None:
     # One task per node, each in its own namespace: its launcher line and the node's own address.
+    ports = set()
     for rank, node in enumerate(NODES):
-        assert f"{nnodes_line} node_rank={rank} rdzv=c10d tbx1:" in log, log[-4000:]
+        m = re.search(rf"{nnodes_line} node_rank={rank} rdzv=c10d tbx1:(\d+) id={job_id}\b", log)
+        assert m, log[-4000:]
+        ports.add(int(m.group(1)))
         assert f"[trainbox] node {rank} on {node['name']}" in log, log[-4000:]
     assert "2 processes" in log, log[-4000:]
+    # The launcher's port rule, none of the script's: below the kernel's ephemeral range, where no outgoing
+    # connection on node 0 can hold it. devenv's FirstJobId puts the ids where 20000 + id % 20000 is ephemeral.
+    eph = launch.ephemeral_range()[0]
+    assert 20000 + int(job_id) % 20000 >= eph, f"job {job_id}: the cluster predates FirstJobId; restart it"
+    assert ports == {launch.slurm_port({"SLURM_JOB_ID": job_id})} and max(ports) < eph, (ports, eph)
 
 
 def test_two_node_bare_job_preempts_and_resumes(slurm2, tiny_model, tmp_path):
@@ -72,7 +81,7 @@ def test_two_node_bare_job_preempts_and_resumes(slurm2, tiny_model, tmp_path):
     log = log_path.read_text(errors="replace")
     assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", log[-4000:]
     assert job["NumNodes"] == "2" and job["NodeList"] == "tbx[1-2]"
-    _assert_two_nodes(log)
+    _assert_two_nodes(log, job_id)
     m = re.search(r"\[trainbox\] sft preempted \(checkpoint saved\): steps (\d+)/60", log)
     assert m, log[-4000:]
     step = int(m.group(1))
@@ -83,7 +92,7 @@ def test_two_node_bare_job_preempts_and_resumes(slurm2, tiny_model, tmp_path):
     job2 = wait_job(job2_id, env)
     log2 = (tmp_path / f"sft-smoke-cpu-{job2_id}.out").read_text(errors="replace")
     assert job2["JobState"] == "COMPLETED" and job2["ExitCode"] == "0:0", log2[-4000:]
-    _assert_two_nodes(log2)
+    _assert_two_nodes(log2, job2_id)
     assert f"[trainbox] sft done: steps 60/60 (this run {60 - step})" in log2, log2[-4000:]
     assert (tmp_path / "out" / "model.safetensors").stat().st_size > 0
 
@@ -108,10 +117,11 @@ def test_two_node_enroot_job_runs_sft_inside_the_sqsh(slurm2, smoke_sqsh, tiny_m
                    env=(("HF_HUB_OFFLINE", "1"),))
     script = write(spec, tmp_path / "job.sh")
     env = dict(env, PATH=enroot_path(tmp_path), ENROOT_DATA_PATH=str(tmp_path / "containers"))
-    result = wait_job(submit(script, env), env, timeout=1500)
+    job_id = submit(script, env)
+    result = wait_job(job_id, env, timeout=1500)
     log = Path(result["StdOut"]).read_text(errors="replace")
     assert result["JobState"] == "COMPLETED" and result["ExitCode"] == "0:0", log[-4000:]
-    _assert_two_nodes(log)
+    _assert_two_nodes(log, job_id)
     assert "[trainbox] sft done: steps 4/4" in log and "outputs /job/out" in log
     # $HOME is read-only in the container: the other caches moved, HF_HOME stayed the job script's shared mount.
     moved = [re.search(r"\(([A-Z_, ]+)\)", ln).group(1).split(", ") for ln in log.splitlines()
