@@ -3,10 +3,9 @@
 `python -m builder.slurm --tag TAG --entrypoint sft --config /data/sft.yaml --sqsh /abs/TAG.sqsh --nodes 2
  --gpus-per-node 8 [--partition P] [--time 04:00:00] [--data DIR] [--outputs DIR] [--hf-cache DIR]
  [--mount SRC:DST[:ro]] [--mode pyxis|enroot|bare] [-o job.sh]` writes the script (stdout without -o).
-Every mode runs one task per node; each task runs the dispatcher (`trainbox ENTRYPOINT ... --nproc-per-node N`),
-whose launcher (entrypoints/launch.py, the one home of the rendezvous rule) reads the step's Slurm variables and
-starts torchrun: nothing depends on hooks that may or may not set RANK/LOCAL_RANK in the container, and the script
-computes no address or port of its own.
+Every mode runs one task per node; each task runs the dispatcher (`trainbox ENTRYPOINT ...`), whose launcher
+starts torchrun with explicit --nnodes/--nproc-per-node/--node-rank/--master-addr/--master-port (the same values
+on every node, so nothing depends on hooks that may or may not set RANK/LOCAL_RANK in the container).
 """
 
 from __future__ import annotations
@@ -21,10 +20,11 @@ from pathlib import Path
 import jinja2
 
 from builder.errors import UserError, reports_user_errors
-from entrypoints import atomic, launch
+from entrypoints import atomic
 
 TEMPLATES = Path(__file__).resolve().parent / "templates" / "slurm"
-ENTRYPOINTS = ("sft", "grpo")
+ENTRYPOINTS = ("sft", "grpo", "nccl-check")
+NO_CONFIG = ("nccl-check",)  # entrypoints that take no YAML config (their options go after --)
 MODES = ("pyxis", "enroot", "bare")
 # Where the convenience mounts land in the image (CONTRIBUTING.md: outputs default /workspace/outputs).
 DATA_DST, OUTPUTS_DST, HF_DST = "/data", "/workspace/outputs", "/cache/huggingface"
@@ -95,7 +95,7 @@ class JobSpec:
 
 def _check(spec: JobSpec) -> None:
     if spec.entrypoint not in ENTRYPOINTS:
-        raise UserError(f"entrypoint {spec.entrypoint!r} has no job script; choose {' or '.join(ENTRYPOINTS)}")
+        raise UserError(f"entrypoint {spec.entrypoint!r} has no job script; choose one of {', '.join(ENTRYPOINTS)}")
     if spec.mode not in MODES:
         raise UserError(f"mode {spec.mode!r} unknown; choose one of {', '.join(MODES)}")
     if not _NAME_RE.match(spec.tag):
@@ -115,7 +115,7 @@ def _check(spec: JobSpec) -> None:
             raise UserError(f"--{what} {v!r} may only use letters, digits, '.', '_' and '-'")
     if spec.grace < 0:
         raise UserError(f"--grace must be 0 or more seconds, got {spec.grace}")
-    if not spec.config:
+    if not spec.config and spec.entrypoint not in NO_CONFIG:
         raise UserError(f"no --config given: pass the {spec.entrypoint} YAML path "
                         + ("on the nodes" if spec.mode == "bare" else "as seen inside the image (e.g. /data/x.yaml)"))
     for k, _ in spec.env:
@@ -161,14 +161,15 @@ def render(spec: JobSpec) -> str:
                               keep_trailing_newline=True, autoescape=False)
     jenv.filters["q"] = lambda v: shlex.quote(str(v))
     # Names whose values the job (not the image) decides; pyxis lets the image env win for everything else.
-    container_env = [k for k, _ in env]
+    container_env = ["MASTER_ADDR", "MASTER_PORT"] + [k for k, _ in env]
     return jenv.get_template("job.sh.j2").render(
         entrypoint=spec.entrypoint, tag=spec.tag, mode=spec.mode, nodes=spec.nodes, nproc=nproc,
         job_name=f"{spec.entrypoint}-{spec.tag}", gpus_per_node=spec.gpus_per_node, cpus_per_task=spec.cpus_per_task,
         partition=spec.partition, account=spec.account, time=spec.time, log_dir=spec.log_dir.rstrip("/") or "/",
         grace=spec.grace, sqsh=spec.sqsh, python=spec.python, workdir=spec.workdir, env=env,
-        args=["--config", spec.config, *spec.args], mounts=mounts, container_workdir="/workspace",
-        container_env=container_env, slurm_env=list(launch.SLURM_STEP_ENV),
+        args=[*(["--config", spec.config] if spec.config else []), *spec.args], mounts=mounts,
+        container_workdir="/workspace",
+        container_env=container_env,
     )
 
 

@@ -20,12 +20,17 @@ from pathlib import Path
 PACKAGE_DIR = Path(__file__).resolve().parent
 PROG = "trainbox"
 # The public entrypoints in the order --help shows them; hidden ones run but aren't listed.
-PUBLIC = ("jupyter", "grpo", "qlora", "sft", "doctor")
+PUBLIC = ("jupyter", "grpo", "qlora", "sft", "doctor", "nccl-check")
 HIDDEN = ("healthcheck",)
 
 
+def module_name(name: str) -> str:
+    """The module of an entrypoint: `nccl-check` lives in entrypoints/nccl_check.py."""
+    return name.replace("-", "_")
+
+
 def module_file(name: str) -> Path:
-    return PACKAGE_DIR / f"{name}.py"
+    return PACKAGE_DIR / f"{module_name(name)}.py"
 
 
 def summary(name: str) -> str | None:
@@ -42,7 +47,7 @@ def usage() -> str:
     lines = [f"usage: {PROG} NAME [ARGS...]   ({PROG} NAME --help for an entrypoint's options)", "", "entrypoints:"]
     for name in PUBLIC:
         line = summary(name)
-        lines.append(f"  {name:<9} {line if line is not None else '(not installed in this image)'}")
+        lines.append(f"  {name:<10} {line if line is not None else '(not installed in this image)'}")
     lines += ["", "Same command inside Docker (`docker run IMAGE NAME ...`) and under Slurm/pyxis "
               f"(`srun --container-image=X.sqsh {PROG} NAME ...`).",
               "Any other program on PATH runs as given (`docker run -it IMAGE bash`, "
@@ -51,7 +56,7 @@ def usage() -> str:
 
 
 def child_command(name: str, args: list[str]) -> list[str]:
-    return [sys.executable, "-m", f"entrypoints.{name}", *args]
+    return [sys.executable, "-m", f"entrypoints.{module_name(name)}", *args]
 
 
 def child_env() -> dict[str, str]:
