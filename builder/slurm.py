@@ -3,9 +3,10 @@
 `python -m builder.slurm --tag TAG --entrypoint sft --config /data/sft.yaml --sqsh /abs/TAG.sqsh --nodes 2
  --gpus-per-node 8 [--partition P] [--time 04:00:00] [--data DIR] [--outputs DIR] [--hf-cache DIR]
  [--mount SRC:DST[:ro]] [--mode pyxis|enroot|bare] [-o job.sh]` writes the script (stdout without -o).
-Every mode runs one task per node; each task runs the dispatcher (`trainbox ENTRYPOINT ...`), whose launcher
-starts torchrun with explicit --nnodes/--nproc-per-node/--node-rank/--master-addr/--master-port (the same values
-on every node, so nothing depends on hooks that may or may not set RANK/LOCAL_RANK in the container).
+Every mode runs one task per node; each task runs the dispatcher (`trainbox ENTRYPOINT ... --nproc-per-node N`),
+whose launcher (entrypoints/launch.py, the one home of the rendezvous rule) reads the step's Slurm variables and
+starts torchrun: nothing depends on hooks that may or may not set RANK/LOCAL_RANK in the container, and the script
+computes no address or port of its own.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 import jinja2
 
 from builder.errors import UserError, reports_user_errors
-from entrypoints import atomic
+from entrypoints import atomic, launch
 
 TEMPLATES = Path(__file__).resolve().parent / "templates" / "slurm"
 ENTRYPOINTS = ("sft", "grpo", "nccl-check")
@@ -161,7 +162,7 @@ def render(spec: JobSpec) -> str:
                               keep_trailing_newline=True, autoescape=False)
     jenv.filters["q"] = lambda v: shlex.quote(str(v))
     # Names whose values the job (not the image) decides; pyxis lets the image env win for everything else.
-    container_env = ["MASTER_ADDR", "MASTER_PORT"] + [k for k, _ in env]
+    container_env = [k for k, _ in env]
     return jenv.get_template("job.sh.j2").render(
         entrypoint=spec.entrypoint, tag=spec.tag, mode=spec.mode, nodes=spec.nodes, nproc=nproc,
         job_name=f"{spec.entrypoint}-{spec.tag}", gpus_per_node=spec.gpus_per_node, cpus_per_task=spec.cpus_per_task,
@@ -169,7 +170,7 @@ def render(spec: JobSpec) -> str:
         grace=spec.grace, sqsh=spec.sqsh, python=spec.python, workdir=spec.workdir, env=env,
         args=[*(["--config", spec.config] if spec.config else []), *spec.args], mounts=mounts,
         container_workdir="/workspace",
-        container_env=container_env,
+        container_env=container_env, slurm_env=list(launch.SLURM_STEP_ENV),
     )
 
 
