@@ -187,7 +187,7 @@ def test_missing_or_broken_module_does_not_break_listing(pkg):
     (pkg / "entrypoints" / "qlora.py").write_text("def main(argv:\n")  # a syntax error mid-edit
     r = run(["--help"], env={"PYTHONPATH": str(pkg)}, cwd=pkg)
     assert r.returncode == 0, r.stderr
-    assert "grpo      (not installed in this image)" in r.stdout
+    assert "grpo       (not installed in this image)" in r.stdout
     assert "  qlora" in r.stdout and "  doctor" in r.stdout
     r = run(["grpo"], env={"PYTHONPATH": str(pkg)}, cwd=pkg)
     assert r.returncode == 2 and "not installed" in r.stderr

@@ -127,7 +127,16 @@ def test_transport_line_from_nccl_logs():
     assert out.splitlines()[-1] == "nccl-check: 16 ranks, all_reduce busbw 201.33 GB/s at 1 GiB, transport IB"
 
 
-def test_a_slurm_job_for_nccl_check():
+def test_a_slurm_job_for_nccl_check(tmp_path):
+    # the README's command (without sbatch), then extra options after --
+    r = subprocess.run([sys.executable, "-m", "builder.slurm", "--tag", "cu129-hopper-x86_64", "--entrypoint",
+                        "nccl-check", "--sqsh", "/shared/cu129-hopper-x86_64.sqsh", "--nodes", "2", "--gpus-per-node",
+                        "8", "--partition", "gpu", "--time", "00:15:00", "-o", "nccl.sh"],
+                       cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    job = (tmp_path / "nccl.sh").read_text()
+    assert "ARGS=(nccl-check)" in job and "#SBATCH --nodes=2" in job and "--config" not in job
     r = subprocess.run([sys.executable, "-m", "builder.slurm", "--tag", "cu129-hopper-x86_64", "--entrypoint",
                         "nccl-check", "--sqsh", "/shared/cu129-hopper-x86_64.sqsh", "--nodes", "2",
                         "--gpus-per-node", "8", "--time", "00:15:00", "--", "--max-bytes", "256M"],

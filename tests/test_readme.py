@@ -60,6 +60,11 @@ COVERED_BY = {
     "--sqsh /shared/cu129-hopper-x86_64.sqsh --nodes 2 --gpus-per-node 8 --partition gpu --time 04:00:00 "
     "--data /lus/data --outputs /lus/out --hf-cache /lus/hf -o sft.sh && sbatch sft.sh":
         ["tests/test_readme.py::test_slurm_command_writes_its_script", "tests/test_slurm_job.py"],
+    "python -m builder.slurm --tag cu129-hopper-x86_64 --entrypoint nccl-check --sqsh /shared/cu129-hopper-x86_64.sqsh "
+    "--nodes 2 --gpus-per-node 8 --partition gpu --time 00:15:00 -o nccl.sh && sbatch nccl.sh":
+        # the rendered job's command line; the entrypoint itself runs through the real launcher with 2 ranks
+        ["tests/test_nccl_check.py::test_a_slurm_job_for_nccl_check",
+         "tests/test_nccl_check.py::test_two_nodes_by_flags_on_one_host"],
 }
 
 
