@@ -1,9 +1,11 @@
 """Run lifecycle shared by the training entrypoints: output dir, preemption -> checkpoint, resume, summary, artifacts.
 
 Preemption contract (Slurm sends SIGTERM on scancel/preemption, or SIGUSR1 with `--signal=USR1@SECONDS`):
-every rank installs handlers that only set a flag; at the next optimizer step end all ranks agree (max over the
-group) and the Trainer writes a normal `checkpoint-N` and returns. The process then exits with `exit_code()`:
-0 by default, so torchrun and Slurm see a clean end, and rerunning the same command resumes from checkpoint-N.
+every rank installs handlers that only set a flag; the ranks agree on it at step ends without a blocking global sync
+(`FlagAgreement`: a signal that reaches any rank during step N is acted on by every rank at the end of step N + 1;
+one process: at the end of step N; a job's `--grace` should cover two steps and a save) and the Trainer writes a
+normal `checkpoint-M` and returns. The process then exits with `exit_code()`: 0 by default, so torchrun and Slurm
+see a clean end, and rerunning the same command resumes from checkpoint-M.
 A job script that wants to requeue itself can set `TRAINBOX_PREEMPTED_EXIT_CODE` (e.g. 99) and test for it.
 """
 
@@ -174,35 +176,61 @@ def exit_code() -> int:
     return 0
 
 
-def _agree(flag: bool, group=None) -> bool:
-    """Max of `flag` over all ranks, so every rank saves at the same step (a lone rank would hang the collective).
-
-    Runs on CPU tensors over `group` (a gloo group beside NCCL): a GPU tensor would need a GPU->host copy, i.e. a
-    sync of the training stream, at every step."""
+def _distributed():
+    """torch.distributed when a process group of more than one rank is up, else None."""
     try:
-        import torch
         import torch.distributed as dist
     except ImportError:  # pragma: no cover
-        return flag
+        return None
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return flag
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return bool(t.item())
+        return None
+    return dist
+
+
+class FlagAgreement:
+    """The ranks' preemption flags, agreed (max over ranks) without a blocking global sync at any step.
+
+    `step(flag)` at every step end: waits for the MAX all-reduce that the previous step end started (it has had a
+    whole step to finish, and the step's own gradient sync already brought every rank past that point, so the wait
+    is about free), then starts the next one with this rank's flag (async, on a CPU tensor over a gloo group: no GPU
+    sync) and returns. Every rank reads the same reduction at the same step end, so all stop at the same step.
+    Bound: a flag set on any rank during step N (before its step end) is agreed at the end of step N + 1 on every
+    rank, i.e. every rank checkpoints within K = 2 step ends of the signal (one step later than a blocking
+    all-reduce). One process: the flag itself, at once. `close()` waits for the last one (every rank, at the end)."""
+
+    def __init__(self, group=None):
+        self.group = group
+        self._pending = None  # the all-reduce started at the previous step end
+        self._flag = None  # its tensor, reused (free again once the reduction is waited for)
+
+    def step(self, flag: bool) -> bool:
+        dist = _distributed()
+        if dist is None:
+            return flag
+        import torch
+
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+            if self._flag.item():
+                return True
+        if self._flag is None:
+            self._flag = torch.zeros(1, dtype=torch.int32)
+        self._flag.fill_(1 if flag else 0)
+        self._pending = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        return False
+
+    def close(self) -> None:
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
 
 
 def flag_group():
-    """A gloo process group for the preemption flag when the default group is NCCL-only; None = the default group
-    (already gloo, or a combined cpu:gloo,cuda:nccl backend). Every rank must call this, in the same order."""
-    try:
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover
-        return None
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return None
-    if "gloo" in str(dist.get_backend()):
-        return None
-    return dist.new_group(backend="gloo")
+    """The preemption flag's own gloo process group (None: one process), so its async all-reduce never queues
+    behind or between the training's collectives, NCCL or gloo. Every rank must call this, in the same order."""
+    dist = _distributed()
+    return None if dist is None else dist.new_group(backend="gloo")
 
 
 def _callback_base():
@@ -217,7 +245,7 @@ class PreemptionCallback(_callback_base()):
     def __init__(self):
         super().__init__()
         install_signal_handlers()
-        self.group = None
+        self.agreement = FlagAgreement()
         self.tokens_at_start: int | None = None
         self.step_at_start: int | None = None
         self.started_at: float | None = None
@@ -225,7 +253,7 @@ class PreemptionCallback(_callback_base()):
     def on_train_begin(self, args, state, control, **kwargs):
         # Again here: model/distributed set-up may have replaced our handlers since __init__.
         install_signal_handlers()
-        self.group = flag_group()
+        self.agreement = FlagAgreement(flag_group())
         self.tokens_at_start = int(getattr(state, "num_input_tokens_seen", 0) or 0)
         self.step_at_start = int(state.global_step)
         self.started_at = time.time()
@@ -236,10 +264,14 @@ class PreemptionCallback(_callback_base()):
         # sigaction (seen on H200 with FSDP2: both then went to a C handler and training never stopped). Python
         # still reports our handler then, so re-installing (one syscall per signal) is the only sure way back.
         claim_preempt_signals()
-        if _agree(_preempt_requested, self.group):
+        if self.agreement.step(_preempt_requested):
             _preempted = True
             control.should_save = True
             control.should_training_stop = True
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.agreement.close()  # the reduction the last step end started (every rank has one)
         return control
 
     def on_save(self, args, state, control, **kwargs):

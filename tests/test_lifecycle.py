@@ -380,3 +380,28 @@ def test_checkpoints_reach_the_artifacts_only_on_request_and_nothing_is_copied_w
     lifecycle.finish(fake_trainer(tmp_path), str(out), time.time(), "sft")
     assert not (tmp_path / "b").exists()
     assert "artifacts not copied (preempted" in capsys.readouterr().out
+
+
+_AGREE_RANK = """
+import json, sys, torch.distributed as dist
+from entrypoints import lifecycle
+rank, init = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+agreement = lifecycle.FlagAgreement(lifecycle.flag_group())
+stopped = next((step for step in range(1, 9) if agreement.step(rank == 1 and step >= 3)), None)
+agreement.close()
+dist.destroy_process_group()
+print(json.dumps(stopped))
+"""
+
+
+def test_ranks_agree_on_the_flag_at_the_same_step_one_step_later(tmp_path):
+    """Two gloo ranks; rank 1 is signalled during step 3: the overlapped agreement (no blocking all-reduce at any
+    step end) tells both ranks at the end of step 4, never one without the other (FlagAgreement's bound)."""
+    init = f"file://{tmp_path / 'store'}"
+    procs = [subprocess.Popen([sys.executable, "-c", _AGREE_RANK, str(r), init], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, cwd=Path(lifecycle.__file__).parents[1])
+             for r in (0, 1)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert [json.loads(o.strip().splitlines()[-1]) for o in outs] == [4, 4], outs
