@@ -92,6 +92,7 @@ class JobSpec:
     workdir: str | None = None  # bare mode: dir holding entrypoints/ (the repo root)
     env: tuple[tuple[str, str], ...] = ()
     args: tuple[str, ...] = field(default=())  # extra entrypoint options
+    vllm_nodes: int = 0  # grpo: the last node(s) run `trl vllm-serve`, the others train (entrypoints/vllm_server.py)
 
 
 def _check(spec: JobSpec) -> None:
@@ -122,6 +123,13 @@ def _check(spec: JobSpec) -> None:
     for k, _ in spec.env:
         if not _ENV_NAME_RE.match(k):
             raise UserError(f"--env {k!r} is not a variable name")
+    if spec.vllm_nodes:
+        if spec.entrypoint != "grpo" or spec.vllm_nodes != 1:
+            raise UserError(f"--vllm-nodes {spec.vllm_nodes}: only grpo has a vLLM server, and `trl vllm-serve` "
+                            "serves from one node; use --vllm-nodes 1 with --entrypoint grpo")
+        if spec.nodes <= spec.vllm_nodes:
+            raise UserError(f"--vllm-nodes {spec.vllm_nodes} with --nodes {spec.nodes} leaves no node to train; "
+                            f"use --nodes {spec.vllm_nodes + 1} or more")
     if spec.mode == "bare":
         if spec.sqsh or spec.mounts or spec.data or spec.outputs or spec.hf_cache:
             raise UserError("bare mode runs on the nodes without a container: drop --sqsh/--mount/--data/--outputs/"
@@ -168,7 +176,9 @@ def render(spec: JobSpec) -> str:
         job_name=f"{spec.entrypoint}-{spec.tag}", gpus_per_node=spec.gpus_per_node, cpus_per_task=spec.cpus_per_task,
         partition=spec.partition, account=spec.account, time=spec.time, log_dir=spec.log_dir.rstrip("/") or "/",
         grace=spec.grace, sqsh=spec.sqsh, python=spec.python, workdir=spec.workdir, env=env,
-        args=[*(["--config", spec.config] if spec.config else []), *spec.args], mounts=mounts,
+        args=[*(["--config", spec.config] if spec.config else []), *spec.args,
+              *(["--vllm_server_nodes", str(spec.vllm_nodes)] if spec.vllm_nodes else [])], mounts=mounts,
+        vllm_nodes=spec.vllm_nodes,
         container_workdir="/workspace",
         container_env=container_env, slurm_env=list(launch.SLURM_STEP_ENV),
     )
@@ -216,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grace", type=int, default=300, help="seconds before the time limit to send SIGUSR1")
     p.add_argument("--python", default="python3", help="bare mode: the Python with the training stack")
     p.add_argument("--workdir", help="bare mode: directory holding entrypoints/ (e.g. the repo root)")
+    p.add_argument("--vllm-nodes", type=int, default=0,
+                   help="grpo: the last node runs `trl vllm-serve`, the others train with vllm_mode server (1 or 0)")
     p.add_argument("-o", "--output", help="write here (else stdout)")
     p.add_argument("extra", nargs="*", help="more entrypoint options, after --")
     a = p.parse_args(argv)
@@ -225,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         account=a.account, time=a.time, cpus_per_task=a.cpus_per_task,
         mounts=tuple(parse_mount(m) for m in a.mount), data=a.data, outputs=a.outputs, hf_cache=a.hf_cache,
         log_dir=a.log_dir, grace=a.grace, python=a.python, workdir=a.workdir,
-        env=tuple(_env_pair(e) for e in a.env), args=tuple(a.extra),
+        env=tuple(_env_pair(e) for e in a.env), args=tuple(a.extra), vllm_nodes=a.vllm_nodes,
     )
     if a.output:
         write(spec, a.output)

@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from entrypoints import attention, config, data, launch, lifecycle, rewards, runlog, speed, throughput
+from entrypoints import attention, config, data, launch, lifecycle, rewards, runlog, speed, throughput, vllm_server
 from entrypoints import errors
 from entrypoints.errors import UsageError
 
@@ -82,6 +82,27 @@ class GRPOScriptArgs:
             "(grpo_padding_free.py). Default: on where the attention kernel keeps packed sequences apart "
             "(FlashAttention, PyTorch varlen; on CPU a block-diagonal mask), off with SDPA on a GPU."
         },
+    )
+    vllm_server_nodes: int = field(
+        default=0,
+        metadata={
+            "help": "Run `trl vllm-serve` on the last node of the srun step (one task per node) and train on the "
+            "others with vllm_mode server (entrypoints/vllm_server.py; ports: vllm_server_port 8000, vllm_group_port "
+            "51216, lease = server port + 1). 0: off."
+        },
+    )
+    vllm_server_gpus: int = field(
+        default=0,
+        metadata={"help": "One node: run `trl vllm-serve` on the last N visible GPUs, train on the rest. 0: off."},
+    )
+    vllm_serve_args: str | None = field(
+        default=None,
+        metadata={"help": "More `trl vllm-serve` options, TRL's names, one string (e.g. '--gpu_memory_utilization "
+                  "0.8'); default tensor_parallel_size: the server's GPUs."},
+    )
+    vllm_server_wait: float = field(
+        default=vllm_server.DEFAULT_WAIT,
+        metadata={"help": "Seconds the trainers wait for the server's /health (and the server for the trainers)."},
     )
 
 
@@ -340,11 +361,19 @@ def main(argv: list[str]) -> int:
         # Handlers first: a SIGTERM during start-up or model loading is remembered, not fatal.
         lifecycle.install_signal_handlers()
         script, launch_args, raw, model_args = parse(argv)
-        plan = launch.plan(launch_args, os.environ)
+        roles = arrange_server(script, raw, launch_args, os.environ)
+        if roles is not None and roles.role == "server":
+            cmd = vllm_server.serve_command(model_args.model_name_or_path, roles, script.vllm_serve_args)
+            return vllm_server.serve(cmd, roles, script.vllm_server_wait)
+        if roles is not None:
+            argv = [*argv, *roles.trainer_args()]
+        plan = launch.plan(launch_args, {**os.environ, **(roles.trainer_env if roles else {})})
         with runlog.for_command("grpo", config.configured_output_dir(raw), plan, argv):
             if plan.mode == "torchrun":
                 # Judge the options against the processes torchrun will start, before starting any.
                 validate(script, finalize(raw, plan.nnodes * plan.nproc_per_node, launcher=True), model_args)
+                if roles is not None:
+                    return run_beside_server(script, roles, model_args, plan, argv)
                 return launch.run_torchrun(plan, "entrypoints.grpo", argv)
             if plan.env:  # one Slurm task per rank: RANK/WORLD_SIZE/... before the Trainer's device setup
                 launch.apply_env(plan, os.environ)
@@ -354,8 +383,63 @@ def main(argv: list[str]) -> int:
     except UsageError as e:
         print(f"error: {errors.line(e)}", file=sys.stderr)
         return 2
+    except vllm_server.ServerDown as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
     except lifecycle.Crashed as e:  # after the run log was closed and copied: leave now, whatever still runs
         return lifecycle.exit_now(e.code)
+
+
+def arrange_server(script, raw, launch_args, env):
+    """vllm_server.Roles when a server beside the trainers was asked for (not in torchrun's ranks), else None.
+
+    Trainers: TRL's server options are set here (validation sees them) and appended to the ranks' argv."""
+    if not (script.vllm_server_nodes or script.vllm_server_gpus) or env.get("TORCHELASTIC_RUN_ID"):
+        return None
+    if script.vllm_server_nodes and script.vllm_server_gpus:
+        raise UsageError("--vllm_server_nodes and --vllm_server_gpus exclude each other: a node of its own, or "
+                         "GPUs of this node")
+    explicit = config.explicit(raw)
+    if "vllm_mode" in explicit and raw.vllm_mode != "server" or "use_vllm" in explicit and not raw.use_vllm:
+        raise UsageError("--vllm_server_nodes/--vllm_server_gpus run the trainers with vllm_mode server; drop "
+                         "use_vllm/vllm_mode")
+    if raw.vllm_server_base_url:
+        raise UsageError("--vllm_server_base_url points at a server you run; drop it, or drop "
+                         "--vllm_server_nodes/--vllm_server_gpus")
+    ports = dict(http_port=raw.vllm_server_port, group_port=raw.vllm_group_port)
+    if script.vllm_server_nodes:
+        roles = vllm_server.slurm_roles(env, script.vllm_server_nodes, launch.local_procs(env), **ports)
+    else:
+        if any(getattr(launch_args, f, None) not in (None, 0) for f in ("nnodes", "node_rank", "master_addr")):
+            raise UsageError("--vllm_server_gpus splits one node; drop --nnodes/--node-rank/--master-addr")
+        roles = vllm_server.local_roles(vllm_server.visible_gpus(env), script.vllm_server_gpus, **ports)
+        if launch_args.nproc_per_node is None:
+            launch_args.nproc_per_node = len(roles.trainer_gpus)
+    if roles.role == "trainer":
+        raw.use_vllm, raw.vllm_mode, raw.vllm_server_host = True, "server", roles.server_host
+        config.set_explicit(raw, explicit | {"use_vllm", "vllm_mode", "vllm_server_host"})
+    return roles
+
+
+def run_beside_server(script, roles, model_args, plan, argv) -> int:
+    """Trainer launcher: (start the one-node server,) wait for its health, run torchrun, stop the server."""
+    proc = None
+    if roles.server_gpus is not None:  # one node: the server is our child, on its GPUs
+        cmd = vllm_server.serve_command(model_args.model_name_or_path, roles, script.vllm_serve_args)
+        print(f"[trainbox] vllm server on GPU(s) {','.join(roles.server_gpus)}: {' '.join(cmd)}", flush=True)
+        proc = vllm_server.subprocess.Popen(
+            cmd, env={**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(roles.server_gpus)}, start_new_session=True)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(roles.trainer_gpus)
+    watch = vllm_server.Watch(roles, script.vllm_server_wait, proc)
+    try:
+        took = vllm_server.wait_healthy(roles.server_host, roles.http_port, script.vllm_server_wait, watch.gone)
+        print(f"[trainbox] vllm server at {roles.server_host}:{roles.http_port} healthy after {took:.0f} s; "
+              f"weight-sync group port {roles.group_port}", flush=True)
+        watch.start()
+        rc = launch.run_torchrun(plan, "entrypoints.grpo", argv)
+        return 1 if watch.failed else rc
+    finally:
+        watch.close()
 
 
 @dataclass
