@@ -240,7 +240,8 @@ def parse_args(
 
     argv = _translate_cli(argv, legacy)
     for a in argv:
-        if a.startswith("--"):
+        # A word with a space is a value, as argparse reads it (`--vllm_serve_args '--port 8000'`).
+        if a.startswith("--") and " " not in a.split("=", 1)[0]:
             name = a[2:].split("=", 1)[0]
             if name in known:
                 explicit.add(known[name].dest)

@@ -250,7 +250,7 @@ def resolve_mode(script, model_args) -> str:
     return mode
 
 
-def resolve_rollouts(args) -> str:
+def resolve_rollouts(args, ours: str | None = None) -> str:
     """Pick vLLM when it's installed and a GPU is there (unless use_vllm was set); return the line to report."""
     has_vllm = importlib.util.find_spec("vllm") is not None
     if "use_vllm" in config.explicit(args):
@@ -272,7 +272,7 @@ def resolve_rollouts(args) -> str:
         args.vllm_mode = "colocate"  # said, not inherited: TRL's default could change under us
     if args.vllm_mode == "server":
         where = args.vllm_server_base_url or f"{args.vllm_server_host}:{args.vllm_server_port}"
-        return f"rollouts: vLLM server at {where} ({why}; start it with `trl vllm-serve --model MODEL`)"
+        return f"rollouts: vLLM server at {where} ({why}; {ours or 'start it with `trl vllm-serve --model MODEL`'})"
     if "vllm_enable_sleep_mode" not in explicit:
         # Colocated vLLM frees its weights and KV cache while the policy trains: the optimizer step gets the memory.
         args.vllm_enable_sleep_mode = True
@@ -465,7 +465,9 @@ def validate(script, args, model_args) -> Checked:
             f"reward_weights has {len(args.reward_weights)} values for {len(funcs)} reward functions "
             f"({', '.join(refs)})"
         )
-    rollouts = resolve_rollouts(args)
+    ours = ("started by this run (--vllm_server_nodes/--vllm_server_gpus)"
+            if script.vllm_server_nodes or script.vllm_server_gpus else None)
+    rollouts = resolve_rollouts(args, ours)
     config.check_report_to(args.report_to)
     args.output_dir = lifecycle.output_dir(config.configured_output_dir(args))
     if args.resume_from_checkpoint:  # TrainingArguments' own option wins over --resume

@@ -184,6 +184,10 @@ def test_grpo_options_point_the_trainers_at_the_server(monkeypatch):
     assert (roles.server_gpus, launch_args.nproc_per_node) == (["2"], 2)
     assert (raw.use_vllm, raw.vllm_mode, raw.vllm_server_host) == (True, "server", "127.0.0.1")
     assert {"use_vllm", "vllm_mode"} <= config.explicit(raw)
+    # more `trl vllm-serve` options in one word, TRL's names (a word with a space is a value, as argparse reads it)
+    for given in (["--vllm_serve_args", "--gpu_memory_utilization 0.8"], ["--vllm_serve_args=--enforce_eager"]):
+        script, *_ = grpo.parse(["--model_name_or_path", "m", *given])
+        assert script.vllm_serve_args == given[-1].removeprefix("--vllm_serve_args=")
     # the ranks under torchrun do not arrange anything again
     script, launch_args, raw, _ = grpo.parse(["--model_name_or_path", "m", "--vllm_server_gpus", "1"])
     assert grpo.arrange_server(script, raw, launch_args, {"TORCHELASTIC_RUN_ID": "x"}) is None
