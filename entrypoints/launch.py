@@ -35,6 +35,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass, field
 
 from .errors import UsageError
@@ -56,6 +57,8 @@ PORT_WINDOW_START = 10000
 TORCH_DEFAULT_PORTS = (29400, 29500)
 EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 TORCHRUN_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"  # not SIGTERM: see _signals_flag
+# Set once run_torchrun passed a preemption signal on (others, e.g. vllm_server's watch, then let the ranks save).
+SIGNALLED = threading.Event()
 LAUNCH_FIELDS = ("nnodes", "nproc_per_node", "node_rank", "master_addr", "master_port")
 # What plan() reads inside an srun step with one task per node; a job script that clears the environment (enroot
 # start) passes these names through. Empty counts as unset.
@@ -365,6 +368,7 @@ def run_torchrun(p: Plan, module: str, argv: list[str]) -> int:
     proc = subprocess.Popen(cmd, env=env, preexec_fn=_ignore_preempt_signals)
 
     def forward(signum, frame):
+        SIGNALLED.set()
         ranks = _ranks(proc.pid, module)
         # Said out loud: when a preemption does not stop training, this line tells which side dropped it.
         os.write(2, f"[trainbox] launcher got {signal.Signals(signum).name}: SIGUSR1 to ranks {ranks}\n".encode())

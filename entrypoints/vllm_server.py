@@ -25,6 +25,10 @@ node's launcher connects before it waits for the server's health and keeps the c
   the step).
 - Server ends (vLLM crashed, OOM, killed): the server task exits with its code, which closes the lease; the
   launcher prints one `error: vLLM server ...` line, kills torchrun's processes and exits 1.
+- Signals: SIGUSR1 (Slurm's warning before the time limit, the trainers' cue to save) is ignored by the server
+  task and its server; after SIGTERM/SIGINT the task keeps serving until the trainers end (at most STOP_GRACE
+  seconds; Slurm's SIGKILL bounds it too), and the server ending on such a signal is no failure. The trainer
+  launcher, once it passed a preemption signal to its ranks, no longer kills them when the server goes.
 - Nobody connects within the wait (`--vllm_server_wait`, seconds): the server task gives up, one line, exit 1.
 The launcher's health wait (`GET http://HOST:HTTP/health`, vLLM's endpoint) is bounded by the same number of
 seconds and names the host and port when it runs out.
@@ -56,6 +60,7 @@ LEASE_OFFSET = 1  # trainbox's lease port = HTTP port + 1
 HEALTH_PATH = "/health"  # vLLM's server answers 200 once the model is loaded
 DEFAULT_WAIT = 1200.0  # seconds: a large model's first load from a cold cache
 STANDIN_ENV = "TRAINBOX_VLLM_SERVE_CMD"
+STOP_GRACE = 120.0  # seconds the server task keeps serving after SIGTERM/SIGINT, for the trainers' last step and save
 
 
 class ServerDown(Exception):
@@ -183,27 +188,41 @@ def serve(cmd: list[str], roles: Roles, wait: float, env=None) -> int:
     Returns 0 when the trainers ended; the child's code (1 if that was 0) when the server ended first; 1 when no
     trainer connected within `wait` seconds. Always one line saying which.
     """
-    ls = socket.create_server(("0.0.0.0", roles.lease_port), reuse_port=False)
+    try:
+        ls = socket.create_server(("0.0.0.0", roles.lease_port))
+    except OSError as e:
+        print(f"error: cannot listen on the lease port {roles.lease_port} (vllm_server_port + 1): "
+              f"{e.strerror or e}; choose another --vllm_server_port", flush=True)
+        return 1
     print(f"[trainbox] vllm server: {shlex.join(cmd)} (HTTP {roles.http_port}, lease {roles.lease_port})", flush=True)
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    # SIGUSR1 (Slurm's warning before the time limit) is the trainers' cue to checkpoint: the server keeps
+    # serving them until they are done, so neither this task nor the server may die of it.
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGUSR1, signal.SIG_IGN))
     stop = {"sig": None}
 
     def on_signal(signum, frame):
-        stop["sig"] = signum
+        stop["sig"], stop["at"] = signum, time.monotonic()
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    old[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     conn = None
     started = time.monotonic()
     try:
         ls.settimeout(0.5)
         while True:
-            if stop["sig"]:
-                print(f"[trainbox] vllm server: got {signal.Signals(stop['sig']).name}, stopping the server", flush=True)
-                return 0
             rc = proc.poll()
+            if rc is not None and stop["sig"]:  # scancel/preemption reached the server too: not a failure
+                print(f"[trainbox] vllm server: stopped after {signal.Signals(stop['sig']).name} (code {rc})",
+                      flush=True)
+                return 0
             if rc is not None:
                 print(f"error: vLLM server exited with code {rc} ({shlex.join(cmd[:2])}); trainers stop", flush=True)
                 return rc or 1
+            if stop["sig"] and time.monotonic() - stop["at"] > STOP_GRACE:
+                print(f"[trainbox] vllm server: {signal.Signals(stop['sig']).name} {STOP_GRACE:.0f} s ago, the "
+                      "trainers still connected: stopping the server", flush=True)
+                return 0
             if conn is None:
                 try:
                     conn, peer = ls.accept()
@@ -287,6 +306,10 @@ class Watch:
         def run():
             while not self._done.wait(1.0):
                 why = self.gone()
+                if why and launch.SIGNALLED.is_set():  # preempted: the ranks are saving; let them finish
+                    print(f"[trainbox] vLLM server at {self.roles.server_host}:{self.roles.http_port} {why} after a "
+                          "preemption signal; the ranks finish their save", file=sys.stderr, flush=True)
+                    return
                 if why:
                     self.failed = (f"vLLM server at {self.roles.server_host}:{self.roles.http_port} {why} during "
                                    "training; stopping the trainers")

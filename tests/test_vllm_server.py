@@ -220,3 +220,22 @@ def test_job_script_renders_the_roles():
         with pytest.raises(job.UserError):
             job.render(job.JobSpec(**{"tag": "t", "entrypoint": "grpo", "config": "/g.yaml", "sqsh": "/a/t.sqsh",
                                       **bad}))
+
+
+def test_preemption_signals_keep_the_server_for_the_trainers_save(tmp_path):
+    """Slurm signals every process of the step: SIGUSR1 (save now) leaves task and server up; after SIGTERM the task
+    serves on until the trainers' lease closes, then exits 0."""
+    port = free_pair()
+    task = server_task(tmp_path, port)
+    watch = vllm_server.Watch(vllm_server.Roles("trainer", "127.0.0.1", port, holds_lease=True), wait=20)
+    vllm_server.wait_healthy("127.0.0.1", port, 20, watch.gone, interval=0.1)
+    for pid in [task.pid, *launch.descendants(task.pid)]:
+        os.kill(pid, signal.SIGUSR1)
+    time.sleep(0.5)
+    assert task.poll() is None and vllm_server.healthy("127.0.0.1", port)
+    task.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    assert task.poll() is None and vllm_server.healthy("127.0.0.1", port)  # the trainers' last step still runs
+    watch.close()
+    out, _ = task.communicate(timeout=40)
+    assert task.returncode == 0 and "trainers finished" in out, out
