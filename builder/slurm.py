@@ -24,8 +24,8 @@ from builder.errors import UserError, reports_user_errors
 from entrypoints import atomic, launch
 
 TEMPLATES = Path(__file__).resolve().parent / "templates" / "slurm"
-ENTRYPOINTS = ("sft", "grpo", "nccl-check")
-NO_CONFIG = ("nccl-check",)  # entrypoints that take no YAML config (their options go after --)
+ENTRYPOINTS = ("sft", "grpo", "nccl-check", "ray")
+NO_CONFIG = ("nccl-check", "ray")  # entrypoints that take no YAML config (their options go after --)
 MODES = ("pyxis", "enroot", "bare")
 # Where the convenience mounts land in the image (CONTRIBUTING.md: outputs default /workspace/outputs).
 DATA_DST, OUTPUTS_DST, HF_DST = "/data", "/workspace/outputs", "/cache/huggingface"
@@ -117,6 +117,9 @@ def _check(spec: JobSpec) -> None:
             raise UserError(f"--{what} {v!r} may only use letters, digits, '.', '_' and '-'")
     if spec.grace < 0:
         raise UserError(f"--grace must be 0 or more seconds, got {spec.grace}")
+    if spec.entrypoint == "ray" and not [a for a in spec.args if a != "--"]:
+        raise UserError("--entrypoint ray needs the command the head runs, after --: python -m builder.slurm "
+                        "--entrypoint ray ... -- python my_driver.py (ray options first: -- --gpu-free-head -- CMD)")
     if not spec.config and spec.entrypoint not in NO_CONFIG:
         raise UserError(f"no --config given: pass the {spec.entrypoint} YAML path "
                         + ("on the nodes" if spec.mode == "bare" else "as seen inside the image (e.g. /data/x.yaml)"))
@@ -176,12 +179,19 @@ def render(spec: JobSpec) -> str:
         job_name=f"{spec.entrypoint}-{spec.tag}", gpus_per_node=spec.gpus_per_node, cpus_per_task=spec.cpus_per_task,
         partition=spec.partition, account=spec.account, time=spec.time, log_dir=spec.log_dir.rstrip("/") or "/",
         grace=spec.grace, sqsh=spec.sqsh, python=spec.python, workdir=spec.workdir, env=env,
-        args=[*(["--config", spec.config] if spec.config else []), *spec.args,
+        args=[*(["--config", spec.config] if spec.config else []), *_ray_args(spec),
               *(["--vllm_server_nodes", str(spec.vllm_nodes)] if spec.vllm_nodes else [])], mounts=mounts,
         vllm_nodes=spec.vllm_nodes,
         container_workdir="/workspace",
         container_env=container_env, slurm_env=list(launch.SLURM_STEP_ENV),
     )
+
+
+def _ray_args(spec: JobSpec) -> tuple[str, ...]:
+    """ray: the extra arguments are the head's command (`-- python driver.py`), or `RAY_OPTIONS -- COMMAND`."""
+    if spec.entrypoint != "ray" or "--" in spec.args:
+        return spec.args
+    return ("--", *spec.args)
 
 
 def write(spec: JobSpec, dest) -> Path:

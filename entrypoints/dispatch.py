@@ -20,13 +20,15 @@ from pathlib import Path
 PACKAGE_DIR = Path(__file__).resolve().parent
 PROG = "trainbox"
 # The public entrypoints in the order --help shows them; hidden ones run but aren't listed.
-PUBLIC = ("jupyter", "grpo", "qlora", "sft", "doctor", "nccl-check")
+PUBLIC = ("jupyter", "grpo", "qlora", "sft", "doctor", "nccl-check", "ray")
 HIDDEN = ("healthcheck",)
+# Entrypoints whose module is not their name: entrypoints/ray.py would shadow the `ray` package for a script run.
+MODULES = {"ray": "ray_cluster"}
 
 
 def module_name(name: str) -> str:
-    """The module of an entrypoint: `nccl-check` lives in entrypoints/nccl_check.py."""
-    return name.replace("-", "_")
+    """The module of an entrypoint: `nccl-check` lives in entrypoints/nccl_check.py, `ray` in ray_cluster.py."""
+    return MODULES.get(name, name.replace("-", "_"))
 
 
 def module_file(name: str) -> Path:

@@ -1,0 +1,155 @@
+"""`trainbox ray`: Ray on Slurm. Unit checks (options, ports, the rendered job) and the real thing: a bare-mode job
+on the two netns Slurm nodes (devenv.slurm --netns-nodes 2) whose driver runs a Ray task pinned to each node.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from builder.errors import UserError
+from builder.slurm import JobSpec, render, write
+from entrypoints import launch, ray_cluster
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def trainbox(args, env=None):
+    env = {k: v for k, v in (env or os.environ).items() if not k.startswith("SLURM_")}
+    return subprocess.run([sys.executable, "-m", "entrypoints", "ray", *args], cwd=ROOT, env=env, text=True,
+                          capture_output=True, timeout=60)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--", "python", "x.py"], "runs inside a Slurm step with one task per node"),
+    ([], "no command given"),
+    (["--gpu-free-head"], "no command given"),
+    (["--timeout", "0", "--", "x"], "argument --timeout: must be at least 1"),
+    (["--port-base", "80", "--", "x"], "argument --port-base: must be 1024.."),
+    (["--bogus", "--", "x"], "unrecognized arguments: --bogus"),
+])
+def test_bad_options_are_one_line_and_exit_2(args, message):
+    r = trainbox(args)
+    assert r.returncode == 2 and r.stdout == "", r
+    assert len(r.stderr.splitlines()) == 1 and message in r.stderr, r.stderr
+
+
+def test_several_tasks_per_node_is_refused():
+    env = dict(os.environ, SLURM_JOB_ID="13001", SLURM_STEP_ID="0", SLURM_NNODES="2", SLURM_NTASKS="4",
+               SLURM_JOB_NODELIST="n[1-2]")
+    with pytest.raises(ray_cluster.UsageError, match="one task per node, got 4 tasks on 2 nodes"):
+        ray_cluster.main_env(["--", "true"], env)
+
+
+def test_ports_are_one_block_below_the_ephemeral_range_and_skip_torchs():
+    seen = set()
+    for job in range(0, 200):
+        base = ray_cluster.port_base({"SLURM_JOB_ID": str(job)}, (32768, 60999))
+        p = ray_cluster.ports(base)
+        assert launch.PORT_WINDOW_START <= base and p["max_worker"] < 32768
+        assert not any(base <= t < base + ray_cluster.BLOCK for t in launch.TORCH_DEFAULT_PORTS)
+        assert len(set(p.values())) == len(p)
+        seen.add(base)
+    assert len(seen) > 50  # consecutive jobs get different blocks
+    with pytest.raises(ray_cluster.UsageError, match="no room"):
+        ray_cluster.port_base({"SLURM_JOB_ID": "1"}, (10500, 60999))
+
+
+def test_start_commands_head_and_worker():
+    a, cmd = ray_cluster.parse(["--gpu-free-head", "--", "python", "d.py", "--", "x"])
+    assert cmd == ["python", "d.py", "--", "x"]
+    head = ray_cluster.start_command(20000, True, "10.0.0.1", "10.0.0.1:20000", a)
+    assert "--head" in head and "--port=20000" in head and "--num-gpus=0" in head and "--block" in head
+    assert "--ray-client-server-port=20001" in head and "--min-worker-port=20016" in head
+    assert "--max-worker-port=20255" in head and "--node-ip-address=10.0.0.1" in head
+    worker = ray_cluster.start_command(20000, False, "10.0.0.2", "10.0.0.1:20000", a)
+    assert "--address=10.0.0.1:20000" in worker and "--head" not in worker
+    assert not any(x.startswith(("--num-gpus", "--port=", "--ray-client")) for x in worker)  # GPUs: Ray detects
+
+
+def test_a_slurm_job_for_ray_renders_the_command_after_dashes():
+    spec = JobSpec(tag="cu130-hopper-x86_64", entrypoint="ray", sqsh="/shared/x.sqsh", nodes=2,
+                   args=("python", "driver.py"))
+    job = render(spec)
+    assert "ARGS=(ray -- python driver.py)" in job and "LAUNCH=()" in job and "LAUNCH=(--" not in job
+    job = render(JobSpec(tag="t", entrypoint="ray", mode="enroot", sqsh="/s/t.sqsh",
+                         args=("--gpu-free-head", "--", "python", "d.py")))
+    assert "ARGS=(ray --gpu-free-head -- python d.py)" in job and "enroot start" in job
+    with pytest.raises(UserError, match="needs the command the head runs"):
+        render(JobSpec(tag="t", entrypoint="ray", sqsh="/s/t.sqsh"))
+    assert "LAUNCH=(--nproc-per-node 8)" in render(JobSpec(tag="t", entrypoint="nccl-check", sqsh="/s/t.sqsh"))
+    # the CLI: everything after -- is the head's command
+    r = subprocess.run([sys.executable, "-m", "builder.slurm", "--tag", "t", "--entrypoint", "ray", "--sqsh",
+                        "/s/t.sqsh", "--nodes", "2", "--", "python", "d.py"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "ARGS=(ray -- python d.py)" in r.stdout, r.stderr
+
+
+DRIVER = """\
+import json, socket, sys
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+ray.init()  # RAY_ADDRESS from trainbox ray
+nodes = [n for n in ray.nodes() if n["Alive"]]
+
+@ray.remote(num_cpus=1)
+def where():
+    return socket.gethostname(), ray.get_runtime_context().get_node_id()
+
+refs = [where.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()
+        for n in nodes]
+out = ray.get(refs, timeout=120)
+print("RAYTASKS " + json.dumps(sorted(out)), flush=True)
+assert sorted(h for h, _ in out) == ["tbx1", "tbx2"], out
+assert {i for _, i in out} == {n["NodeID"] for n in nodes}
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("exit_code", [0, 3])
+def test_two_node_ray_cluster_runs_a_task_on_each_node(slurm2, tmp_path, exit_code):
+    from test_slurm_job import submit, wait_job
+
+    env, partition = slurm2
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    spec = JobSpec(tag="smoke-cpu", entrypoint="ray", mode="bare", nodes=2, gpus_per_node=0, time="10:00",
+                   partition=partition, python=sys.executable, workdir=str(ROOT), log_dir=str(tmp_path),
+                   args=("--timeout", "120", "--", sys.executable, str(driver), str(exit_code)))
+    script = write(spec, tmp_path / "job.sh")
+    job_id = submit(script, env)
+    job = wait_job(job_id, env, timeout=240)
+    log = (tmp_path / f"ray-smoke-cpu-{job_id}.out").read_text(errors="replace")
+    assert job["JobState"] == ("COMPLETED" if exit_code == 0 else "FAILED"), log[-4000:]
+    assert job["ExitCode"] == f"{exit_code}:0" and job["NodeList"] == "tbx[1-2]", (job, log[-4000:])
+    m = re.search(r"\[trainbox\] ray cluster up: 2/2 nodes in [\d.]+ s \((.*)\); RAY_ADDRESS=([\d.]+):(\d+)", log)
+    assert m, log[-4000:]
+    assert "tbx1" in m.group(1) and "tbx2" in m.group(1)
+    assert int(m.group(3)) == ray_cluster.port_base({"SLURM_JOB_ID": job_id}) < launch.ephemeral_range()[0]
+    tasks = re.search(r"RAYTASKS (.*)", log)
+    assert tasks and "tbx1" in tasks.group(1) and "tbx2" in tasks.group(1), log[-4000:]
+    assert f"[trainbox] ray command exited {exit_code}; stopping the cluster" in log
+    # exit 0: the head goes, the worker follows; else srun's --kill-on-bad-exit ends the worker, which exits 0
+    assert ("[trainbox] ray worker node 1: the head is gone; leaving" in log
+            or "[trainbox] ray node 1: stopped by SIGTERM" in log), log[-4000:]
+
+
+def test_the_host_ray_pin_is_the_gpu_stacks():
+    import tomllib
+
+    from builder.matrix import load_matrix
+
+    dev = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
+    gpu = next(c for c in load_matrix(ROOT / "matrix.toml").cells if c.cuda and c.arch == "x86_64")
+    assert f"ray=={gpu.pins['ray']}" in dev
+
+
+from test_slurm_multinode import slurm2  # noqa: E402,F401  (module fixture: the cluster with two netns nodes)
