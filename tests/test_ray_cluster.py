@@ -152,4 +152,17 @@ def test_the_host_ray_pin_is_the_gpu_stacks():
     assert f"ray=={gpu.pins['ray']}" in dev
 
 
+def test_the_readme_ray_job_command_writes_its_script(tmp_path):
+    readme = re.sub(r"\\\n\s*", "", (ROOT / "README.md").read_text())
+    cmd = next(ln.strip() for ln in readme.splitlines() if "--entrypoint ray" in ln and ln.startswith("python"))
+    assert cmd.endswith(" && sbatch ray.sh")
+    r = subprocess.run(["bash", "-c", cmd.removesuffix(" && sbatch ray.sh")], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(ROOT),
+                                                       PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}"))
+    assert r.returncode == 0, r.stderr
+    job = (tmp_path / "ray.sh").read_text()
+    assert "ARGS=(ray -- python /data/my_driver.py)" in job and "LAUNCH=()" in job and "#SBATCH --nodes=2" in job
+    assert "--container-image=\"$TRAINBOX_SQSH\"" in job and "/shared/rl:/data" in job
+
+
 from test_slurm_multinode import slurm2  # noqa: E402,F401  (module fixture: the cluster with two netns nodes)

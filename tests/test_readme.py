@@ -65,6 +65,12 @@ COVERED_BY = {
         # the rendered job's command line; the entrypoint itself runs through the real launcher with 2 ranks
         ["tests/test_nccl_check.py::test_a_slurm_job_for_nccl_check",
          "tests/test_nccl_check.py::test_two_nodes_by_flags_on_one_host"],
+    "python -m builder.slurm --tag cu130-hopper-x86_64 --entrypoint ray --sqsh /shared/cu130-hopper-x86_64.sqsh "
+    "--data /shared/rl --nodes 2 --gpus-per-node 8 --partition gpu --time 04:00:00 -o ray.sh "
+    "-- python /data/my_driver.py && sbatch ray.sh":
+        # the README's command renders its job here; the same job in bare mode forms a 2-node cluster for real
+        ["tests/test_ray_cluster.py::test_the_readme_ray_job_command_writes_its_script",
+         "tests/test_ray_cluster.py::test_two_node_ray_cluster_runs_a_task_on_each_node"],
 }
 
 
