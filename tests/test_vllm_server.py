@@ -239,3 +239,32 @@ def test_preemption_signals_keep_the_server_for_the_trainers_save(tmp_path):
     watch.close()
     out, _ = task.communicate(timeout=40)
     assert task.returncode == 0 and "trainers finished" in out, out
+
+
+def test_grpo_one_node_split_end_to_end_wiring(tmp_path, tiny_model):
+    """`trainbox grpo --vllm_server_gpus 1` for real, up to what needs vLLM: the launcher starts the (stand-in)
+    server on the last GPU, waits for /health, torchrun's rank gets TRL's server options (its rollouts line), and
+    the server is stopped when the ranks end. The rank stops at TRL's own vLLM check: only an empty `vllm` package
+    (enough for our find_spec) is on the path, no vLLM can run here."""
+    from tests.test_grpo import FAST, gsm8k_rows, write_jsonl
+
+    data = write_jsonl(tmp_path / "gsm8k.jsonl", gsm8k_rows(8))
+    (tmp_path / "stub" / "vllm").mkdir(parents=True)
+    (tmp_path / "stub" / "vllm" / "__init__.py").write_text("")
+    (tmp_path / "standin.py").write_text(STANDIN)
+    port = free_pair()
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path / 'stub'}", "CUDA_VISIBLE_DEVICES": "0,1",
+           vllm_server.STANDIN_ENV: f"{sys.executable} {tmp_path / 'standin.py'} {{port}}"}
+    env.pop("OUTPUT_DIR", None)
+    r = subprocess.run([sys.executable, "-m", "entrypoints", "grpo", "--model_name_or_path", str(tiny_model),
+                        "--dataset", str(data), "--preset", "gsm8k", "--max_steps", "1", *FAST,
+                        "--output_dir", str(tmp_path / "out"), "--vllm_server_gpus", "1",
+                        "--vllm_server_port", str(port), "--vllm_server_wait", "30"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    out = r.stdout + r.stderr
+    assert "[trainbox] vllm server on GPU(s) 1:" in out, out[-3000:]
+    assert f"vllm server at 127.0.0.1:{port} healthy after" in out, out[-3000:]
+    assert "torchrun nnodes=1 nproc_per_node=1" in out
+    assert (f"rollouts: vLLM server at 127.0.0.1:{port} (use_vllm set; started by this run" in out), out[-3000:]
+    assert r.returncode != 0 and "the run crashed" in out  # the rank: TRL cannot use the empty vllm package
+    assert not vllm_server.healthy("127.0.0.1", port, timeout=1)  # the launcher stopped its server
