@@ -7,6 +7,7 @@ answers vLLM's /health, put in through TRAINBOX_VLLM_SERVE_CMD exactly where `tr
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -52,6 +53,9 @@ def test_slurm_roles_last_node_serves_the_others_train(monkeypatch):
         p = launch.plan(launch.LaunchArguments(), {**slurm_env(n), **roles[n].trainer_env})
         assert (p.mode, p.nnodes, p.node_rank, p.master_addr, p.is_host) == ("torchrun", 2, n, "gpu1", n == 0)
         assert p.master_port == launch.slurm_port(slurm_env(n))
+        # as the job script starts it (--nproc-per-node N: the launcher-flags path)
+        p = launch.plan(launch.LaunchArguments(nproc_per_node=4), {**slurm_env(n), **roles[n].trainer_env})
+        assert (p.nnodes, p.node_rank, p.master_addr, p.is_host, p.standalone) == (2, n, "gpu1", n == 0, False)
     ports = vllm_server.slurm_roles(slurm_env(0), 1, 8, http_port=9000, group_port=9100)
     assert (ports.http_port, ports.group_port, ports.lease_port) == (9000, 9100, 9001)
 
@@ -244,9 +248,9 @@ def test_preemption_signals_keep_the_server_for_the_trainers_save(tmp_path):
 def test_grpo_one_node_split_end_to_end_wiring(tmp_path, tiny_model):
     """`trainbox grpo --vllm_server_gpus 1` for real, up to what needs vLLM: the launcher starts the (stand-in)
     server on the last GPU, waits for /health, torchrun's rank gets TRL's server options (its rollouts line), and
-    the server is stopped when the ranks end. The rank stops at TRL's own vLLM check: only an empty `vllm` package
+    the server is stopped when the ranks end. The rank stops where TRL imports vLLM: only an empty `vllm` package
     (enough for our find_spec) is on the path, no vLLM can run here."""
-    from tests.test_grpo import FAST, gsm8k_rows, write_jsonl
+    from test_grpo import FAST, gsm8k_rows, write_jsonl
 
     data = write_jsonl(tmp_path / "gsm8k.jsonl", gsm8k_rows(8))
     (tmp_path / "stub" / "vllm").mkdir(parents=True)
@@ -268,3 +272,51 @@ def test_grpo_one_node_split_end_to_end_wiring(tmp_path, tiny_model):
     assert (f"rollouts: vLLM server at 127.0.0.1:{port} (use_vllm set; started by this run" in out), out[-3000:]
     assert r.returncode != 0 and "the run crashed" in out  # the rank: TRL cannot use the empty vllm package
     assert not vllm_server.healthy("127.0.0.1", port, timeout=1)  # the launcher stopped its server
+
+
+@pytest.fixture(scope="module")
+def slurm2():
+    """The cluster with two netns nodes (as in test_slurm_multinode.py); stopped afterwards only if started here."""
+    from devenv import slurm as devslurm
+
+    was_up = devslurm.answers(devslurm.load_state(), netns_nodes=2)
+    info = devslurm.up(cpus=max(2, os.cpu_count() or 2), netns_nodes=2)
+    yield dict(os.environ, SLURM_CONF=info["conf"]), info["netns_partition"]
+    if not was_up:
+        devslurm.down()
+
+
+@pytest.mark.slurm
+def test_two_node_job_last_node_serves(tmp_path, tiny_model, slurm2):
+    """The rendered job (--vllm-nodes 1) on the two netns Slurm nodes: tbx2 runs the (stand-in) server, tbx1 the
+    trainers' torchrun (nnodes 1) pointed at tbx2:8000; the rank ends where TRL imports vLLM (an empty `vllm`
+    package, see above), the server task ends with it and the job fails as the rank did, instead of hanging."""
+    from test_grpo import FAST, gsm8k_rows, write_jsonl
+    from test_slurm_job import submit, wait_job
+
+    env, partition = slurm2
+    data = write_jsonl(tmp_path / "gsm8k.jsonl", gsm8k_rows(8))
+    (tmp_path / "stub" / "vllm").mkdir(parents=True)
+    (tmp_path / "stub" / "vllm" / "__init__.py").write_text("")
+    (tmp_path / "standin.py").write_text(STANDIN.replace('"127.0.0.1"', '"0.0.0.0"'))
+    cfg = tmp_path / "grpo.yaml"
+    cfg.write_text(f"model_name_or_path: {tiny_model}\ndataset: {data}\npreset: gsm8k\nmax_steps: 1\n"
+                   f"output_dir: {tmp_path / 'out'}\nvllm_server_wait: 60\n")
+    spec = job.JobSpec(tag="smoke-cpu", entrypoint="grpo", mode="bare", config=str(cfg), nodes=2, gpus_per_node=0,
+                       nproc_per_node=1, time="10:00", partition=partition, python=sys.executable, workdir=str(ROOT),
+                       log_dir=str(tmp_path), vllm_nodes=1, args=tuple(FAST),
+                       env=(("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false"),
+                            ("PYTHONPATH", str(tmp_path / "stub")),
+                            (vllm_server.STANDIN_ENV, f"{sys.executable} {tmp_path / 'standin.py'} {{port}}")))
+    script = job.write(spec, tmp_path / "job.sh")
+    job_id = submit(script, env)
+    fields = wait_job(job_id, env, timeout=240)
+    log = (tmp_path / f"grpo-smoke-cpu-{job_id}.out").read_text(errors="replace")
+    assert "[trainbox] vllm server: " in log and "(HTTP 8000, lease 8001)" in log, log[-4000:]
+    assert "[trainbox] vllm server at tbx2:8000 healthy after" in log, log[-4000:]
+    # One trainer node: the launcher's own one-node rule (the job passes --nproc-per-node): torchrun --standalone.
+    assert "torchrun nnodes=1 nproc_per_node=1 node_rank=0 rdzv=standalone" in log, log[-4000:]
+    assert "[trainbox] node 0 on tbx1" in log and "[trainbox] node 1 on tbx2" in log
+    assert "rollouts: vLLM server at tbx2:8000 (use_vllm set; started by this run" in log, log[-4000:]
+    assert "the run crashed" in log and fields["JobState"] == "FAILED", (fields, log[-4000:])
+    assert "[trainbox] vllm server: trainers finished, stopping the server" in log, log[-4000:]  # the lease, across nodes
