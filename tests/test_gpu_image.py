@@ -81,6 +81,16 @@ def test_pip_check_is_clean_and_the_stack_imports(built):
     assert r.stdout.split()[-2:] == ["2.13.0+cu130", "13.0"] or r.stdout.split()[-2:] == ["2.13.0", "13.0"], r.stdout
 
 
+def test_the_fabric_is_there_for_nccl(built):
+    """NCCL dlopens libibverbs.so.1 for its IB/RoCE transport: the image has it (matrix.toml [fabric]) and asks
+    enroot's mellanox hook for the node's HCAs."""
+    ref = built.refs[CELLS[0]]
+    r = _run(ref, "-p", entrypoint="ldconfig")
+    assert "libibverbs.so.1" in r.stdout and "librdmacm.so.1" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+    env = json.loads(docker("inspect", "--format", "{{json .Config.Env}}", ref).stdout)
+    assert "MELLANOX_VISIBLE_DEVICES=all" in env and not any(e.startswith("NCCL_") for e in env), env
+
+
 def test_doctor_reports_no_gpu_and_every_version(built):
     cell = built.cells[0]
     r = _run(built.refs[cell.tag], "doctor", timeout=1200)
