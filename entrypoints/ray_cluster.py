@@ -11,8 +11,8 @@ node when the command ends and exits with the command's code. Workers leave (exi
 Ports: one block of 256 per job, the same on every node, below the kernel's ephemeral range (like the torchrun
 launcher's port, entrypoints/launch.py): base B = --port-base, else 10000 + 256 * (job id modulo the number of
 blocks that fit below the ephemeral range, skipping blocks holding torch's 29400/29500). B+0 GCS (RAY_ADDRESS),
-B+1 Ray client server (ray://HEAD:B+1), B+2 dashboard (only with ray[default]'s extra packages; the image has Ray
-core), B+3 node manager, B+4 object manager, B+5 runtime-env agent, B+6 metrics export, B+7 dashboard agent gRPC,
+B+1 Ray client server (ray://HEAD:B+1), B+2 dashboard (with --dashboard and ray[default]'s extra packages; the
+image has Ray core), B+3 node manager, B+4 object manager, B+5 runtime-env agent, B+6 metrics export, B+7 dashboard agent gRPC,
 B+8 dashboard agent HTTP, B+16..B+255 worker processes. Every line it prints starts with `[trainbox] ray`.
 --gpu-free-head: the head node offers no GPUs (--num-gpus=0), so GPU tasks and actors land on the workers only.
 Exit codes: the command's; 1 if the cluster did not form or a Ray node failed; 2 for bad options or no srun step.
@@ -96,6 +96,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num-cpus", type=_positive, default=None, help="CPUs per node for Ray (default: Ray detects)")
     p.add_argument("--port-base", type=_port_base, default=None, help=f"first port of the {BLOCK}-port block "
                    "(default: from the job id, below the ephemeral range)")
+    p.add_argument("--dashboard", action="store_true", help="start Ray's dashboard on the head (port B+2; needs "
+                   "ray[default]'s extra packages, which the image lacks)")
     p.add_argument("--timeout", type=_positive, default=300, help="seconds to wait for every node (default 300)")
     return p
 
@@ -134,7 +136,7 @@ def ports(base: int) -> dict[str, int]:
 def start_command(base: int, head: bool, ip: str, head_addr: str, a: argparse.Namespace) -> list[str]:
     cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats",
            f"--node-ip-address={ip}"]
-    cmd += ["--head"] if head else [f"--address={head_addr}"]
+    cmd += ["--head", f"--include-dashboard={str(a.dashboard).lower()}"] if head else [f"--address={head_addr}"]
     for name, off, flag, head_only in PORTS:
         if head or not head_only:
             cmd.append(f"{flag}={base + off}")
@@ -188,19 +190,33 @@ def _stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
     proc.wait()
 
 
+class HeadExited(RuntimeError):
+    """The head's `ray start` ended before the cluster formed."""
+
+
 def wait_for_nodes(addr: str, hosts: list[str], timeout: float, proc: subprocess.Popen) -> list[dict]:
     """Poll ray.nodes() until len(hosts) nodes are alive; raise RuntimeError naming the missing ones."""
     import ray
 
     end = time.monotonic() + timeout
-    ray.init(address=addr, logging_level="WARNING", log_to_driver=False, configure_logging=False)
+    while True:  # the GCS answers before the head's raylet has registered (slow on a loaded node): retry
+        try:
+            ray.init(address=addr, logging_level="WARNING", log_to_driver=False, configure_logging=False)
+            break
+        except (ConnectionError, RuntimeError) as e:
+            ray.shutdown()
+            if proc.poll() is not None:
+                raise HeadExited(f"the head's `ray start` exited {proc.returncode}") from None
+            if time.monotonic() >= end:
+                raise RuntimeError(f"can't connect to the head's Ray node at {addr}: {' '.join(str(e).split())}")
+            time.sleep(1)
     try:
         while True:
             alive = [n for n in ray.nodes() if n.get("Alive")]
             if len(alive) >= len(hosts):
                 return alive
             if proc.poll() is not None:
-                raise RuntimeError(f"the head's Ray node exited ({proc.returncode}) before every node joined")
+                raise HeadExited(f"the head's `ray start` exited {proc.returncode} before every node joined")
             if time.monotonic() >= end:
                 ips = {n.get("NodeManagerAddress") for n in alive}
                 missing = [h for h in hosts if resolve(h) not in ips] or ["(unknown)"]
@@ -228,22 +244,21 @@ def run_head(a, command, hosts, base, env) -> int:
     log(f"head on {socket.gethostname()} ({ip}): GCS {gcs}, client {p['client']}, dashboard {p['dashboard']}, "
         f"workers {p['min_worker']}-{p['max_worker']}{', no GPUs (GPU-free head)' if a.gpu_free_head else ''}; "
         f"waiting for {len(hosts)} node(s)")
+    t0 = time.monotonic()
+    end = t0 + a.timeout
     proc = subprocess.Popen(start_command(base, True, ip, gcs, a), env=env, start_new_session=True,
                             stdout=sys.stdout, stderr=sys.stderr)
     try:
-        t0 = time.monotonic()
-        end = t0 + a.timeout
-        while not reachable(ip, base):
-            if proc.poll() is not None:
-                log(f"error: the head's `ray start` exited {proc.returncode} (port {base} in use? see above)")
-                return 1
-            if time.monotonic() >= end:
-                log(f"error: the head's GCS {gcs} did not come up in {a.timeout} s")
-                return 1
-            time.sleep(0.5)
         try:
+            while not reachable(ip, base):
+                if proc.poll() is not None:
+                    raise HeadExited(f"the head's `ray start` exited {proc.returncode} (port {base} in use? see above)")
+                if time.monotonic() >= end:
+                    raise RuntimeError(f"the head's GCS {gcs} did not come up in {a.timeout} s")
+                time.sleep(0.5)
             alive = wait_for_nodes(gcs, hosts, max(1.0, end - time.monotonic()), proc)
         except RuntimeError as e:
+            # No second try for the head: the workers would take its restart for the end of the cluster.
             log(f"error: {e}")
             return 1
         names = ", ".join(sorted(f"{n.get('NodeManagerHostname')} {n.get('NodeManagerAddress')}" for n in alive))
@@ -272,8 +287,8 @@ def run_worker(a, rank, hosts, base, env) -> int:
         time.sleep(0.5)
     ip = route_ip(head_ip, base) or resolve(socket.gethostname()) or "127.0.0.1"
     log(f"worker node {rank} on {socket.gethostname()} ({ip}) joins {gcs}")
-    proc = subprocess.Popen(start_command(base, False, ip, gcs, a), env=env, start_new_session=True,
-                            stdout=sys.stdout, stderr=sys.stderr)
+    cmd = start_command(base, False, ip, gcs, a)
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=sys.stdout, stderr=sys.stderr)
     head_gone = False
     try:
         misses = 0
@@ -281,8 +296,12 @@ def run_worker(a, rank, hosts, base, env) -> int:
             time.sleep(PROBE_S)
             misses = 0 if reachable(head_ip, base) else misses + 1
             if proc.poll() is not None and misses == 0:
-                log(f"error: node {rank}: `ray start` exited {proc.returncode} while the head is up")
-                return 1
+                # Ray gives its raylet 30 s to register, which a loaded node can miss: try again until --timeout.
+                if time.monotonic() >= end:
+                    log(f"error: node {rank}: `ray start` exited {proc.returncode} while the head is up")
+                    return 1
+                log(f"node {rank}: `ray start` exited {proc.returncode}; starting it again")
+                proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=sys.stdout, stderr=sys.stderr)
         log(f"worker node {rank}: the head is gone; leaving")
         head_gone = True
         return 0

@@ -123,7 +123,7 @@ def test_two_node_ray_cluster_runs_a_task_on_each_node(slurm2, tmp_path, exit_co
     driver.write_text(DRIVER)
     spec = JobSpec(tag="smoke-cpu", entrypoint="ray", mode="bare", nodes=2, gpus_per_node=0, time="10:00",
                    partition=partition, python=sys.executable, workdir=str(ROOT), log_dir=str(tmp_path),
-                   args=("--timeout", "120", "--", sys.executable, str(driver), str(exit_code)))
+                   args=("--timeout", "150", "--num-cpus", "1", "--", sys.executable, str(driver), str(exit_code)))
     script = write(spec, tmp_path / "job.sh")
     job_id = submit(script, env)
     job = wait_job(job_id, env, timeout=240)
