@@ -169,12 +169,19 @@ def _heavy_sources(c: Cell, overrides, native: bool, root: Path = ROOT) -> list[
             found = " (the lock step found it)" if c.flash.get("probe") else ""
             out.append(f"{a['package']}: prebuilt wheel {a['package']}=={a['version']} ({c.flash['flash_variant']} "
                        f"build) from index flash, by hash ({c.attention_lock}){found}; nothing compiles")
-        elif engine.compiles_under_emulation(c, native, root):
+        elif how == "source" and engine.compiles_under_emulation(c, native, root):
             out.append(f"{a['package']}: no prebuilt {c.arch} wheel; compiled from source only on a native {c.arch} "
                        f"builder: REFUSED here under emulation (build on a native runner or --buildx-builder)")
         else:
             out.append(f"{a['package']}: no prebuilt {c.arch} wheel; compiled from source natively in the "
                        f"attention stage on {c.build_image}")
+    if c.fabric_plugin:
+        p = c.fabric_plugin
+        srcs = ", ".join(b["name"] for b in p["builds"])
+        emulated = c.arch != engine.host_arch() and not native
+        out.append(f"NCCL net plugin {p['name']}: {srcs} compiled from pinned sources in the fabric-plugin stage on "
+                   f"{c.build_image}" + (": REFUSED here under emulation (build on a native runner or "
+                                         "--buildx-builder)" if emulated else ""))
     return out
 
 

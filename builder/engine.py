@@ -413,9 +413,22 @@ def attention_how(cell, root: Path = ROOT) -> str | None:
 
 
 def compiles_under_emulation(cell, native_builder: bool = False, root: Path = ROOT) -> bool:
-    """A cell whose attention wheel is compiled from source, built for another arch than this host's without a
-    native builder (buildx --builder naming a node of that arch): QEMU would take many hours."""
-    return attention_how(cell, root) == "source" and cell.arch != host_arch() and not native_builder
+    """A cell that compiles (its attention wheel from source, or its fabric-plugin stage), built for another arch than
+    this host's without a native builder (buildx --builder naming a node of that arch): QEMU would take many hours."""
+    return bool(_emulated_compiles(cell, native_builder, root))
+
+
+def _emulated_compiles(cell, native_builder: bool = False, root: Path = ROOT) -> list[str]:
+    """What CELL would compile under emulation, in words: the attention package, the fabric-plugin stage."""
+    if cell.arch == host_arch() or native_builder:
+        return []
+    out = []
+    if attention_how(cell, root) == "source":
+        out.append(cell.attention["package"])
+    plugin = getattr(cell, "fabric_plugin", None)
+    if plugin:
+        out.append(f"the {plugin['name']} NCCL net plugin (stage fabric-plugin)")
+    return out
 
 
 def refuse_emulated_compile(cells, native_builder: bool = False, root: Path = ROOT) -> None:
@@ -426,7 +439,7 @@ def refuse_emulated_compile(cells, native_builder: bool = False, root: Path = RO
     if not bad:
         return
     rest = [c.tag for c in cells if c not in bad]
-    pkgs = sorted({c.attention["package"] for c in bad})
+    pkgs = sorted({what for c in bad for what in _emulated_compiles(c, native_builder, root)})
     raise UserError(f"{', '.join(c.tag for c in bad)} compile{'s' if len(bad) == 1 else ''} {' and '.join(pkgs)} "
                     f"from source and this host is {host_arch()}: under QEMU that takes many hours, so "
                     f"{'it is' if len(bad) == 1 else 'they are'} refused",
@@ -447,7 +460,7 @@ def cell_build_args(cell, *, bases: dict[str, str] | None = None, index_override
     if base and base in bases:
         out["BASE_IMAGE"] = bases[base]
     build_image = getattr(cell, "build_image", None)
-    if build_image and build_image in bases and getattr(cell, "has_source_stage", False):
+    if build_image and build_image in bases and getattr(cell, "has_compile_stage", False):
         out["BUILD_IMAGE"] = bases[build_image]
     if hasattr(cell, "index_templates"):
         out.update(indexes.build_args(cell, index_overrides))

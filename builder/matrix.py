@@ -33,9 +33,14 @@ _STACK = {"packages": dict, "extends": str}
 _FACTS = {"vllm_torch": dict, "trl_vllm_extra": dict, "vllm_transformers": dict, "unsloth": dict}
 _EXPAND = {"arch": list, "cuda": list, "gpu": list, "stack": str}
 _CELL = {"name": str, "arch": (str, list), "cuda": str, "gpu": str, "torch_variant": str, "base_image": str,
-         "python": str, "attention": str, "stack": (str, dict)}
+         "python": str, "attention": str, "stack": (str, dict), "fabric_plugin": str}
 _RULE = {"id": str, "reason": str}
-_FABRIC = {"packages": list, "env": dict}
+_FABRIC = {"packages": list, "env": dict, "plugins": dict}
+# [fabric.plugins.NAME]: a NCCL net plugin a cell opts into (`fabric_plugin = "NAME"`), compiled from pinned sources
+# in its own stage on the CUDA devel image (native builders only) and copied into the runtime as its install prefix.
+_PLUGIN = {"description": str, "builds": list, "build_packages": list, "packages": list, "env": dict, "prefix": str,
+           "library": str, "max_jobs": int}
+_PLUGIN_BUILD = {"name": str, "source": str, "sha256": str, "configure": list}
 _TYPE_NAMES = {str: "a string", int: "an integer", list: "an array", dict: "a table", bool: "a boolean"}
 
 
@@ -88,6 +93,8 @@ class Cell:
     # [fabric]: GPU cells only (NCCL's InfiniBand/RoCE transport needs the RDMA userspace; CPU cells run no NCCL).
     fabric_packages: tuple[str, ...] = ()
     fabric_env: tuple[tuple[str, str], ...] = ()
+    # [fabric.plugins.NAME] a cell opted into: {"name": NAME, **table}; None for every cell that didn't.
+    fabric_plugin: dict | None = field(default=None, hash=False, compare=True)
 
     @property
     def dockerfile(self) -> Path:
@@ -106,6 +113,11 @@ class Cell:
     def has_source_stage(self) -> bool:
         """The Dockerfile has a stage that compiles the attention wheel: a source build, or a probed arch's fallback."""
         return bool(self.flash) and (self.flash["how"] == "source" or bool(self.flash.get("probe")))
+
+    @property
+    def has_compile_stage(self) -> bool:
+        """Any stage on the CUDA devel image: the attention source build or the fabric-plugin stage."""
+        return self.has_source_stage or bool(self.fabric_plugin)
 
     @property
     def tags(self) -> list[str]:
@@ -492,6 +504,66 @@ def _check_fabric(f: str, fabric: dict) -> None:
     if "packages" in fabric:
         _str_list(f"{w}.packages", fabric["packages"])
     _str_table(f"{w}.env", fabric.get("env", {}))
+    if "plugins" in fabric:
+        _check_table(f"{w}.plugins", fabric["plugins"], {k: dict for k in fabric["plugins"]})
+    for name, p in fabric.get("plugins", {}).items():
+        _check_plugin(f"{w}.plugins.{name}", name, p)
+
+
+_GIT_SOURCE = re.compile(r"git\+(https://[A-Za-z0-9._~/:@%+-]+)@([0-9a-f]{40})", re.ASCII)
+_URL_SOURCE = re.compile(r"https://[A-Za-z0-9._~/:%+-]+\.(tar\.gz|tgz|tar\.bz2|tar\.xz)", re.ASCII)
+_PREFIX = re.compile(r"/[A-Za-z0-9_.+-]+(/[A-Za-z0-9_.+-]+)*", re.ASCII)
+_REL_PATH = re.compile(r"[A-Za-z0-9_.+-]+(/[A-Za-z0-9_.+-]+)*", re.ASCII)
+_CONFIGURE_FLAG = re.compile(r"--[a-z0-9][a-z0-9-]*(=[A-Za-z0-9_./,:+-]*)?", re.ASCII)
+
+
+def _check_plugin(w: str, name: str, p: Any) -> None:
+    """One NCCL net plugin: every value is rendered into a RUN line, so each is checked against its grammar here."""
+    _grammar(w, "plugin name", name, re.compile(r"[a-z0-9][a-z0-9-]{0,31}", re.ASCII), "a short lower-case name")
+    _check_table(w, p, _PLUGIN, ("builds", "library"))
+    if not p["builds"]:
+        raise UserError("builds must not be empty", where=f"{w}.builds")
+    seen = set()
+    for i, b in enumerate(p["builds"]):
+        bw = f"{w}.builds[{i}]"
+        _check_table(bw, b, _PLUGIN_BUILD, ("name", "source"))
+        _grammar(bw, "name", b["name"], re.compile(r"[a-z0-9][a-z0-9._-]{0,63}", re.ASCII), "a short lower-case name")
+        if b["name"] in seen:
+            raise UserError(f"two builds are named {b['name']!r}", where=f"{bw}.name")
+        seen.add(b["name"])
+        src = b["source"]
+        if src.startswith("git+"):
+            if not _GIT_SOURCE.fullmatch(src):
+                raise UserError(f"source {shorten(src, 80)!r} is not pinned to a commit", where=f"{bw}.source",
+                                fix="write git+https://HOST/PATH@<40-hex commit> (git ls-remote URL TAG prints a "
+                                    "tag's commit)")
+            if "sha256" in b:
+                raise UserError("sha256 is for a tarball source; a git source is pinned by its commit",
+                                where=f"{bw}.sha256")
+        elif _URL_SOURCE.fullmatch(src):
+            if not re.fullmatch(r"[0-9a-f]{64}", b.get("sha256", ""), re.ASCII):
+                raise UserError(f"a tarball source needs sha256 = <64 lower-case hex> (got {b.get('sha256')!r})",
+                                where=f"{bw}.sha256", fix="sha256sum the release tarball you checked")
+        else:
+            raise UserError(f"source {shorten(src, 80)!r} is neither git+https://...@<commit> nor an https:// "
+                            ".tar.gz/.tgz/.tar.bz2/.tar.xz URL", where=f"{bw}.source")
+        for flag in _str_list(f"{bw}.configure", b["configure"]) if "configure" in b else []:
+            _grammar(bw, "configure", flag, _CONFIGURE_FLAG, "a configure flag like --with-cuda=/usr/local/cuda")
+            if flag.startswith("--prefix"):
+                raise UserError("--prefix comes from the plugin's prefix", where=f"{bw}.configure")
+    for key in ("build_packages", "packages"):
+        for pkg in _str_list(f"{w}.{key}", p[key]) if key in p else []:
+            _grammar(w, key, pkg, _DEB_PACKAGE, "a Debian package name")
+    for k, v in _str_table(f"{w}.env", p.get("env", {})).items():
+        _grammar(w, "env name", k, _ENV_NAME, "an environment variable name")
+        _grammar(w, f"env.{k}", v, _ENV_VALUE, "a plain value")
+    _grammar(w, "prefix", p.get("prefix", PLUGIN_PREFIX), _PREFIX, "an absolute path like /opt/nccl-net")
+    _grammar(w, "library", p["library"], _REL_PATH, "a path inside the prefix like lib/libnccl-net.so")
+    if "max_jobs" in p and p["max_jobs"] < 1:
+        raise UserError("max_jobs must be >= 1", where=f"{w}.max_jobs")
+
+
+PLUGIN_PREFIX = "/opt/nccl-net"
 
 
 def _check_facts(f: str, facts: dict) -> None:
@@ -565,6 +637,16 @@ def _explicit_cells(w, f, data, ctx, naming, vtags, stacks, c) -> list[Cell]:
                         fix=f"choose one of {', '.join(data['torch_variant'])}")
     if variant is None and cuda is not None:
         variant = rules_mod.variant_for_cuda(ctx, cuda)
+    plugin = None
+    if "fabric_plugin" in c:
+        plugins = data.get("fabric", {}).get("plugins", {})
+        if c["fabric_plugin"] not in plugins:
+            raise UserError(f"unknown fabric plugin {c['fabric_plugin']!r}", where=f"{w}.fabric_plugin",
+                            fix=f"define [fabric.plugins.{c['fabric_plugin']}] in matrix.toml"
+                                + (f" or choose one of {', '.join(sorted(plugins))}" if plugins else ""))
+        if cuda is None:
+            raise UserError("fabric_plugin needs a CUDA cell (NCCL runs only there)", where=f"{w}.fabric_plugin")
+        plugin = {"name": c["fabric_plugin"], **plugins[c["fabric_plugin"]]}
     stack_spec = c["stack"]
     out = []
     for arch in arches:
@@ -584,7 +666,7 @@ def _explicit_cells(w, f, data, ctx, naming, vtags, stacks, c) -> list[Cell]:
                             where=w, fix="change the cell or drop it")
         out.append(_make_cell(f, data, naming, vtags, name=name, arch=arch, cuda=cuda, gpu=gpu, variant=variant,
                               stack=sname, pins=stacks[sname], attention=attention, base_image=c["base_image"],
-                              python=c["python"]))
+                              python=c["python"], fabric_plugin=plugin))
     return out
 
 
@@ -603,7 +685,7 @@ def _flash(table: dict, arch: str, variant: str | None) -> dict | None:
 
 
 def _make_cell(f, data, naming, vtags, *, name, arch, cuda, gpu, variant, stack, pins, attention, base_image,
-               python, venv=None) -> Cell:
+               python, venv=None, fabric_plugin=None) -> Cell:
     tag = _format(f"{f}: naming.tag", naming["tag"], name=name, arch=arch)
     if not tag or not all(ch.isalnum() or ch in "-_." for ch in tag) or len(tag) > 128:
         raise UserError(f"tag {tag!r} is not a valid image tag", where=f"{f}: naming.tag")
@@ -631,4 +713,5 @@ def _make_cell(f, data, naming, vtags, *, name, arch, cuda, gpu, variant, stack,
         flash=_flash(data["attention"][attention], arch, variant) if cuda else None,
         index_templates=dict(data.get("index", {})),
         fabric_packages=tuple(sorted(data.get("fabric", {}).get("packages", []))) if cuda else (),
-        fabric_env=tuple(sorted(data.get("fabric", {}).get("env", {}).items())) if cuda else ())
+        fabric_env=tuple(sorted(data.get("fabric", {}).get("env", {}).items())) if cuda else (),
+        fabric_plugin=fabric_plugin)

@@ -13,7 +13,7 @@ import jinja2
 from builder import indexes
 from entrypoints import atomic
 from builder.errors import UserError
-from builder.matrix import ROOT, Cell
+from builder.matrix import PLUGIN_PREFIX, ROOT, Cell
 
 # Package data next to this module, so an installed host package finds it too.
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -42,7 +42,7 @@ def image_record(cell: Cell) -> dict:
     versions = {p: cell.requirement(p).split("==", 1)[1] for p in cell.pins}
     if cell.flash:
         versions[cell.attention["package"]] = cell.attention["version"]
-    return {
+    record = {
         "cell": cell.name, "tag": cell.tag, "arch": cell.arch, "platform": cell.platform, "cuda": cell.cuda,
         "gpu": cell.gpu, "cuda_arch_list": cell.cuda_arch_list or None, "torch_variant": cell.torch_variant,
         "torch_arch_list": cell.torch_arch_list or None, "attention_backend": cell.attention_backend,
@@ -50,6 +50,9 @@ def image_record(cell: Cell) -> dict:
         "attention_source": _attention_source(cell),
         "image": cell.image, "version": cell.version, "versions": dict(sorted(versions.items())),
     }
+    if cell.fabric_plugin:  # only in cells that opt in: every other record stays as it was
+        record["fabric_plugin"] = cell.fabric_plugin["name"]
+    return record
 
 
 def _attention_source(cell: Cell) -> str | None:
@@ -65,6 +68,8 @@ def _labels(cell: Cell, record: dict) -> list[tuple[str, str]]:
     out = [(f"io.trainbox.{k}", _label_value(record[k])) for k in
            ("cell", "tag", "arch", "cuda", "gpu", "cuda_arch_list", "torch_variant", "attention_backend",
             "attention_source", "min_driver", "python")]
+    if "fabric_plugin" in record:
+        out.append(("io.trainbox.fabric_plugin", _label_value(record["fabric_plugin"])))
     out += [(f"io.trainbox.version.{p}", _label_value(v)) for p, v in record["versions"].items()]
     return out
 
@@ -84,14 +89,40 @@ def _flash(cell: Cell) -> dict | None:
             "max_jobs": a.get("max_jobs", 4), "build_env": sorted(a.get("build_env", {}).items())}
 
 
+def _plugin(cell: Cell) -> dict | None:
+    """The fabric-plugin stage's facts: each pinned source (a git commit or a tarball by sha256) and its configure."""
+    p = cell.fabric_plugin
+    if not p:
+        return None
+    builds = []
+    for b in p["builds"]:
+        src = b["source"]
+        url, _, commit = src[len("git+"):].rpartition("@") if src.startswith("git+") else (src, "", "")
+        builds.append({"name": b["name"], "source": src, "url": url, "commit": commit, "sha256": b.get("sha256", ""),
+                       "configure": " ".join(b.get("configure", []))})
+    return {"name": p["name"], "description": p.get("description", ""), "builds": builds,
+            "prefix": p.get("prefix", PLUGIN_PREFIX), "library": p["library"], "max_jobs": p.get("max_jobs", 8),
+            "build_packages": " ".join(sorted(set(p.get("build_packages", [])) | set(_PLUGIN_TOOLS))),
+            "env": sorted(p.get("env", {}).items())}
+
+
+# What every plugin build needs on the devel image besides its own build_packages (autotools, a fetcher).
+_PLUGIN_TOOLS = ("autoconf", "automake", "ca-certificates", "curl", "git", "libtool", "make")
+
+
 def render(cell: Cell) -> str:
     """The cell's Dockerfile text."""
     record = image_record(cell)
     desc = (f"{cell.gpu} GPUs, CUDA {cell.cuda}, {cell.arch}" if cell.gpu else f"CPU only ({cell.stack} stack), "
             f"{cell.arch}")
+    plugin = _plugin(cell)
+    ld_library_path = "/usr/local/nvidia/lib:/usr/local/nvidia/lib64" if cell.cuda else "/usr/local/lib"
+    if plugin:  # NCCL dlopens libnccl-net.so from the library path: no NCCL_NET_PLUGIN needed
+        ld_library_path = f"{plugin['prefix']}/lib:{ld_library_path}"
     ctx = {
         "c": cell,
-        "apt_packages": sorted(set(_APT_BASE + (_APT_GPU if cell.cuda else ()) + cell.fabric_packages)),
+        "apt_packages": sorted(set(_APT_BASE + (_APT_GPU if cell.cuda else ()) + cell.fabric_packages
+                                   + tuple((cell.fabric_plugin or {}).get("packages", ())))),
         "cpu_torch": cell.torch_variant == "cpu" and "torch" in cell.pins,
         # Shared stages must not name the cell (they would differ between the cells that share them).
         "lock_hint": (f"python build.py --lock --cuda {cell.cuda} --arch {cell.arch}" if cell.venv != cell.tag
@@ -101,7 +132,8 @@ def render(cell: Cell) -> str:
                            **{indexes.ARGS[n]: indexes.url(cell, n) for n in indexes.needed(cell)}},
         "deps_args": [indexes.ARGS[n] for n in indexes.needed(cell) if n != "flash"],
         "flash": _flash(cell),
-        "ld_library_path": "/usr/local/nvidia/lib:/usr/local/nvidia/lib64" if cell.cuda else "/usr/local/lib",
+        "plugin": plugin,
+        "ld_library_path": ld_library_path,
         "labels": _labels(cell, record),
         "description": _label_value(desc),
     }
