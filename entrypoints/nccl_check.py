@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from . import fabric, launch
+from .argtypes import OneLineParser, not_negative, positive
 from .errors import UsageError
 
 PROG = "trainbox nccl-check"
@@ -43,34 +44,9 @@ def parse_size(text: str) -> int:
     return int(n)
 
 
-def positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
-    return v
-
-
-def not_negative(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {v}")
-    return v
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2 (run_main), not argparse's usage block
-        raise UsageError(f"{message} (see `{PROG} --help`)")
-
-
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                      formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--min-bytes", type=parse_size, default=None, help="smallest message (default 1M)")
     p.add_argument("--max-bytes", type=parse_size, default=None, help="largest message (default 1G; 64M on CPU)")
     p.add_argument("--iters", type=positive, default=20, help="timed iterations per size (default 20)")

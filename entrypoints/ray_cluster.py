@@ -30,6 +30,7 @@ import sys
 import time
 
 from . import launch
+from .argtypes import OneLineParser, not_negative, positive
 from .errors import UsageError
 
 PROG = "trainbox ray"
@@ -55,50 +56,25 @@ def log(msg: str) -> None:
     print(f"[trainbox] ray {msg}", flush=True)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2 (run_main), not argparse's usage block
-        raise UsageError(f"{message} (see `{PROG} --help`)")
-
-
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
-    return v
-
-
-def _not_negative(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {v}")
-    return v
-
-
 def _port_base(text: str) -> int:
-    v = _positive(text)
+    v = positive(text)
     if not 1024 <= v <= 65535 - BLOCK:
         raise argparse.ArgumentTypeError(f"must be 1024..{65535 - BLOCK} (the block is {BLOCK} ports), got {v}")
     return v
 
 
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, usage=f"{PROG} [OPTIONS] -- COMMAND [ARGS...]", description=__doc__.split("\n\n")[0],
-                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter,
-                allow_abbrev=False)
+    p = OneLineParser(prog=PROG, usage=f"{PROG} [OPTIONS] -- COMMAND [ARGS...]",
+                      description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                      formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--gpu-free-head", action="store_true", help="the head node offers no GPUs to Ray (--num-gpus=0)")
-    p.add_argument("--num-gpus", type=_not_negative, default=None, help="GPUs per node for Ray (default: Ray detects)")
-    p.add_argument("--num-cpus", type=_positive, default=None, help="CPUs per node for Ray (default: Ray detects)")
+    p.add_argument("--num-gpus", type=not_negative, default=None, help="GPUs per node for Ray (default: Ray detects)")
+    p.add_argument("--num-cpus", type=positive, default=None, help="CPUs per node for Ray (default: Ray detects)")
     p.add_argument("--port-base", type=_port_base, default=None, help=f"first port of the {BLOCK}-port block "
                    "(default: from the job id, below the ephemeral range)")
     p.add_argument("--dashboard", action="store_true", help="start Ray's dashboard on the head (port B+2; needs "
                    "ray[default]'s extra packages, which the image lacks)")
-    p.add_argument("--timeout", type=_positive, default=300, help="seconds to wait for every node (default 300)")
+    p.add_argument("--timeout", type=positive, default=300, help="seconds to wait for every node (default 300)")
     return p
 
 

@@ -1,0 +1,30 @@
+"""argparse pieces of the entrypoints that are not trainers (nccl-check, ray): one-line errors, whole numbers."""
+
+from __future__ import annotations
+
+import argparse
+
+from .errors import UsageError
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (run_main), not argparse's usage block
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+def _whole(text: str, minimum: int, what: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if v < minimum:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {v}")
+    return v
+
+
+def positive(text: str) -> int:
+    return _whole(text, 1, "at least 1")
+
+
+def not_negative(text: str) -> int:
+    return _whole(text, 0, "0 or more")
