@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import functools
 import os
 import re
 import signal
@@ -233,51 +234,60 @@ def flag_group():
     return None if dist is None else dist.new_group(backend="gloo")
 
 
-def _callback_base():
+@functools.cache
+def _preemption_callback_class():
+    """Made on first use, not at import: subclassing transformers' TrainerCallback imports transformers (and peft,
+    bitsandbytes: about 10 s of CPU), which the launcher process and the run log never need."""
     from transformers import TrainerCallback
 
-    return TrainerCallback
+    class PreemptionCallback(TrainerCallback):
+        """Installs SIGTERM/SIGUSR1 handlers; at the next step end asks the Trainer to save a checkpoint and stop."""
+
+        def __init__(self):
+            super().__init__()
+            install_signal_handlers()
+            self.agreement = FlagAgreement()
+            self.tokens_at_start: int | None = None
+            self.step_at_start: int | None = None
+            self.started_at: float | None = None
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            # Again here: model/distributed set-up may have replaced our handlers since __init__.
+            install_signal_handlers()
+            self.agreement = FlagAgreement(flag_group())
+            self.tokens_at_start = int(getattr(state, "num_input_tokens_seen", 0) or 0)
+            self.step_at_start = int(state.global_step)
+            self.started_at = time.time()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            global _preempted
+            # And at every step: a native library loaded during the first steps can take SIGTERM/SIGUSR1 with its own
+            # sigaction (seen on H200 with FSDP2: both then went to a C handler and training never stopped). Python
+            # still reports our handler then, so re-installing (one syscall per signal) is the only sure way back.
+            claim_preempt_signals()
+            if self.agreement.step(_preempt_requested):
+                _preempted = True
+                control.should_save = True
+                control.should_training_stop = True
+            return control
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.agreement.close()  # the reduction the last step end started (every rank has one)
+            return control
+
+        def on_save(self, args, state, control, **kwargs):
+            global _checkpoint_saved
+            _checkpoint_saved = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+            return control
+
+    PreemptionCallback.__module__, PreemptionCallback.__qualname__ = __name__, "PreemptionCallback"
+    return PreemptionCallback
 
 
-class PreemptionCallback(_callback_base()):
-    """Installs SIGTERM/SIGUSR1 handlers; at the next step end asks the Trainer to save a checkpoint and stop."""
-
-    def __init__(self):
-        super().__init__()
-        install_signal_handlers()
-        self.agreement = FlagAgreement()
-        self.tokens_at_start: int | None = None
-        self.step_at_start: int | None = None
-        self.started_at: float | None = None
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        # Again here: model/distributed set-up may have replaced our handlers since __init__.
-        install_signal_handlers()
-        self.agreement = FlagAgreement(flag_group())
-        self.tokens_at_start = int(getattr(state, "num_input_tokens_seen", 0) or 0)
-        self.step_at_start = int(state.global_step)
-        self.started_at = time.time()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        global _preempted
-        # And at every step: a native library loaded during the first steps can take SIGTERM/SIGUSR1 with its own
-        # sigaction (seen on H200 with FSDP2: both then went to a C handler and training never stopped). Python
-        # still reports our handler then, so re-installing (one syscall per signal) is the only sure way back.
-        claim_preempt_signals()
-        if self.agreement.step(_preempt_requested):
-            _preempted = True
-            control.should_save = True
-            control.should_training_stop = True
-        return control
-
-    def on_train_end(self, args, state, control, **kwargs):
-        self.agreement.close()  # the reduction the last step end started (every rank has one)
-        return control
-
-    def on_save(self, args, state, control, **kwargs):
-        global _checkpoint_saved
-        _checkpoint_saved = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        return control
+def __getattr__(name: str):  # lifecycle.PreemptionCallback, built on first access (PEP 562)
+    if name == "PreemptionCallback":
+        return _preemption_callback_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 _CKPT = re.compile(r"^checkpoint-(\d+)$")
@@ -356,8 +366,9 @@ def copy_artifacts(src: str, dest_root: str, name: str) -> str:
     return str(atomic.copy_tree(src, final, ignore=None if keep else shutil.ignore_patterns("checkpoint-*")))
 
 
-def find_callback(trainer, cls=PreemptionCallback):
-    """The trainer's callback of type `cls`, or None."""
+def find_callback(trainer, cls=None):
+    """The trainer's callback of type `cls` (default: PreemptionCallback), or None."""
+    cls = cls or _preemption_callback_class()
     for cb in getattr(getattr(trainer, "callback_handler", None), "callbacks", []):
         if isinstance(cb, cls):
             return cb
