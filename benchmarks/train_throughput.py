@@ -1,8 +1,9 @@
-"""Ours vs the plain tool a user would run, each with its defaults, same data, same steps, one GPU, one run.
+"""Ours vs the plain tool a user would run, each with its defaults, same data, same steps, one run.
 
     python benchmarks/train_throughput.py sft   [--steps 40] [--work DIR]   # trl sft vs trainbox sft (Llama-3.2-1B shape)
+    python benchmarks/train_throughput.py sft --nproc 2 --kinds mix        # 8B shape on 2 GPUs, FSDP2 both sides
     python benchmarks/train_throughput.py qlora [--steps 20]                # plain PEFT+bitsandbytes vs trainbox qlora (8B)
-    python benchmarks/train_throughput.py grpo  [--steps 12]                # trl grpo vs trainbox grpo (1B, vLLM if present)
+    python benchmarks/train_throughput.py grpo  [--steps 12] [--plain vllm|defaults]  # trl grpo vs trainbox grpo (1B)
     python benchmarks/train_throughput.py check                             # packed == alone with the GPU's kernel
     python benchmarks/train_throughput.py memory [--steps 6]                # 8B full sft on one GPU: peak memory
 
@@ -114,6 +115,8 @@ def flops_per_token(model: Path, lens: list[int]) -> float:
 MEASURE = '''
 import json, os, time
 _out = os.environ.get("BENCH_MEASURE")
+if _out and os.environ.get("RANK", "0") != "0":  # several processes: one file per rank, joined by run()
+    _out = f"{_out}.rank{os.environ['RANK']}"
 if _out:
     import transformers
     from transformers import TrainerCallback
@@ -173,7 +176,8 @@ def measured_env(work: Path, label: str) -> tuple[dict, Path]:
     hook.mkdir(parents=True, exist_ok=True)
     (hook / "sitecustomize.py").write_text(MEASURE)
     out = work / f"{label}.json"
-    out.unlink(missing_ok=True)
+    for stale in (out, *work.glob(f"{label}.json.rank*")):
+        stale.unlink(missing_ok=True)
     env = dict(os.environ, BENCH_MEASURE=str(out), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
                PYTHONPATH=os.pathsep.join([str(hook), str(ROOT), os.environ.get("PYTHONPATH", "")]))
     return env, out
@@ -192,6 +196,12 @@ def run(label: str, argv: list[str], work: Path, log: Path) -> dict:
         # What was measured up to the end of training (a failed save comes after it) is still reported.
         return {**(json.loads(out.read_text()) if out.is_file() else {}), "label": label, "failed": True}
     res = json.loads(out.read_text())
+    ranks = [json.loads(p.read_text()) for p in sorted(out.parent.glob(out.name + ".rank*"))]
+    if ranks:  # several processes: real tokens/s per GPU is the mean of the ranks' own rates; peak is the largest
+        every = [res, *ranks]
+        res["per_gpu_tokens_per_s"] = sum(r["real_tokens"] / r["seconds"] for r in every) / len(every)
+        res["peak_gib"] = max(r["peak_gib"] for r in every)
+        res["ranks"] = len(every)
     res.update(label=label, wall=time.time() - t)
     return res
 
@@ -207,7 +217,7 @@ def peak_tflops() -> float:
 def show(res: dict, fpt: float, peak: float) -> dict:
     if res.get("failed"):
         return res
-    res["tokens_per_s"] = res["real_tokens"] / res["seconds"]
+    res["tokens_per_s"] = res.get("per_gpu_tokens_per_s") or res["real_tokens"] / res["seconds"]  # per GPU
     res["mfu"] = fpt * res["tokens_per_s"] / (peak * 1e12)
     print(f"RESULT {json.dumps({k: v for k, v in res.items() if k != 'losses'})}", flush=True)
     print(f"  {res['label']:<28} {res['tokens_per_s']:>9,.0f} real tok/s  MFU {100 * res['mfu']:5.1f} %  "
@@ -218,26 +228,31 @@ def show(res: dict, fpt: float, peak: float) -> dict:
 
 
 def sft(a) -> None:
+    """One GPU: the Llama-3.2-1B shape. `--nproc N` (N > 1): the Llama-3.1-8B shape on N GPUs, `trl sft` launched as
+    TRL's docs say (`--accelerate_config fsdp2 --num_processes N`: accelerate with TRL's FSDP2 config) vs `trainbox
+    sft --nproc-per-node N` (torchrun, its FSDP2 defaults); rates are real tokens/s per GPU, peaks the largest rank's."""
     work = Path(a.work)
     log = work / "sft.log"
-    model = make_model(work / "llama-1b", "llama-1b")
+    model = make_model(work / "llama-1b", "llama-1b") if a.nproc == 1 else make_model(work / "llama-8b", "llama-8b")
     peak = peak_tflops()
     common = ["--model_name_or_path", str(model), "--max_length", "2048", "--per_device_train_batch_size", "8",
               "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none", "--seed", "0",
               "--disable_tqdm", "true"]  # fmt: skip
     py = sys.executable
+    launch_trl = ["--accelerate_config", "fsdp2", "--num_processes", str(a.nproc)] if a.nproc > 1 else []
+    launch_ours = ["--nproc-per-node", str(a.nproc)] if a.nproc > 1 else []
 
     def trl(data, out, steps):
-        return [py, "-m", "trl.cli.main", "sft", "--dataset_name", str(data), "--output_dir", str(out),
+        return [py, "-m", "trl.cli.main", "sft", *launch_trl, "--dataset_name", str(data), "--output_dir", str(out),
                 "--max_steps", str(steps), *common]
 
     def ours(data, out, steps, *extra):
-        return [py, "-m", "entrypoints", "sft", "--dataset", str(data / "train.jsonl"), "--output_dir", str(out),
-                "--max_steps", str(steps), "--resume", "never", *common, *extra]
+        return [py, "-m", "entrypoints", "sft", *launch_ours, "--dataset", str(data / "train.jsonl"), "--output_dir",
+                str(out), "--max_steps", str(steps), "--resume", "never", *common, *extra]
 
     results = {}
     for kind in a.kinds:
-        lens = lengths(kind, a.steps * 8 * 6, 2048)
+        lens = lengths(kind, a.steps * 8 * 6 * a.nproc, 2048)
         data = write_chat(work / f"data-{kind}", lens)
         fpt = flops_per_token(model, lens)
         print(f"# sft {kind}: {len(lens)} rows, median {sorted(lens)[len(lens) // 2]} tokens, "
@@ -271,10 +286,18 @@ def summarize_sft(results: dict) -> None:
               if k.startswith(prefix) and k[len(prefix):].lstrip("-").isdigit() and "tokens_per_s" in r]
         return sum(xs) / len(xs) if xs else None
 
+    ranks = max((r.get("ranks", 1) for r in results.values()), default=1)
+    per = f" per GPU ({ranks} GPUs)" if ranks > 1 else ""
     for kind in ("mix", "uniform"):
         o, t = rate(f"{kind}-ours"), rate(f"{kind}-trl")
         if o and t:
-            print(f"SUMMARY sft {kind}: ours {o:,.0f} vs trl sft {t:,.0f} real tok/s = {o / t:.2f}x", flush=True)
+            print(f"SUMMARY sft {kind}: ours {o:,.0f} vs trl sft {t:,.0f} real tok/s{per} = {o / t:.2f}x", flush=True)
+    for who in ("ours", "trl"):
+        peaks = [r["peak_gib"] for k, r in results.items() if f"-{who}-" in k and "peak_gib" in r]
+        failed = [k for k, r in results.items() if f"-{who}-" in k and r.get("failed")]
+        if peaks or failed:
+            print(f"SUMMARY sft {who}: peak {max(peaks, default=0):.2f} GiB{' per GPU' if ranks > 1 else ''}"
+                  + (f"; FAILED: {', '.join(failed)}" if failed else ""), flush=True)
     mfu = [r["mfu"] for k, r in results.items() if k.startswith("uniform-ours") and "mfu" in r]
     if mfu:
         print(f"SUMMARY sft uniform 2048: ours MFU {100 * max(mfu):.1f} %", flush=True)
@@ -407,9 +430,14 @@ def grpo(a) -> None:
               "none", "--seed", "0", "--disable_tqdm", "true"]  # fmt: skip
     py = sys.executable
 
+    plain = a.plain or ("vllm" if importlib.util.find_spec("vllm") else "defaults")
+    # What TRL's docs show for vLLM: colocate mode, TRL's own memory share and sleep settings.
+    plain_vllm = ["--use_vllm", "true", "--vllm_mode", "colocate"] if plain == "vllm" else []
+
     def trl(out, steps):
         return [py, "-m", "trl.cli.main", "grpo", "--dataset_name", str(data), "--output_dir", str(out),
-                "--max_steps", str(steps), "--reward_funcs", *[f"entrypoints.rewards.{r}" for r in rewards], *common]
+                "--max_steps", str(steps), "--reward_funcs", *[f"entrypoints.rewards.{r}" for r in rewards], *common,
+                *plain_vllm]
 
     def ours(out, steps):
         return [py, "-m", "entrypoints", "grpo", "--dataset", str(data / "train.jsonl"), "--output_dir", str(out),
@@ -417,7 +445,8 @@ def grpo(a) -> None:
                 ",".join(f"rewards:{r}" for r in rewards), *common]
 
     print(f"# grpo: llama-1b shape, 16 completions/step (2 prompts x 8), 256 completion tokens; vllm "
-          f"{'installed' if importlib.util.find_spec('vllm') else 'NOT installed'}", flush=True)
+          f"{'installed' if importlib.util.find_spec('vllm') else 'NOT installed'}; plain = trl grpo with "
+          f"{'vLLM colocate' if plain == 'vllm' else 'its defaults (transformers generate)'}", flush=True)
     results = {}
     run("warmup", trl(work / "o-warm", 3), work, log)  # a fresh GPU's first process: not reported
     for i, (who, fn) in enumerate([("trl", trl), ("ours", ours), ("ours", ours), ("trl", trl)][: a.runs]):
@@ -434,7 +463,7 @@ def grpo(a) -> None:
     o = [r["steps_per_s"] for k, r in results.items() if "-ours-" in k and "steps_per_s" in r]
     t = [r["steps_per_s"] for k, r in results.items() if "-trl-" in k and "steps_per_s" in r]
     if o and t:
-        print(f"SUMMARY grpo: ours {sum(o) / len(o):.3f} vs trl grpo {sum(t) / len(t):.3f} steps/s = "
+        print(f"SUMMARY grpo: ours {sum(o) / len(o):.3f} vs trl grpo ({plain}) {sum(t) / len(t):.3f} steps/s = "
               f"{sum(o) / len(o) / (sum(t) / len(t)):.2f}x (runs {o} vs {t})", flush=True)
     json.dump(results, open(work / "grpo-results.json", "w"), indent=1, default=str)
 
@@ -479,6 +508,10 @@ def main() -> None:
     ap.add_argument("what", choices=["sft", "qlora", "grpo", "check", "memory"])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--kinds", nargs="+", default=["mix", "uniform"], choices=["mix", "uniform"])
+    ap.add_argument("--nproc", type=int, default=1, help="sft: GPUs (> 1: the 8B shape, FSDP2 on both sides)")
+    ap.add_argument("--plain", choices=["vllm", "defaults"], default=None,
+                    help="grpo: the plain run is TRL's GRPOTrainer with vLLM colocate (what TRL's docs show; the "
+                         "default where vllm imports) or with its defaults (transformers generate)")
     ap.add_argument("--runs", type=int, default=4, help="qlora, grpo: how many of plain, ours, ours, plain")
     ap.add_argument("--no-loss-check", dest="loss_check", action="store_false")
     ap.add_argument("--loss-only", action="store_true", help="sft: only plain TRL vs ours on the same padded batches")
