@@ -281,6 +281,9 @@ def run_worker(a, rank, hosts, base, env) -> int:
         log(f"worker node {rank}: the head is gone; leaving")
         head_gone = True
         return 0
+    except KeyboardInterrupt:  # SIGTERM: Slurm ends the step and SIGKILLs after KillWait (30 s by default),
+        head_gone = True       # which a 30 s drain would reach: its 137 would become the job's exit code
+        raise
     finally:
         _stop(proc, grace=0 if head_gone else 30.0)
 
