@@ -274,16 +274,7 @@ def test_grpo_one_node_split_end_to_end_wiring(tmp_path, tiny_model):
     assert not vllm_server.healthy("127.0.0.1", port, timeout=1)  # the launcher stopped its server
 
 
-@pytest.fixture(scope="module")
-def slurm2():
-    """The cluster with two netns nodes (as in test_slurm_multinode.py); stopped afterwards only if started here."""
-    from devenv import slurm as devslurm
-
-    was_up = devslurm.answers(devslurm.load_state(), netns_nodes=2)
-    info = devslurm.up(cpus=max(2, os.cpu_count() or 2), netns_nodes=2)
-    yield dict(os.environ, SLURM_CONF=info["conf"]), info["netns_partition"]
-    if not was_up:
-        devslurm.down()
+from test_slurm_multinode import slurm2  # noqa: E402,F401  (module fixture: the cluster with two netns nodes)
 
 
 @pytest.mark.slurm
