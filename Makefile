@@ -35,11 +35,23 @@ system-deps: ## the Debian packages above (root; a no-op when all are present)
 
 setup: .venv/.installed ## .venv: the host package, the test tools and the smoke cell's training stack (CPU torch)
 
+# The CPU build of torch (the smoke cell's): a wheel pip already has locally (its configured find-links, PIP_FIND_LINKS:
+# a wheelhouse) is taken as is; else it comes from PyTorch's CPU index, matrix.toml's [index] torch for variant `cpu`
+# (TORCH_INDEX=URL: a mirror). Never from the default index, whose torch is the CUDA build with several GB of nvidia-*.
+TORCH_PIN := $(shell python3 -c 'import tomllib; print(next(r.split("==")[1] for r in tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["train"] if r.startswith("torch==")))')
+TORCH_INDEX ?= $(shell python3 -c 'import tomllib; print(tomllib.load(open("matrix.toml", "rb"))["index"]["torch"].format(variant="cpu"))')
+
 # Re-run only when the package's dependencies change.
 .venv/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
+	@if $(PIP) install -q --no-index --no-deps torch==$(TORCH_PIN) 2>/dev/null; then \
+	  echo "torch $(TORCH_PIN): a local wheel (pip's find-links)"; \
+	else \
+	  echo "torch $(TORCH_PIN)+cpu from $(TORCH_INDEX) (about 200 MB; TORCH_INDEX=URL for a mirror)"; \
+	  $(PIP) install -q --index-url $(TORCH_INDEX) torch==$(TORCH_PIN)+cpu; \
+	fi
+	$(PY) -c 'import torch, sys; sys.exit(0 if torch.version.cuda is None else "error: .venv has a CUDA torch build: remove .venv and run make setup again")'
 	$(PIP) install -q -e '.[dev,train]'
 	touch $@
 
