@@ -23,7 +23,7 @@ build: system-deps setup engine bases ## install what is missing, then build + p
 	$(PY) build.py --cell smoke --config .cache/bases.toml --wheelhouse .cache/wheels --push --registry $(REGISTRY)
 
 test: system-deps setup ## everything: unit, rendered files, real images (starts the engine itself), Slurm
-	$(PY) -m pytest -ra tests
+	$(PY) -m pytest -ra --durations=40 tests
 
 system-deps: ## the Debian packages above (root; a no-op when all are present)
 	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
