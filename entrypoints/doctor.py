@@ -10,7 +10,7 @@ Exit codes:
      image only through CUDA minor-version compatibility, a package version that differs from the image record
   2  bad usage
 Broken wins over no-GPU, which wins over fallback. WARN rows (the fabric: RDMA ports, GPUDirect RDMA, /dev/shm,
-libibverbs, the network NCCL loads) name a fix but change no exit code: one node trains without RDMA. Every check runs in a child process (an import that crashes or
+libibverbs, the network NCCL loads; a package changed against the image's pip constraints) name a fix but change no exit code: one node trains without RDMA. Every check runs in a child process (an import that crashes or
 hangs becomes a failed row, not a dead doctor); nothing here needs torch, so a light image without torch is fine.
 """
 
@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from importlib import metadata
 
-from entrypoints import attention, fabric, imageinfo
+from entrypoints import attention, constraints, fabric, imageinfo
 
 EXIT_OK, EXIT_BROKEN, EXIT_NO_GPU, EXIT_FALLBACK = 0, 1, 3, 4
 VERDICTS = {EXIT_OK: "ok", EXIT_BROKEN: "broken", EXIT_NO_GPU: "no-gpu", EXIT_FALLBACK: "fallback"}
@@ -409,6 +409,27 @@ def evaluate(info: dict | None, smi: dict, probes: dict[str, dict], installed: d
     return checks
 
 
+def constraints_check(pins: dict[str, tuple[str, str]], installed: dict[str, str], path: str) -> Check | None:
+    """A WARN naming each installed package that differs from the image's constraints file (someone installed with
+    `PIP_CONSTRAINT= pip install ...`); no row where there is no file. PINS from constraints.pins, INSTALLED by
+    normalised name. Not a fallback: the record's own packages are the version rows' job."""
+    if not pins:
+        return None
+    changed = [f"{name} {installed[key]} (pinned {version})" for key, (name, version) in sorted(pins.items())
+               if key in installed and not same_version(version, installed[key])]
+    if not changed:
+        return Check("constraints", "ok", f"the installed packages match {path} ({len(pins)} pins)")
+    return Check("constraints", "warn", f"installed against {path}: {', '.join(changed)}; the image was tested with "
+                                        "the pinned versions: put them back with `pip install NAME==VERSION`")
+
+
+def installed_all() -> dict[str, str]:
+    """Normalised name -> version of every installed distribution."""
+    from entrypoints.constraints import norm
+
+    return {norm(d.metadata["Name"]): d.version for d in metadata.distributions() if d.metadata["Name"]}
+
+
 def probed_usable(name: str, probes: dict[str, dict]) -> str | None:
     """attention.decide's `usable` from doctor's probes (the trainers run the same kernels in-process)."""
     if name == "sdpa":
@@ -498,6 +519,9 @@ def main(argv: list[str]) -> int:
         probes.pop("torch")
     installed = {d: installed_version(d) for d in ((info or {}).get("versions") or {})}
     checks = evaluate(info, smi, probes, installed, record_error, fabric_facts)
+    drift = constraints_check(constraints.pins(), installed_all(), constraints.PATH)
+    if drift:
+        checks.append(drift)
     code = exit_code(checks)
     host = {"hostname": socket.gethostname(), "machine": platform.machine(), "python": platform.python_version(),
             "nvidia_smi": smi, "probes": probes, "fabric": fabric_facts}

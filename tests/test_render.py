@@ -131,14 +131,17 @@ def test_image_contract(tag):
         assert k in labels
     for pkg, ver in cell.pins.items():
         assert f'io.trainbox.version.{pkg}="{cell.requirement(pkg).split("==")[1]}"' in labels
-    # The entrypoints layer is the last COPY; only the help texts rendered from it (one RUN, as root) and ARG/LABEL
-    # (no layers) follow it, so a code change rebuilds two small layers.
+    # The entrypoints layer is the last COPY; only the help texts rendered from it (one RUN, as root), the constraints
+    # file (one RUN + ENV, test_constraints_step_in_every_image) and ARG/LABEL (no layers) follow it, so a code change
+    # rebuilds three small layers.
     last_copy = max(i for i, (w, r) in enumerate(ins) if w in ("COPY", "ADD"))
     assert ins[last_copy] == ("COPY", "entrypoints/ /opt/trainbox/entrypoints/")
-    assert ins[last_copy + 1: last_copy + 4] == [("USER", "root"), (
+    assert ins[last_copy + 1: last_copy + 3] == [("USER", "root"), (
         "RUN", "HOME=/tmp/help-home TRAINBOX_HELP_DIR=/opt/trainbox/help python -m entrypoints.helpcache && rm -rf "
-               "/tmp/help-home"), ("USER", "1000:1000")]
-    assert {w for w, _ in ins[last_copy + 4:]} <= {"ARG", "LABEL"}
+               "/tmp/help-home")]
+    assert [w for w, _ in ins[last_copy + 3: last_copy + 5]] == ["RUN", "ENV"]
+    assert ins[last_copy + 5] == ("USER", "1000:1000")
+    assert {w for w, _ in ins[last_copy + 6:]} <= {"ARG", "LABEL"}
     # Hash-checked install from the venv's lock, wheelhouse first.
     assert f"COPY locks/.gitkeep locks/{cell.venv}.tx[t] /tmp/trainbox/locks/" in text
     hint = f"--lock --cuda {cell.cuda} --arch {cell.arch}" if cell.cuda else f"--lock {tag}"
@@ -288,3 +291,22 @@ def test_gpu_images_carry_the_fabric_and_ask_enroot_for_hcas(tag):
         assert (re.search(rf"\b{re.escape(pkg)}\b", apt[0]) is not None) == bool(cell.cuda), (tag, pkg)
     for k, v in fabric["env"].items():
         assert (f"{k}={v}" in env.split()) == bool(cell.cuda), (tag, k)
+
+
+@pytest.mark.parametrize("tag", sorted(CELLS))
+def test_constraints_step_in_every_image(tag):
+    """The runtime ships the venv's lock and writes the pip/uv constraints file from it during the build (so it can't
+    drift from the lock), puts the one-line `pip` in front of pip, and makes pip and uv read the file."""
+    cell = CELLS[tag]
+    ins = instructions(render.render(cell))
+    runtime = ins[max(i for i, (w, _) in enumerate(ins) if w == "FROM"):]
+    assert ("COPY", f"--from=deps /tmp/trainbox/locks/{cell.venv}.txt /etc/trainbox/lock.txt") in runtime
+    run = [r for w, r in runtime if w == "RUN" and "entrypoints.constraints" in r]
+    assert len(run) == 1 and run[0].startswith(
+        "python -m entrypoints.constraints /etc/trainbox/lock.txt -o /etc/trainbox/constraints.txt")
+    assert f"for p in pip pip3 pip{cell.python}; do" in run[0] and "-m entrypoints.pipwrap" in run[0]
+    # The ENV right after the file exists; no pip install in the runtime stage runs under it.
+    at = runtime.index(("RUN", run[0]))
+    assert runtime[at + 1][0] == "ENV" and " ".join(runtime[at + 1][1].split()) == (
+        "PIP_CONSTRAINT=/etc/trainbox/constraints.txt UV_CONSTRAINT=/etc/trainbox/constraints.txt")
+    assert not any("pip install" in r for w, r in runtime if w == "RUN")
