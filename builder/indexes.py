@@ -30,6 +30,18 @@ def needed(cell: Cell) -> list[str]:
     return out
 
 
+# The packages each variant index is the one home of (PyTorch's index serves these builds per CUDA variant; vLLM's
+# serves vLLM's). Only those the cell pins are routed: a source needs a direct requirement.
+FAMILIES = {"torch": ("torch", "torchvision", "torchaudio", "triton"), "vllm": ("vllm",)}
+
+
+def routes(cell: Cell) -> dict[str, str]:
+    """Package -> the one index it resolves from, for every pinned package a variant index serves; every other
+    package resolves from the default index alone (never best-match across indexes: dependency confusion)."""
+    return {pkg: name for name in needed(cell) if name in FAMILIES
+            for pkg in FAMILIES[name] if pkg in cell.pins}
+
+
 def parse_overrides(pairs: list[str] | None, config: dict | None = None, env=None) -> dict[str, str]:
     """NAME -> URL template from the environment, then a config's [index] table, then --index NAME=URL."""
     env = os.environ if env is None else env

@@ -4,17 +4,20 @@ locks are made on an x86 host), through the indexes the cell needs (builder/inde
 - locks/<venv>.txt: the shared venv (every cell of one CUDA, arch and stack uses the same file, hence the same layer).
 - locks/<tag>.attention.txt: a prebuilt FlashAttention wheel, by version and hash, installed in its own small layer.
 
-Each lock starts with a header recording a hash of its inputs (pins, python, platform, index names - never URLs);
-`is_fresh()` recomputes it without any network. `ensure()` is the build's lock step: it locks what is missing or
+Each lock starts with a header recording a hash of its inputs (pins, python, platform, index names and which package
+comes from which index - never URLs) and, as a comment outside that hash, the redacted URLs it was resolved from;
+`is_fresh()` recomputes the hash without any network. `ensure()` is the build's lock step: it locks what is missing or
 stale before anything is built (all resolves first, then the writes, each atomic), or with `frozen` refuses.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from builder import indexes
@@ -24,6 +27,8 @@ from builder.matrix import ROOT, Cell
 
 HEADER = "# trainbox lock for {name} ({platform}, python {python}); regenerate: python build.py --lock {tag}\n"
 INPUTS = "# inputs-sha256: {digest}\n"
+# What the lock was resolved from (redacted URLs): a comment, outside the inputs digest (a mirror must not make it stale).
+RESOLVED = "# resolved from: {sources}\n"
 UV_TIMEOUT_S = "60"
 
 
@@ -39,6 +44,9 @@ def inputs_digest(cell: Cell) -> str:
     """What the venv lock depends on; indexes are named, never given by URL (a mirror must not make it stale)."""
     parts = [requirements_in(cell), cell.python, cell.uv_platform, cell.torch_variant or "",
              ",".join(n for n in indexes.needed(cell) if n != "flash"), "v1"]   # flash: the attention lock's
+    routes = indexes.routes(cell)
+    if routes:  # which package comes from which index is an input (cells without variant indexes keep their digest)
+        parts.append(json.dumps(routes, sort_keys=True))
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
@@ -70,16 +78,23 @@ SOURCE_MARK = "# source: "   # an attention lock with this line and no requireme
 
 
 def _uv(cell: Cell, what: str, requirements: str, args: list[str], urls: dict[str, str],
-        unsatisfiable_ok: bool = False) -> str | None:
+        unsatisfiable_ok: bool = False, project: str | None = None) -> str | None:
     """uv's lock text; None where `unsatisfiable_ok` and the index answered but has no matching wheel (uv exits 1
-    with "No solution found"; an unreachable index exits 2 and stays an error)."""
-    cmd = [uv_binary(), "pip", "compile", "-", "--quiet", "--generate-hashes", "--no-header",
-           "--python-version", cell.python, "--python-platform", cell.uv_platform, "--no-build", *args]
+    with "No solution found"; an unreachable index exits 2 and stays an error). PROJECT: a pyproject.toml text to
+    resolve instead of the REQUIREMENTS (the per-package index routing lives there)."""
     env = dict(os.environ)
     env.setdefault("SSL_CERT_FILE", "/etc/ssl/certs/ca-certificates.crt")
     env.setdefault("UV_NATIVE_TLS", "1")
     env.setdefault("UV_HTTP_TIMEOUT", UV_TIMEOUT_S)
-    proc = subprocess.run(cmd, input=requirements, capture_output=True, text=True, env=env)
+    with tempfile.TemporaryDirectory(prefix="trainbox-lock-") as tmp:
+        source = "-"
+        if project is not None:
+            (Path(tmp) / "pyproject.toml").write_text(project, encoding="utf-8")
+            source = "pyproject.toml"   # relative: uv's "# via" comments then name no temporary path
+        cmd = [uv_binary(), "pip", "compile", source, "--quiet", "--generate-hashes", "--no-header",
+               "--python-version", cell.python, "--python-platform", cell.uv_platform, "--no-build", *args]
+        proc = subprocess.run(cmd, input=requirements if project is None else None, capture_output=True, text=True,
+                              env=env, cwd=tmp)
     if unsatisfiable_ok and proc.returncode == 1 and "No solution found" in proc.stderr:
         return None
     if proc.returncode != 0:
@@ -93,24 +108,55 @@ def _uv(cell: Cell, what: str, requirements: str, args: list[str], urls: dict[st
     return proc.stdout
 
 
+def project_text(cell: Cell, urls: dict[str, str]) -> str:
+    """A pyproject.toml whose explicit indexes serve only the packages routed to them (indexes.routes): the torch
+    family from the torch index, vLLM from the vLLM index, everything else from the default index alone. Never
+    best-match across indexes: a higher `numpy` on the torch index must not win (the torchtriton shape of attack)."""
+    routes = indexes.routes(cell)
+    lines = ["[project]", 'name = "trainbox-lock-input"', 'version = "0"',
+             "dependencies = [" + ", ".join(json.dumps(r) for r in cell.requirements()) + "]", ""]
+    for name in sorted(set(routes.values())):
+        lines += ["[[tool.uv.index]]", f"name = {json.dumps(name)}", f"url = {json.dumps(urls[name])}",
+                  "explicit = true", ""]
+    lines.append("[tool.uv.sources]")
+    lines += [f"{pkg} = {{ index = {json.dumps(name)} }}" for pkg, name in sorted(routes.items())]
+    return "\n".join(lines) + "\n"
+
+
+def resolved_from(cell: Cell, urls: dict[str, str], default: str, links: list[str]) -> str:
+    """The header's record of where a lock's packages came from (credentials redacted, local paths as given)."""
+    routes = indexes.routes(cell)
+    out = [f"default = {indexes.redact(default) if default else '(the installer default index)'}"]
+    for name, u in urls.items():
+        pkgs = sorted(p for p, n in routes.items() if n == name)
+        out.append(f"{name} = {indexes.redact(u)}" + (f" (only {', '.join(pkgs)})" if pkgs else ""))
+    out += [f"find-links = {_shown(d)}" for d in links]
+    return RESOLVED.format(sources="; ".join(out))
+
+
+def _shown(path: str) -> str:
+    """A find-links folder as the header names it: repository-relative, else no machine path in a committed lock."""
+    try:
+        return str(Path(path).resolve().relative_to(ROOT.resolve()))
+    except ValueError:
+        return "a local wheel folder (PIP_FIND_LINKS or /opt/wheels)"
+
+
 def compile_lock(cell: Cell, overrides: dict[str, str] | None = None) -> str:
     """The venv lock's text (no file is written)."""
     args: list[str] = []
-    for d in find_links(cell):
+    links = find_links(cell)
+    for d in links:
         args += ["--find-links", d]
     urls = {n: indexes.url(cell, n, overrides) for n in indexes.needed(cell) if n != "flash"}
     default = indexes.url(cell, "default", overrides)
     if default:
         args += ["--default-index", default]
-    for url in urls.values():
-        args += ["--extra-index-url", url]
-    if urls:
-        # The variant indexes also carry common packages (numpy...); take each package's best version anywhere.
-        args += ["--index-strategy", "unsafe-best-match"]
     body = _uv(cell, f"locks/{cell.venv}.txt", requirements_in(cell), args,
-               {**({"default": default} if default else {}), **urls})
+               {**({"default": default} if default else {}), **urls},
+               project=project_text(cell, urls) if urls else None)
     return (HEADER.format(name=cell.venv, platform=cell.uv_platform, python=cell.python, tag=cell.tag)
-            + INPUTS.format(digest=inputs_digest(cell)) + body)
+            + INPUTS.format(digest=inputs_digest(cell)) + resolved_from(cell, urls, default, links) + body)
 
 
 def compile_attention_lock(cell: Cell, overrides: dict[str, str] | None = None) -> str:
@@ -125,7 +171,8 @@ def compile_attention_lock(cell: Cell, overrides: dict[str, str] | None = None) 
         body = (f"{SOURCE_MARK}index flash has no {attention_requirement(cell)} wheel for {cell.uv_platform}, python "
                 f"{cell.python}: compiled from matrix.toml's source (native builder only)\n")
     return (HEADER.format(name=f"{cell.tag}.attention", platform=cell.uv_platform, python=cell.python, tag=cell.tag)
-            + INPUTS.format(digest=attention_digest(cell)) + body)
+            + INPUTS.format(digest=attention_digest(cell)) + RESOLVED.format(sources=f"flash = {indexes.redact(url)}")
+            + body)
 
 
 def attention_how(cell: Cell, root: Path | str = ROOT) -> str | None:
