@@ -1,0 +1,523 @@
+"""An image's SBOM (CycloneDX 1.6 JSON), built from what is in the image, and attached to it in a registry.
+
+`generate(IMAGE)` runs the image once (`docker run --rm --network none --entrypoint /bin/sh`) and reads every Python
+distribution /opt/venv's python sees (importlib.metadata, as `pip list` does) and every installed Debian package
+(dpkg-query, status `ii`), then adds what the host knows: the sha256 hashes of the cell's lock (locks/<venv>.txt,
+and locks/<tag>.attention.txt for the attention wheel) for the packages installed at the locked version, the base
+image (org.opencontainers.image.base.name/.digest labels) and the image labels. The document is written by hand
+(a flat list of components with purls, hashes and properties): cyclonedx-python-lib would add five packages to the
+host for the same mapping code. Same image -> same bytes (serial number and timestamp come from the image).
+
+`attach(SBOM, REGISTRY_REF)` pushes it as an OCI 1.1 artifact (artifactType application/vnd.cyclonedx+json) whose
+`subject` is the image manifest REGISTRY_REF names (for an index: the manifest of the SBOM's platform, since an SBOM
+describes one platform's files). Registries without the Referrers API (distribution 2.8, the local one) get the
+spec's fallback, the `sha256-<hex>` tag holding an index of referrers, as oras and cosign do. `read_back` finds it.
+
+CLI: `python -m builder.sbom IMAGE_REF --output FILE [--attach REGISTRY_REF]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import datetime
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from urllib.parse import quote
+
+from packaging.utils import canonicalize_name
+
+from builder.errors import UserError, reports_user_errors
+from entrypoints import atomic
+
+ROOT = Path(__file__).resolve().parents[1]
+MEDIA_TYPE = "application/vnd.cyclonedx+json"
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+OCI_INDEX = "application/vnd.oci.image.index.v1+json"
+OCI_EMPTY = "application/vnd.oci.empty.v1+json"
+MANIFEST_TYPES = [OCI_MANIFEST, OCI_INDEX, "application/vnd.docker.distribution.manifest.v2+json",
+                  "application/vnd.docker.distribution.manifest.list.v2+json"]
+INDEX_TYPES = (OCI_INDEX, "application/vnd.docker.distribution.manifest.list.v2+json")
+VENV_PYTHON = "/opt/venv/bin/python"
+
+# Inside the image: sections for os-release, installed Debian packages, the venv's distributions.
+_PY_PROBE = r"""
+import importlib.metadata as m, json, re, sys
+seen, dists = set(), []
+for d in m.distributions():  # sys.path order, first one of a name wins: what pip list shows
+    name = d.metadata["Name"]
+    key = re.sub(r"[-_.]+", "-", name or "").lower()
+    if not name or key in seen:
+        continue
+    seen.add(key)
+    item = {"name": name, "version": d.version}
+    du = d.read_text("direct_url.json")
+    if du:
+        item["direct_url"] = json.loads(du)
+    dists.append(item)
+print(json.dumps({"python": sys.version.split()[0], "dists": dists}))
+"""
+_PROBE = f"""
+echo '@@os'; cat /etc/os-release 2>/dev/null || :
+echo '@@deb'
+if command -v dpkg-query >/dev/null 2>&1; then
+  dpkg-query -W -f '${{db:Status-Abbrev}}\\t${{Package}}\\t${{Version}}\\t${{Architecture}}\\t${{source:Package}}\\n'
+fi
+echo '@@py'
+if [ -x {VENV_PYTHON} ]; then {VENV_PYTHON} -c "$0"; fi
+"""
+
+
+def _docker() -> str:
+    from builder.enroot import docker_cli  # one home for "which CLI talks to the engine"
+
+    return docker_cli()
+
+
+def probe(image_ref: str, docker: str | None = None) -> dict:
+    """What is installed in IMAGE: {"os": {...}, "deb": [(name, version, arch, source)], "py": {...} or None}."""
+    docker = docker or _docker()
+    # The image's own environment (PYTHONPATH included), as `pip list` inside it sees the venv.
+    r = subprocess.run([docker, "run", "--rm", "--network", "none", "--entrypoint", "/bin/sh", image_ref, "-c",
+                        _PROBE, _PY_PROBE], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise UserError(f"reading the contents of {image_ref} failed (exit {r.returncode}): "
+                        f"{r.stderr.strip()[-500:] or 'no output'}",
+                        fix="the image must be in the local engine and have /bin/sh; build or pull it first")
+    sections: dict[str, list[str]] = {}
+    cur = None
+    for line in r.stdout.splitlines():
+        if line.startswith("@@"):
+            cur = sections.setdefault(line[2:], [])
+        elif cur is not None:
+            cur.append(line)
+    os_release = {}
+    for line in sections.get("os", []):
+        k, sep, v = line.partition("=")
+        if sep:
+            os_release[k] = v.strip().strip('"')
+    debs = []
+    for line in sections.get("deb", []):
+        status, name, version, arch, source = (line.split("\t") + [""] * 5)[:5]
+        if status.strip() == "ii":
+            debs.append((name, version, arch, source.split(" ")[0] or name))
+    py_text = "\n".join(sections.get("py", [])).strip()
+    return {"os": os_release, "deb": debs, "py": json.loads(py_text) if py_text else None}
+
+
+# ---------------------------------------------------------------- locks
+
+_REQ_RE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?==([^\s;\\]+)")
+_HASH_RE = re.compile(r"--hash=sha256:([0-9a-f]{64})")
+
+
+def lock_hashes(path: Path) -> dict[str, tuple[str, list[str]]]:
+    """{canonical name: (version, [sha256...])} of a hash-locked requirements file (uv pip compile's output)."""
+    out: dict[str, tuple[str, list[str]]] = {}
+    current = None
+    for line in path.read_text(encoding="utf-8").splitlines():
+        m = _REQ_RE.match(line)
+        if m:
+            current = canonicalize_name(m.group(1))
+            out[current] = (m.group(2), [])
+        if current:
+            out[current][1].extend(_HASH_RE.findall(line))
+        if not line.rstrip().endswith("\\"):
+            current = None
+    return out
+
+
+def find_cell(tag: str | None, root: Path = ROOT):
+    """The matrix cell with this tag (io.trainbox.tag), or None (no matrix here, or an image from elsewhere)."""
+    if not tag or not (root / "matrix.toml").is_file():
+        return None
+    from builder.matrix import load_matrix
+
+    try:
+        return next((c for c in load_matrix(root / "matrix.toml").cells if c.tag == tag), None)
+    except UserError:
+        return None
+
+
+# ---------------------------------------------------------------- the document
+
+def _purl_part(s: str) -> str:
+    return quote(s, safe=".-_~")
+
+
+def _prop(name: str, value) -> dict:
+    return {"name": name, "value": str(value)}
+
+
+def _sha256_list(hashes: list[str]) -> list[dict]:
+    return [{"alg": "SHA-256", "content": h} for h in dict.fromkeys(hashes)]
+
+
+def _base_component(labels: dict) -> dict | None:
+    name = labels.get("org.opencontainers.image.base.name")
+    if not name:
+        return None
+    digest = labels.get("org.opencontainers.image.base.digest") or ""
+    repo, tag = name, ""
+    if "@" in repo:
+        repo, _, at = repo.partition("@")
+        digest = digest or at
+    last = repo.rsplit("/", 1)[-1]
+    if ":" in last:
+        repo, _, tag = repo.rpartition(":")
+    qual = [f"repository_url={_purl_part(repo)}"] + ([f"tag={_purl_part(tag)}"] if tag else [])
+    purl = f"pkg:oci/{_purl_part(repo.rsplit('/', 1)[-1])}" + (f"@{_purl_part(digest)}" if digest else "") + \
+        "?" + "&".join(qual)
+    comp = {"type": "container", "bom-ref": "base-image", "name": name, "purl": purl,
+            "properties": [_prop("trainbox:role", "base image")]}
+    if digest:
+        comp["version"] = digest
+        comp["hashes"] = _sha256_list([digest.split(":", 1)[1]]) if digest.startswith("sha256:") else []
+    else:
+        comp["properties"].append(_prop("trainbox:base-digest", "not recorded (label org.opencontainers.image."
+                                                                "base.digest missing)"))
+    return comp
+
+
+def generate(image_ref: str, cell=None, docker: str | None = None, root: Path = ROOT) -> dict:
+    """The CycloneDX 1.6 SBOM of IMAGE_REF (a local image) as a dict. CELL (a matrix Cell) names the locks; None
+    finds it by the image's io.trainbox.tag label."""
+    from builder.enroot import inspect_image
+
+    inspect = inspect_image(image_ref, docker)
+    cfg = inspect.get("Config") or {}
+    labels = cfg.get("Labels") or {}
+    found = probe(image_ref, docker)
+    cell = cell or find_cell(labels.get("io.trainbox.tag"), root)
+
+    locked: dict[str, tuple[str, list[str]]] = {}
+    attention: dict[str, tuple[str, list[str]]] = {}
+    lock_files = []
+    if cell is not None:
+        if (root / cell.lock).is_file():
+            locked = lock_hashes(root / cell.lock)
+            lock_files.append(str(cell.lock))
+        if cell.attention_lock and (root / cell.attention_lock).is_file():
+            attention = lock_hashes(root / cell.attention_lock)
+            lock_files.append(str(cell.attention_lock))
+
+    components = []
+    for d in (found["py"] or {}).get("dists", []):
+        key = canonicalize_name(d["name"])
+        comp = {"type": "library", "bom-ref": f"pkg:pypi/{key}@{_purl_part(d['version'])}", "name": d["name"],
+                "version": d["version"], "purl": f"pkg:pypi/{key}@{_purl_part(d['version'])}"}
+        props = []
+        for source, table in (("lock", locked), ("attention lock", attention)):
+            if key in table:
+                version, hashes = table[key]
+                if version == d["version"]:
+                    comp["hashes"] = _sha256_list(hashes)
+                    props.append(_prop("trainbox:hashes", f"{source} (the installed file matched one of them)"))
+                else:
+                    props.append(_prop("trainbox:lock-version", f"{version} in the {source}, {d['version']} installed"))
+                if source == "attention lock":
+                    props.append(_prop("trainbox:role", "attention wheel"))
+        if d.get("direct_url"):
+            props.append(_prop("trainbox:direct_url", json.dumps(d["direct_url"], sort_keys=True)))
+        if props:
+            comp["properties"] = props
+        components.append(comp)
+
+    distro = found["os"].get("ID", "debian")
+    distro_q = f"{distro}-{found['os']['VERSION_ID']}" if found["os"].get("VERSION_ID") else distro
+    for name, version, arch, source in found["deb"]:
+        purl = f"pkg:deb/{_purl_part(distro)}/{_purl_part(name)}@{_purl_part(version)}?arch={arch}&distro={distro_q}"
+        if source != name:
+            purl += f"&upstream={_purl_part(source)}"
+        components.append({"type": "library", "bom-ref": purl, "name": name, "version": version, "purl": purl})
+    if found["os"]:
+        components.append({"type": "operating-system", "bom-ref": "os", "name": found["os"].get("ID", "linux"),
+                           "version": found["os"].get("VERSION_ID", ""),
+                           "description": found["os"].get("PRETTY_NAME", "")})
+    base = _base_component(labels)
+    if base:
+        components.append(base)
+    components.sort(key=lambda c: (c["type"], c["name"].lower(), c.get("version", "")))
+
+    image_id = inspect["Id"]
+    created = _timestamp(inspect.get("Created"))
+    props = [_prop(k, v) for k, v in sorted(labels.items())]
+    props += [_prop("trainbox:image-id", image_id), _prop("trainbox:platform",
+                                                          f"{inspect.get('Os')}/{inspect.get('Architecture')}")]
+    props += [_prop("trainbox:lock", f) for f in lock_files]
+    if found["py"]:
+        props.append(_prop("trainbox:python", found["py"]["python"]))
+    title = image_ref.rsplit("@", 1)[0]
+    name, _, tag = title.rpartition(":") if ":" in title.rsplit("/", 1)[-1] else (title, "", "")
+    subject = {"type": "container", "bom-ref": "image", "name": name,
+               "version": labels.get("org.opencontainers.image.version") or tag or image_id,
+               "hashes": _sha256_list([image_id.split(":", 1)[1]]), "properties": props}
+    return {
+        "bomFormat": "CycloneDX",
+        "specVersion": "1.6",
+        # the same image gives the same document (a sidecar next to a reproducible .sqsh stays reproducible)
+        "serialNumber": f"urn:uuid:{uuid.uuid5(uuid.NAMESPACE_URL, 'trainbox-sbom:' + image_id)}",
+        "version": 1,
+        "metadata": {"timestamp": created, "tools": {"components": [
+                         {"type": "application", "name": "trainbox builder.sbom", "version": _version()}]},
+                     "component": subject},
+        "components": components,
+    }
+
+
+def _timestamp(created: str | None) -> str:
+    """The image's creation time as CycloneDX wants it (RFC 3339, seconds), or now where the engine gave none."""
+    if created:
+        try:
+            t = datetime.datetime.fromisoformat(re.sub(r"(\.\d{6})\d+", r"\1", created.replace("Z", "+00:00")))
+            return t.astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        except ValueError:
+            pass
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("trainbox")
+    except PackageNotFoundError:
+        return "0"
+
+
+def dumps(sbom: dict) -> str:
+    return json.dumps(sbom, indent=1, ensure_ascii=False) + "\n"
+
+
+def platform_of(sbom: dict) -> tuple[str, str] | None:
+    for p in sbom.get("metadata", {}).get("component", {}).get("properties", []):
+        if p["name"] == "trainbox:platform":
+            os_, _, arch = p["value"].partition("/")
+            return os_, arch
+    return None
+
+
+# ---------------------------------------------------------------- registry (OCI distribution API)
+
+class Registry:
+    """The few distribution-API calls an artifact push needs, with Docker's credentials (~/.docker/config.json)
+    for basic or bearer-token auth; plain HTTP where the engine pushes without TLS (local registries)."""
+
+    def __init__(self, host: str, repo: str):
+        import requests
+
+        from builder.engine import _insecure  # the engine's rule for which registries speak plain HTTP
+
+        self.host, self.repo = host, repo
+        self.base = f"{'http' if _insecure(host + '/x') else 'https'}://{host}/v2/{repo}"
+        self.session = requests.Session()
+        self._auth_header: str | None = None
+
+    def _creds(self) -> tuple[str, str] | None:
+        cfg = Path(os.environ.get("DOCKER_CONFIG", Path.home() / ".docker")) / "config.json"
+        try:
+            auth = json.loads(cfg.read_text()).get("auths", {}).get(self.host, {}).get("auth")
+        except (OSError, ValueError):
+            return None
+        if not auth:
+            return None
+        user, _, pw = base64.b64decode(auth).decode().partition(":")
+        return user, pw
+
+    def request(self, method: str, url: str, **kw):
+        import requests
+
+        headers = dict(kw.pop("headers", {}))
+        for _ in range(2):
+            if self._auth_header:
+                headers["Authorization"] = self._auth_header
+            try:
+                r = self.session.request(method, url, headers=headers, timeout=120, **kw)
+            except requests.RequestException as e:
+                raise UserError(f"registry {self.host} did not answer {method} {url}: {e}",
+                                fix="is the registry up (make engine) and the reference right?") from None
+            if r.status_code != 401 or self._auth_header:
+                return r
+            self._authenticate(r.headers.get("WWW-Authenticate", ""))
+        return r
+
+    def _authenticate(self, challenge: str) -> None:
+        creds = self._creds()
+        scheme, _, params = challenge.partition(" ")
+        if scheme.lower() == "basic" and creds:
+            self._auth_header = "Basic " + base64.b64encode(":".join(creds).encode()).decode()
+        elif scheme.lower() == "bearer":
+            p = dict(re.findall(r'(\w+)="([^"]*)"', params))
+            q = {"service": p.get("service", ""), "scope": f"repository:{self.repo}:pull,push"}
+            tok = self.session.get(p["realm"], params=q, auth=creds, timeout=60)
+            if tok.ok:
+                body = tok.json()
+                self._auth_header = "Bearer " + (body.get("token") or body.get("access_token", ""))
+        if not self._auth_header:
+            raise UserError(f"registry {self.host} wants credentials for {self.repo}",
+                            fix=f"docker login {self.host}")
+
+    def check(self, r, what: str):
+        if not r.ok:
+            raise UserError(f"{what} at {self.host}/{self.repo} failed: HTTP {r.status_code} {r.text.strip()[:300]}")
+        return r
+
+    def manifest(self, ref: str) -> tuple[bytes, str, str] | None:
+        """(bytes, media type, digest) the registry serves for tag or digest REF, None if it has none."""
+        r = self.request("GET", f"{self.base}/manifests/{ref}", headers={"Accept": ", ".join(MANIFEST_TYPES)})
+        if r.status_code == 404:
+            return None
+        self.check(r, f"reading manifest {ref}")
+        body = r.content
+        mt = r.headers.get("Content-Type", "").split(";")[0] or json.loads(body).get("mediaType", "")
+        return body, mt, "sha256:" + hashlib.sha256(body).hexdigest()
+
+    def put_blob(self, data: bytes) -> dict:
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        if self.request("HEAD", f"{self.base}/blobs/{digest}").status_code != 200:
+            r = self.check(self.request("POST", f"{self.base}/blobs/uploads/"), "starting a blob upload")
+            loc = r.headers["Location"]
+            loc = loc if loc.startswith("http") else f"{self.base.split('/v2/')[0]}{loc}"
+            self.check(self.request("PUT", loc, params={"digest": digest}, data=data,
+                                    headers={"Content-Type": "application/octet-stream"}), "uploading a blob")
+        return {"digest": digest, "size": len(data)}
+
+    def blob(self, digest: str) -> bytes:
+        r = self.check(self.request("GET", f"{self.base}/blobs/{digest}"), f"reading blob {digest}")
+        if "sha256:" + hashlib.sha256(r.content).hexdigest() != digest:
+            raise UserError(f"blob {digest} from {self.host}/{self.repo} does not match its digest")
+        return r.content
+
+    def put_manifest(self, ref: str, body: bytes, media_type: str):
+        return self.check(self.request("PUT", f"{self.base}/manifests/{ref}", data=body,
+                                       headers={"Content-Type": media_type}), f"pushing manifest {ref}")
+
+
+def _split_ref(ref: str) -> tuple[str, str, str]:
+    """HOST/REPO[:TAG][@DIGEST] -> (host, repo, tag or digest)."""
+    from builder.reference import REFERENCE
+
+    m = REFERENCE.fullmatch(ref)
+    if not m or "/" not in m["name"] or not any(c in m["name"].split("/")[0] for c in ".:") and \
+            m["name"].split("/")[0] != "localhost":
+        raise UserError(f"{ref!r} is not a registry image reference", fix="give HOST[:PORT]/REPO:TAG or "
+                        "HOST[:PORT]/REPO@sha256:..., e.g. 127.0.0.1:5555/trainbox:smoke-x86_64")
+    host, _, repo = m["name"].partition("/")
+    return host, repo, m["digest"] or m["tag"] or "latest"
+
+
+def subject_of(reg: Registry, ref: str, platform: tuple[str, str] | None) -> dict:
+    """The descriptor of the image manifest REF names; for an index, its manifest for PLATFORM."""
+    got = reg.manifest(ref)
+    if got is None:
+        raise UserError(f"{reg.host}/{reg.repo}:{ref} is not in the registry", fix="push the image first")
+    body, mt, digest = got
+    if mt in INDEX_TYPES:
+        doc = json.loads(body)
+        want = [m for m in doc.get("manifests", []) if platform and
+                (m.get("platform", {}).get("os"), m.get("platform", {}).get("architecture")) == platform]
+        if len(want) != 1:
+            raise UserError(f"{reg.host}/{reg.repo}:{ref} is an index with no single {platform} manifest",
+                            fix="attach to the platform's own tag or digest")
+        return {"mediaType": want[0]["mediaType"], "digest": want[0]["digest"], "size": want[0]["size"]}
+    return {"mediaType": mt, "digest": digest, "size": len(body)}
+
+
+def _fallback_tag(digest: str) -> str:
+    alg, _, hexpart = digest.partition(":")
+    return f"{alg}-{hexpart}"
+
+
+def attach(sbom: dict, image_ref_in_registry: str) -> str:
+    """Push SBOM as an OCI referrer of the image IMAGE_REF_IN_REGISTRY names; returns the referrer's digest."""
+    host, repo, ref = _split_ref(image_ref_in_registry)
+    reg = Registry(host, repo)
+    subject = subject_of(reg, ref, platform_of(sbom))
+    config = reg.put_blob(b"{}")
+    layer = reg.put_blob(dumps(sbom).encode())
+    created = sbom.get("metadata", {}).get("timestamp", "")
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": OCI_MANIFEST,
+        "artifactType": MEDIA_TYPE,
+        "config": {"mediaType": OCI_EMPTY, **config},
+        "layers": [{"mediaType": MEDIA_TYPE, **layer,
+                    "annotations": {"org.opencontainers.image.title": "sbom.cdx.json"}}],
+        "subject": subject,
+        "annotations": {"org.opencontainers.image.created": created},
+    }
+    body = json.dumps(manifest, separators=(",", ":")).encode()
+    digest = "sha256:" + hashlib.sha256(body).hexdigest()
+    r = reg.put_manifest(digest, body, OCI_MANIFEST)
+    if not r.headers.get("OCI-Subject"):  # the registry keeps no referrers itself: the tag schema (OCI 1.1 fallback)
+        desc = {"mediaType": OCI_MANIFEST, "digest": digest, "size": len(body), "artifactType": MEDIA_TYPE,
+                "annotations": manifest["annotations"]}
+        tag = _fallback_tag(subject["digest"])
+        got = reg.manifest(tag)
+        index = json.loads(got[0]) if got else {"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": []}
+        if all(m["digest"] != digest for m in index["manifests"]):
+            index["manifests"].append(desc)
+            reg.put_manifest(tag, json.dumps(index, separators=(",", ":")).encode(), OCI_INDEX)
+    return digest
+
+
+def referrers(image_ref_in_registry: str, artifact_type: str = MEDIA_TYPE, platform=None) -> list[dict]:
+    """Descriptors of the referrers of the image (Referrers API, else the tag schema), of ARTIFACT_TYPE."""
+    host, repo, ref = _split_ref(image_ref_in_registry)
+    reg = Registry(host, repo)
+    subject = subject_of(reg, ref, platform)
+    r = reg.request("GET", f"{reg.base}/referrers/{subject['digest']}", headers={"Accept": OCI_INDEX})
+    if r.ok and r.headers.get("Content-Type", "").startswith(OCI_INDEX):
+        manifests = r.json().get("manifests", [])
+    else:
+        got = reg.manifest(_fallback_tag(subject["digest"]))
+        manifests = json.loads(got[0]).get("manifests", []) if got else []
+    return [m for m in manifests if m.get("artifactType") == artifact_type]
+
+
+def read_back(image_ref_in_registry: str, platform=None) -> list[dict]:
+    """Every SBOM attached to the image, as dicts, oldest first (each checked against its digests)."""
+    host, repo, _ = _split_ref(image_ref_in_registry)
+    reg = Registry(host, repo)
+    out = []
+    for desc in referrers(image_ref_in_registry, MEDIA_TYPE, platform):
+        got = reg.manifest(desc["digest"])
+        if got is None or got[2] != desc["digest"]:
+            raise UserError(f"referrer {desc['digest']} of {image_ref_in_registry} is missing or altered")
+        layers = [lay for lay in json.loads(got[0]).get("layers", []) if lay["mediaType"] == MEDIA_TYPE]
+        out.extend(json.loads(reg.blob(lay["digest"])) for lay in layers)
+    return out
+
+
+# ---------------------------------------------------------------- CLI
+
+@reports_user_errors
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m builder.sbom",
+                                description="Write the CycloneDX SBOM of a local image, read from its contents; "
+                                            "optionally attach it to the image in a registry (OCI referrer).")
+    p.add_argument("image", help="local image reference, e.g. trainbox:smoke-x86_64")
+    p.add_argument("--output", required=True, help="where to write the SBOM (JSON)")
+    p.add_argument("--attach", metavar="REGISTRY_REF", default=None,
+                   help="the pushed image, e.g. 127.0.0.1:5555/trainbox:smoke-x86_64 (or @sha256:...)")
+    a = p.parse_args(argv)
+    why = atomic.why_not_a_folder(Path(a.output).absolute().parent)
+    if why:
+        raise UserError(f"--output {a.output}: cannot write there: {why}", fix="give a writable path")
+    if a.attach:
+        _split_ref(a.attach)  # bad input before any work
+    sbom = generate(a.image)
+    atomic.write_text(a.output, dumps(sbom))
+    if a.attach:
+        print(f"attached {attach(sbom, a.attach)} to {a.attach}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
