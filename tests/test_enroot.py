@@ -134,7 +134,9 @@ def test_rc_runs_under_sh_with_args_and_default(tmp_path):
 
 def test_squash_options():
     assert squash_options("lzo", None) == ["-comp", "lzo", "-noD", "-exit-on-error"]
-    assert squash_options(None, None) == squash_options("lzo", None)  # build.py passes None when not asked
+    # build.py passes None when not asked: zstd, ours (lzo stays enroot's, on request)
+    assert squash_options(None, None) == squash_options("zstd", None) == ["-comp", "zstd", "-Xcompression-level", "3",
+                                                                          "-exit-on-error"]
     assert squash_options("zstd", "1M")[-2:] == ["-b", "1M"]
     for bad in ("3M", "100K", "abc", "0", "1000"):
         with pytest.raises(UserError, match="power of two"):
@@ -294,16 +296,22 @@ def test_rc_runs_the_entrypoint_inside_the_rootfs(test_image, tmp_path):
 @pytest.mark.engine
 def test_same_source_date_epoch_is_byte_identical(test_image, tmp_path, monkeypatch):
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
-    a = export_image(test_image, tmp_path / "a.sqsh", progress=False)
+    a = export_image(test_image, tmp_path / "a.sqsh", compression="lzo", progress=False)
     time.sleep(1.1)  # a different wall-clock second would show up in any timestamp we failed to pin
-    b = export_image(test_image, tmp_path / "b.sqsh", progress=False)
+    b = export_image(test_image, tmp_path / "b.sqsh", compression="lzo", progress=False)
     assert a.read_bytes() == b.read_bytes()
-    z1 = export_image(test_image, tmp_path / "z1.sqsh", compression="zstd", block_size="1M", progress=False)
+    z1 = export_image(test_image, tmp_path / "z1.sqsh", block_size="1M", progress=False)  # the default: zstd
     z2 = export_image(test_image, tmp_path / "z2.sqsh", compression="zstd", block_size="1M", progress=False)
     assert z1.read_bytes() == z2.read_bytes() != a.read_bytes()
     sb = subprocess.run(["unsquashfs", "-s", str(z1)], capture_output=True, text=True, check=True).stdout
     assert "zstd" in sb and "Block size 1048576" in sb
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.sqsh", "b.sqsh", "z1.sqsh", "z2.sqsh"]
+    assert "lzo" in subprocess.run(["unsquashfs", "-s", str(a)], capture_output=True, text=True, check=True).stdout
+    # the sidecars are reproducible too: same SBOM bytes, a checksum line per file naming it
+    assert (tmp_path / "a.sqsh.cdx.json").read_bytes() == (tmp_path / "z1.sqsh.cdx.json").read_bytes()
+    assert (tmp_path / "z1.sqsh.sha256").read_text().split() == (tmp_path / "z2.sqsh.sha256").read_text().split()[:1] \
+        + ["z1.sqsh"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        f"{n}.sqsh{s}" for n in ("a", "b", "z1", "z2") for s in ("", ".sha256", ".cdx.json"))
 
 
 @pytest.mark.engine
@@ -314,7 +322,7 @@ def test_export_replaces_existing_and_cli_works(test_image, tmp_path):
                        cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert dest.read_bytes()[:4] == b"hsqs"
-    assert [p.name for p in tmp_path.iterdir()] == ["t.sqsh"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.sqsh", "t.sqsh.cdx.json", "t.sqsh.sha256"]
 
 
 @pytest.mark.engine
@@ -370,7 +378,28 @@ def test_killed_export_leaves_no_sqsh(slow_image, test_image, tmp_path, sig):
     else:
         # SIGKILL can't be caught: the next export of the same DEST removes the dead process's leftovers.
         export_image(test_image, dest, progress=False)
-        assert [p.name for p in tmp_path.iterdir()] == ["k.sqsh"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["k.sqsh", "k.sqsh.cdx.json", "k.sqsh.sha256"]
+
+
+@pytest.mark.engine
+def test_failed_export_leaves_no_sidecar(test_image, tmp_path, monkeypatch):
+    """mksquashfs fails after the SBOM was read and the rootfs unpacked: no .sqsh, no checksum, no SBOM, no temporary;
+    an older complete set stays as it was."""
+    old = export_image(test_image, tmp_path / "f.sqsh", progress=False)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert sorted(before) == ["f.sqsh", "f.sqsh.cdx.json", "f.sqsh.sha256"]
+    bin_dir = tmp_path.parent / f"{tmp_path.name}-bin"
+    bin_dir.mkdir()
+    (bin_dir / "mksquashfs").write_text("#!/bin/sh\necho 'FATAL ERROR: disk full' >&2\nexit 1\n")
+    (bin_dir / "mksquashfs").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    with pytest.raises(UserError, match="mksquashfs failed.*disk full"):
+        export_image(test_image, old, compression="lzo", progress=False)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    fresh = tmp_path / "fresh"
+    with pytest.raises(UserError, match="mksquashfs failed"):
+        export_image(test_image, fresh / "n.sqsh", progress=False)
+    assert list(fresh.iterdir()) == []
 
 
 def _sqsh_temps(folder: Path, name: str, pid: int, host: str | None = None) -> list[Path]:
@@ -420,7 +449,7 @@ def test_two_hosts_exporting_into_one_shared_folder(slow_image, test_image, tmp_
     assert b.wait(timeout=300) == 0, b.stderr.read().decode(errors="replace")
     assert a2.wait(timeout=300) == 0, a2.stderr.read().decode(errors="replace")
     # A's second export removed A's dead leftovers (its own host, pid gone); nothing else is left.
-    assert [p.name for p in shared.iterdir()] == ["d.sqsh"]
+    assert sorted(p.name for p in shared.iterdir()) == ["d.sqsh", "d.sqsh.cdx.json", "d.sqsh.sha256"]
     assert dest.read_bytes()[:4] == b"hsqs"
 
 
@@ -469,8 +498,8 @@ def _retag_arch(docker: str, ref: str, arch: str, tmp: Path) -> str:
 @pytest.mark.engine
 @pytest.mark.skipif(not shutil.which("enroot"), reason="real enroot not installed (optional cross-check)")
 def test_byte_identical_to_real_enroot(test_image, tmp_path):
-    """With the real enroot on PATH: same mksquashfs times -> the very same bytes."""
-    ours = _with_epoch(lambda: export_image(test_image, tmp_path / "ours.sqsh", progress=False))
+    """With the real enroot on PATH: same mksquashfs times -> the very same bytes (lzo: enroot's own options)."""
+    ours = _with_epoch(lambda: export_image(test_image, tmp_path / "ours.sqsh", compression="lzo", progress=False))
     env = dict(os.environ, TTY_OFF="y",
                ENROOT_SQUASH_OPTIONS="-comp lzo -noD -exit-on-error -mkfs-time 1700000000 -all-time 1700000000")
     env.pop("SOURCE_DATE_EPOCH", None)
@@ -478,7 +507,8 @@ def test_byte_identical_to_real_enroot(test_image, tmp_path):
                    check=True, capture_output=True)
     assert ours.read_bytes() == (tmp_path / "real.sqsh").read_bytes()
     # use_enroot=True goes through `enroot import` with our options: the same bytes again.
-    via = _with_epoch(lambda: export_image(test_image, tmp_path / "via.sqsh", progress=False, use_enroot=True))
+    via = _with_epoch(lambda: export_image(test_image, tmp_path / "via.sqsh", compression="lzo", progress=False,
+                                           use_enroot=True))
     assert via.read_bytes() == ours.read_bytes()
 
 
@@ -590,15 +620,17 @@ def test_smoke_path_survives_the_login_shell(smoke_root):
 
 @pytest.mark.engine
 @pytest.mark.timeout(3600)  # the first one also builds the smoke image (shared, once per session) and exports it
-def test_smoke_exports_reproducible_and_zstd(smoke_image, smoke_sqsh, tmp_path, monkeypatch):
+def test_smoke_exports_reproducible_and_lzo(smoke_image, smoke_sqsh, tmp_path, monkeypatch):
     import filecmp
 
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
     again = export_image(smoke_image, tmp_path / "again.sqsh", progress=False)
-    assert filecmp.cmp(again, smoke_sqsh, shallow=False)
+    assert filecmp.cmp(again, smoke_sqsh, shallow=False)  # the session's export: the default, zstd
+    assert "Compression zstd" in subprocess.run(["unsquashfs", "-s", str(again)], capture_output=True, text=True,
+                                                check=True).stdout
     again.unlink()
-    z = export_image(smoke_image, tmp_path / "z.sqsh", compression="zstd", progress=False)
-    assert z.stat().st_size < smoke_sqsh.stat().st_size
-    a = subprocess.run(["unsquashfs", "-l", str(z)], capture_output=True, text=True, check=True).stdout
+    lzo = export_image(smoke_image, tmp_path / "lzo.sqsh", compression="lzo", progress=False)  # enroot's, on request
+    assert smoke_sqsh.stat().st_size < lzo.stat().st_size
+    a = subprocess.run(["unsquashfs", "-l", str(lzo)], capture_output=True, text=True, check=True).stdout
     b = subprocess.run(["unsquashfs", "-l", str(smoke_sqsh)], capture_output=True, text=True, check=True).stdout
     assert a == b  # same tree, only the compression differs
