@@ -1,7 +1,10 @@
-"""The generated GitHub Actions workflow: in sync with matrix.toml, every cell built, lists joined, actionlint-clean."""
+"""The generated GitHub Actions workflows: in sync with matrix.toml, tests before any push, frozen locks, only the
+changed venvs on a pull request, signed and attested images with their SBOM, registry cache, lock and pin-bump pull
+requests, actionlint-clean."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -16,6 +19,8 @@ sys.path.insert(0, str(ROOT))
 from builder import workflow  # noqa: E402
 from builder.matrix import load_matrix  # noqa: E402
 
+FILES = sorted(workflow.GENERATED)
+
 
 def _actionlint() -> str:
     exe = shutil.which("actionlint") or str(Path(sys.executable).parent / "actionlint")
@@ -24,45 +29,196 @@ def _actionlint() -> str:
     return exe
 
 
-def test_committed_workflow_is_what_the_matrix_gives():
+def _wf(name: str) -> dict:
+    wf = yaml.safe_load((workflow.WORKFLOWS / name).read_text())
+    wf["on"] = wf.pop(True)   # YAML 1.1 reads the key `on` as a boolean; GitHub reads it as `on`
+    return wf
+
+
+def _runs(job: dict) -> str:
+    return "\n".join(s.get("run", "") for s in job["steps"])
+
+
+def _step(job: dict, uses_prefix: str) -> dict:
+    found = [s for s in job["steps"] if s.get("uses", "").startswith(uses_prefix)]
+    assert len(found) == 1, f"{uses_prefix} in {job['name']}"
+    return found[0]
+
+
+def test_committed_workflows_are_what_the_matrix_gives():
     diff = workflow.check()
-    assert diff == "", f"{workflow.WORKFLOW} is stale, run `python -m builder.workflow`:\n{diff}"
+    assert diff == "", f"{workflow.WORKFLOWS} is stale, run `python -m builder.workflow`:\n{diff}"
 
 
-def test_every_cell_is_built_and_every_multi_arch_cell_joined():
-    wf = yaml.safe_load(workflow.WORKFLOW.read_text())
+def test_every_cell_is_built_and_published():
     cells = load_matrix().cells
-    include = wf["jobs"]["build"]["strategy"]["matrix"]["include"]
+    include = workflow.plan()
     # one job per venv: its cells (all GPU generations of one CUDA, arch and stack) share the venv layer
-    built = sorted(f"{name}-{i['arch']}" for i in include for name in i["cells"].split())
+    built = sorted(tag for i in include for tag in i["cells"].split())
     assert built == sorted(c.tag for c in cells)
     for item in include:
-        assert {c.venv for c in cells if c.arch == item["arch"] and c.name in item["cells"].split()} == {item["venv"]}
+        assert {c.venv for c in cells if c.tag in item["cells"].split()} == {item["venv"]}
+        assert {c.arch for c in cells if c.tag in item["cells"].split()} == {item["arch"]}
         # arm64 on GitHub's native arm64 runners: nothing in the workflow runs under QEMU
         assert item["runner"] == workflow.RUNNERS[item["arch"]]
-    assert workflow.RUNNERS["aarch64"].endswith("-arm") and "qemu" not in workflow.WORKFLOW.read_text().lower()
+    wf = _wf("build.yml")
+    # (the engine tests do use QEMU for the arm64 smoke image; no build job does)
+    assert workflow.RUNNERS["aarch64"].endswith("-arm") and "qemu" not in yaml.safe_dump(wf["jobs"]["build"]).lower()
+    publish = wf["jobs"]["publish"]
     multi = {c.name for c in cells if sum(d.name == c.name for d in cells) > 1}
     assert "smoke" in multi
-    assert set(wf["jobs"]["manifest"]["strategy"]["matrix"]["cell"]) == multi
-    assert wf["jobs"]["manifest"]["needs"] == "build"
+    rows = publish["strategy"]["matrix"]["include"]
+    assert {r["cell"] for r in rows} == {c.name for c in cells}
+    assert {r["cell"] for r in rows if r["join"]} == multi
+    assert publish["needs"] == "build" and wf["jobs"]["storage"]["needs"] == "build"
+    assert 'python -m builder.publish manifest --registry "$REGISTRY/trainbox" "$CELL"' in _runs(publish)
     text = workflow.WORKFLOW.read_text()
     # credentials only from secrets, never written into the file; login reads the password from stdin
     assert "secrets.REGISTRY_PASSWORD" in text and "--password-stdin" in text
 
 
-def test_check_mode_reports_a_stale_file(tmp_path):
-    stale = tmp_path / "build.yml"
-    stale.write_text(workflow.render().replace("smoke-aarch64", "smoke-riscv64"))
-    r = subprocess.run([sys.executable, "-m", "builder.workflow", "--check", "--output", str(stale)], cwd=ROOT,
+def test_tests_gate_every_build_and_push():
+    jobs = _wf("build.yml")["jobs"]
+    build = jobs["build"]
+    assert {"test", "test-engine", "plan"} <= set(build["needs"])
+    assert "make test-fast" in _runs(jobs["test"])                       # unit, rendered files, linters, facts
+    assert "python -m builder.workflow --check" in _runs(jobs["test"])    # the workflows themselves are fresh
+    assert '-m "engine and not slurm"' in _runs(jobs["test-engine"]) and "make engine" in _runs(jobs["test-engine"])
+    # nothing pushes except through build (and publish/storage, which need build)
+    for name, job in jobs.items():
+        pushes = "--push" in _runs(job) or "cosign" in _runs(job) or "builder.publish" in _runs(job)
+        if pushes:
+            assert name in ("build", "publish"), name
+            assert job["if"].startswith("github.event_name != 'pull_request'") or name == "build"
+    assert build["strategy"]["matrix"] == "${{ fromJSON(needs.plan.outputs.matrix) }}"
+    assert build["if"] == "needs.plan.outputs.any == 'true'"
+
+
+def test_builds_use_the_committed_locks_only():
+    build = _wf("build.yml")["jobs"]["build"]
+    run = _runs(build)
+    assert "--frozen" in run and "python build.py" in run and "--lock" not in run
+    # no other generated job builds without --frozen
+    for name in FILES:
+        for job in _wf(name)["jobs"].values():
+            for line in _runs(job).splitlines():
+                if re.search(r"python build\.py\b", line) and "--help" not in line:
+                    assert "--lock" in line or "--list" in line or line.strip() == 'python build.py "${args[@]}"', line
+
+
+@pytest.mark.parametrize("changed, venvs", [
+    (["images/smoke-x86_64/Dockerfile"], {"smoke-x86_64"}),
+    (["locks/cu130-gpu-aarch64.txt"], {"cu130-gpu-aarch64"}),
+    (["locks/cu130-hopper-x86_64.attention.txt", "images/cu129-ampere-aarch64/Dockerfile"],
+     {"cu130-gpu-x86_64", "cu129-gpu-aarch64"}),
+    (["tests/test_render.py", "README.md", "devenv/engine.py", ".github/workflows/pins.yml"], set()),
+    (["builder/render.py"], "all"),
+    (["entrypoints/doctor.py", "tests/test_doctor.py"], "all"),
+    (["matrix.toml"], "all"),
+])
+def test_pull_requests_build_only_the_venvs_they_change(changed, venvs):
+    every = {i["venv"] for i in workflow.plan()}
+    got = {i["venv"] for i in workflow.plan(changed)}
+    assert got == (every if venvs == "all" else venvs)
+
+
+def test_plan_command_writes_step_outputs(tmp_path):
+    changed = tmp_path / "changed.txt"
+    changed.write_text("images/smoke-aarch64/Dockerfile\nlocks/smoke-aarch64.txt\n")
+    r = subprocess.run([sys.executable, "-m", "builder.workflow", "plan", "--changed", str(changed)], cwd=ROOT,
                        capture_output=True, text=True)
-    assert r.returncode == 1 and "smoke-riscv64" in r.stdout
-    ok = tmp_path / "ok.yml"
-    assert subprocess.run([sys.executable, "-m", "builder.workflow", "--output", str(ok)], cwd=ROOT).returncode == 0
-    assert ok.read_text() == workflow.render()
+    assert r.returncode == 0, r.stderr
+    out = dict(line.split("=", 1) for line in r.stdout.splitlines())
+    assert out["any"] == "true"
+    assert [i["venv"] for i in yaml.safe_load(out["matrix"])["include"]] == ["smoke-aarch64"]
+    changed.write_text("tests/test_workflow.py\n")
+    r = subprocess.run([sys.executable, "-m", "builder.workflow", "plan", "--changed", str(changed)], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert "any=false" in r.stdout.splitlines()
+    r = subprocess.run([sys.executable, "-m", "builder.workflow", "plan", "--changed", str(tmp_path / "none")],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "none" in r.stderr
 
 
-def test_actionlint_passes_on_the_workflow():
-    r = subprocess.run([_actionlint(), "-no-color", str(workflow.WORKFLOW)], capture_output=True, text=True)
+def test_images_are_signed_attested_and_carry_their_sbom():
+    jobs = _wf("build.yml")["jobs"]
+    build, publish = jobs["build"], jobs["publish"]
+    for job in (build, publish):
+        assert job["permissions"]["id-token"] == "write"       # keyless: the job's OIDC identity
+        _step(job, "sigstore/cosign-installer@v3")
+    assert 'cosign sign --yes --recursive "$IMAGE"' in _runs(publish)
+    digest = next(s for s in publish["steps"] if s.get("id") == "digest")
+    assert "imagetools inspect" in digest["run"]
+    prov = _step(publish, "actions/attest-build-provenance@")
+    assert prov["with"]["push-to-registry"] is True and publish["permissions"]["attestations"] == "write"
+    assert prov["with"]["subject-digest"] == "${{ steps.digest.outputs.digest }}"
+    sbom = _runs(build)
+    assert re.search(r'python -m builder\.sbom "\S+" --output "sbom/\$tag\.cdx\.json" --attach "\$ref"', sbom)
+    assert 'cosign attest --yes --type cyclonedx --predicate "sbom/$tag.cdx.json" "$ref"' in sbom
+    # the workflow exports no .sqsh, so there is no blob to sign
+    assert ".sqsh" not in workflow.WORKFLOW.read_text() and "--sqsh" not in sbom
+
+
+def test_builds_read_and_write_a_registry_cache():
+    build = _wf("build.yml")["jobs"]["build"]
+    setup = _step(build, "docker/setup-buildx-action@v3")
+    # the docker-container driver (setup-buildx-action's default): the docker driver can't export a registry cache
+    assert "driver" not in setup.get("with", {}) and setup["id"] == "buildx"
+    run = _runs(build)
+    assert '--buildx-builder "$BUILDX"' in run
+    assert '--cache-from "type=registry,ref=$cache")' in run
+    # written only where the job may push (pull requests have no registry credentials)
+    m = re.search(r'if \[ "\$PUSH" = "true" \]; then\n\s+args\+=\(--cache-to "type=registry,ref=\$cache,mode=max', run)
+    assert m, run
+
+
+@pytest.mark.parametrize("name, command, paths", [
+    ("lock.yml", "python build.py --lock", "locks/"),
+    ("pins.yml", "python -m builder.pins --write", "matrix.toml"),
+])
+def test_scheduled_workflows_open_pull_requests(name, command, paths):
+    wf = _wf(name)
+    assert "workflow_dispatch" in wf["on"] and re.fullmatch(r"[\d*]+ [\d*]+ \* \* [0-6]", wf["on"]["schedule"][0]["cron"])
+    assert wf["permissions"] == {"contents": "write", "pull-requests": "write"}
+    (job,) = wf["jobs"].values()
+    assert command in _runs(job)
+    pr = _step(job, "peter-evans/create-pull-request@v")
+    assert paths in pr["with"]["add-paths"]
+    if name == "lock.yml":
+        # every cell, the cu129 ones included: no selection after --lock
+        assert re.search(r"python build\.py --lock( --quiet)?$", _runs(job), re.M)
+        assert set(job["steps"][3]["env"]) == set(workflow.INDEX_ENV)
+
+
+def test_actions_are_pinned_by_major_version():
+    for name in FILES:
+        for job in _wf(name)["jobs"].values():
+            for s in job["steps"]:
+                if "uses" in s:
+                    assert re.fullmatch(r"[\w.-]+/[\w.-]+@v\d+", s["uses"]), s["uses"]
+
+
+def test_check_mode_reports_a_stale_file(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "builder.workflow", "--output-dir", str(tmp_path)], cwd=ROOT)
+    assert r.returncode == 0
+    for name in FILES:
+        assert (tmp_path / name).read_text() == workflow.render(name=name)
+    assert subprocess.run([sys.executable, "-m", "builder.workflow", "--check", "--output-dir", str(tmp_path)],
+                          cwd=ROOT).returncode == 0
+    lock = tmp_path / "lock.yml"
+    lock.write_text(lock.read_text().replace("17 4 * * 1", "17 5 * * 1"))
+    r = subprocess.run([sys.executable, "-m", "builder.workflow", "--check", "--output-dir", str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "17 5 * * 1" in r.stdout and "stale" in r.stderr
+    (tmp_path / "pins.yml").unlink()
+    r = subprocess.run([sys.executable, "-m", "builder.workflow", "--check", "--output-dir", str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "pins.yml" in r.stdout
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_actionlint_passes_on_the_workflow(name):
+    r = subprocess.run([_actionlint(), "-no-color", str(workflow.WORKFLOWS / name)], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
 
 
