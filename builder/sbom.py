@@ -513,9 +513,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.attach:
         _split_ref(a.attach)  # bad input before any work
     sbom = generate(a.image)
+    attached = attach(sbom, a.attach) if a.attach else None  # first: a failed attach leaves no file behind
     atomic.write_text(a.output, dumps(sbom))
-    if a.attach:
-        print(f"attached {attach(sbom, a.attach)} to {a.attach}")
+    if attached:
+        print(f"attached {attached} to {a.attach}")
     return 0
 
 
