@@ -28,6 +28,8 @@ def parser() -> argparse.ArgumentParser:
     mode.add_argument("--explain", action="store_true", help="print every excluded combination and why")
     mode.add_argument("--dry-run", action="store_true", help="render Dockerfiles and print the build plan")
     mode.add_argument("--lock", action="store_true", help="re-lock the selected cells' requirements")
+    mode.add_argument("--lock-bases", action="store_true",
+                      help="pin the selected GPU cells' base images by digest in locks/bases.toml (asks the registry)")
     mode.add_argument("--frozen", action="store_true",
                       help="build only with committed, fresh locks (refuse instead of locking; what CI uses)")
     inp = p.add_argument_group("inputs")
@@ -89,7 +91,7 @@ def _fmt_cell(c: Cell) -> str:
     keys = ("torch", "vllm", "transformers", "trl", "jupyterlab")
     pins = " ".join(f"{k}={c.pins[k]}" for k in keys if k in c.pins)
     torch = f"+{c.torch_variant}" if c.torch_variant else ""
-    return (f"{c.tag:<26} {c.arch:<8} cuda={c.cuda or '-':<5} gpu={c.gpu or '-':<9} attn={c.attention_backend:<4} "
+    return (f"{c.tag:<31} {c.arch:<8} cuda={c.cuda or '-':<5} gpu={c.gpu or '-':<9} attn={c.attention_backend:<4} "
             f"python={c.python} {pins}{' torch-variant=' + torch[1:] if torch else ''}")
 
 
@@ -106,8 +108,11 @@ def cmd_explain(m: Matrix, quiet: bool) -> None:
     if "unsloth-fits" in m.rules:  # an optional flavour: says per stack whether it fits, excludes nothing
         from builder.rules import unsloth_lines
 
-        for line in unsloth_lines(m.data.get("facts", {}), m.cells, m.rules["unsloth-fits"], str(m.path)):
+        for line in unsloth_lines(m.data.get("facts", {}), [c for c in m.cells if not c.flavour], m.rules["unsloth-fits"],
+                                  str(m.path)):
             print(line)
+    for line in flavour_lines(m):
+        print(line)
     # What a host needs to run the cells: CUDA minor-version compatibility sets the floor, not the toolkit's GA driver.
     by_driver: dict[str, list[str]] = {}
     for cuda, spec in sorted(m.data.get("cuda", {}).items(), key=lambda kv: tuple(map(int, kv[0].split(".")))):
@@ -115,6 +120,39 @@ def cmd_explain(m: Matrix, quiet: bool) -> None:
     for driver, cudas in by_driver.items():
         print(f"driver: CUDA {', '.join(cudas)} images run on any driver >= {driver} (CUDA minor-version "
               f"compatibility: the wheels ship kernels for every GPU they support, no PTX JIT needed)")
+
+
+def flavour_lines(m: Matrix) -> list[str]:
+    """--explain's lines per flavour: its cells, the pins it changes, and each rule its pins passed with the reason."""
+    from builder import rules as rules_mod
+    out = []
+    for fname, t in m.data.get("flavour", {}).items():
+        cells = [c for c in m.cells if c.flavour == fname]
+        changed = ", ".join(f"{p} {v}" for p, v in sorted(t["packages"].items()))
+        removed = f"; removes {', '.join(t['remove'])}" if t.get("remove") else ""
+        out.append(f"flavour {fname}: {len(cells)} image(s) ({', '.join(c.tag for c in cells)}), built FROM each base "
+                   f"cell's image; pins {changed}{removed}")
+        pins = cells[0].pins if cells else {}
+        checked = [r for r in rules_mod.STACK_CHECKS if r in m.rules and "vllm" in pins] + list(t.get("rules", []))
+        for r in checked:
+            out.append(f"  rule={r}: fits — {m.rules[r]}")
+    return out
+
+
+def with_bases(cells: list[Cell], m: Matrix, bases: dict, registry: str | None) -> tuple[list[Cell], dict]:
+    """The build's order: each flavour cell's base cell first (added when not selected, unless --base/--config gives
+    its image), and BASE_IMAGE pointed at the ref the base build tags (the registry's name under --push)."""
+    from builder import engine
+    out = [c for c in cells if not c.flavour]
+    bases = dict(bases)
+    for c in cells:
+        if not c.flavour:
+            continue
+        if c.base_image not in bases:
+            if c.base not in out:
+                out.append(c.base)
+            bases[c.base_image] = engine.cell_refs(c.base, registry)[0]
+    return out + [c for c in cells if c.flavour], bases
 
 
 def plan_lines(cells: list[Cell], bases, paths: dict, root: Path = ROOT, overrides=None, frozen: bool = False,
@@ -250,9 +288,15 @@ def run(argv: list[str] | None = None) -> int:
         cmd_list(m, cells)
         return 0
     from builder import lock
+    if not args.lock:
+        cells, flavour_bases = with_bases(cells, m, opts.bases, opts.registry)
+        opts = dataclasses.replace(opts, bases=MappingProxyType(flavour_bases))
     opts = dataclasses.replace(opts, output_dir=output_dir(args))
     temporary = opts.output_dir != ROOT and args.output_dir is None  # output_dir() made it for a foreign matrix
     try:
+        if args.lock_bases:
+            from builder import bases
+            return bases.lock_bases(cells, root=opts.output_dir, quiet=args.quiet)
         if args.lock:
             return lock.lock_cells(cells, root=opts.output_dir, quiet=args.quiet, overrides=opts.index_overrides)
         from builder import render

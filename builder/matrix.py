@@ -1,6 +1,7 @@
 """Load and validate matrix.toml, expand it into frozen Cell objects (plus the combinations the rules exclude)."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 import tomllib
@@ -18,9 +19,14 @@ DEFAULT_MATRIX = ROOT / "matrix.toml"
 # The schema: every table's allowed keys and their types. Unknown keys are errors (typos must not pass silently).
 _TOP = {"schema": int, "naming": dict, "arch": dict, "cuda": dict, "gpu": dict, "torch_variant": dict,
         "attention": dict, "stack": dict, "facts": dict, "expand": dict, "cell": list, "rule": list, "index": dict,
-        "fabric": dict}
+        "fabric": dict, "flavour": dict}
 _REQUIRED_TOP = ("schema", "naming", "arch", "gpu", "torch_variant", "attention", "stack", "rule")
-_NAMING = {"repository": str, "tag": str, "cell_name": str, "version_tags": list, "version": str, "source": str}
+_NAMING = {"repository": str, "tag": str, "cell_name": str, "version_tags": list, "version": str, "source": str,
+           "flavour_cell_name": str, "flavour_tag": str}
+_REQUIRED_NAMING = ("repository", "tag", "cell_name", "version_tags", "version", "source")
+# A flavour's names when [naming] doesn't give them: cu130-hopper-unsloth, tag cu130-hopper-x86_64-unsloth.
+FLAVOUR_CELL_NAME = "{name}-{flavour}"
+FLAVOUR_TAG = "{tag}-{flavour}"
 _ARCH = {"platform": str, "uv_platform": str}
 _CUDA = {"base_image": str, "build_image": str, "python": str, "min_driver": str, "glibc": str}
 _GPU = {"sm": list, "cuda_arch_list": str, "attention": str, "min_cuda": str}
@@ -30,7 +36,10 @@ INDEX_NAMES = ("default", "torch", "vllm", "flash")
 _ATTN = {"package": str, "version": str, "source": str, "source_subdir": str, "build_env": dict, "max_jobs": int,
          "gpus": list, "prebuilt": dict, "probe": list}
 _STACK = {"packages": dict, "extends": str}
-_FACTS = {"vllm_torch": dict, "trl_vllm_extra": dict, "vllm_transformers": dict, "unsloth": dict}
+_FACTS = {"vllm_torch": dict, "trl_vllm_extra": dict, "vllm_transformers": dict, "unsloth": dict, "verl": dict}
+# [flavour.NAME]: a named stack on top of some cells' stacks, built FROM the cell's image (builder/templates/Flavour.j2).
+_FLAVOUR = {"description": str, "cells": list, "packages": dict, "remove": list, "rules": list, "files": dict,
+            "cmd": list}
 _EXPAND = {"arch": list, "cuda": list, "gpu": list, "stack": str}
 _CELL = {"name": str, "arch": (str, list), "cuda": str, "gpu": str, "torch_variant": str, "base_image": str,
          "python": str, "attention": str, "stack": (str, dict), "fabric_plugin": str}
@@ -95,6 +104,12 @@ class Cell:
     fabric_env: tuple[tuple[str, str], ...] = ()
     # [fabric.plugins.NAME] a cell opted into: {"name": NAME, **table}; None for every cell that didn't.
     fabric_plugin: dict | None = field(default=None, hash=False, compare=True)
+    # A flavour cell ([flavour.NAME]): its flavour's name and the cell it is built FROM (base_image = that cell's
+    # image); None for every plain cell.
+    flavour: str | None = None
+    base: "Cell | None" = field(default=None, hash=False, compare=False, repr=False)
+    files: tuple[tuple[str, str], ...] = ()   # (folder in the repository, path in the image)
+    cmd: tuple[str, ...] = ()                 # the image's default CMD ('' = the base's)
 
     @property
     def dockerfile(self) -> Path:
@@ -107,6 +122,8 @@ class Cell:
     @property
     def attention_lock(self) -> Path | None:
         """locks/<tag>.attention.txt: the prebuilt FlashAttention wheel, by version and hash (its own small layer)."""
+        if self.flavour:  # the attention layer comes with the base image
+            return None
         return Path("locks") / f"{self.tag}.attention.txt" if self.flash and self.flash["how"] == "index" else None
 
     @property
@@ -154,7 +171,7 @@ class Matrix:
         """Cells matching every given filter; names may be cell names or tags. Unknown values are errors."""
         names = list(names or ())
         known = {c.name for c in self.cells} | {c.tag for c in self.cells}
-        for n in names:
+        for n in names:  # flavour cells are cells: `--cell cu130-hopper-unsloth` picks them like any other
             if n not in known:
                 raise UserError(f"no cell named {n!r}", where=str(self.path),
                                 fix="see `python build.py --list` for cell names and tags")
@@ -354,7 +371,7 @@ def _build(path: Path, data: dict) -> Matrix:
     if data["schema"] != 1:
         raise UserError(f"schema {data['schema']} is not supported", where=f"{f}: schema", fix="use schema = 1")
 
-    naming = _check_table(f"{f}: naming", data["naming"], _NAMING, tuple(_NAMING))
+    naming = _check_table(f"{f}: naming", data["naming"], _NAMING, _REQUIRED_NAMING)
     vtags = _str_list(f"{f}: naming.version_tags", naming["version_tags"]) if naming["version_tags"] else []
 
     arches = data["arch"]
@@ -486,12 +503,16 @@ def _build(path: Path, data: dict) -> Matrix:
     for i, c in enumerate(data.get("cell", [])):
         cells.extend(_explicit_cells(f"{f}: cell[{i}]", f, data, ctx, naming, vtags, stacks, c))
 
-    seen: dict[str, str] = {}
-    for c in cells:
-        if c.tag in seen:
-            raise UserError(f"two cells have the tag {c.tag!r}", where=f"{f}: naming.tag",
-                            fix="naming.tag must contain {name} and {arch}; give explicit cells distinct names")
-        seen[c.tag] = c.name
+    for flavours in (False, True):   # the cells' tags first: a flavour names cells by tag
+        if flavours:
+            cells.extend(_flavour_cells(f, data, ctx, naming, vtags, cells))
+        seen: dict[str, str] = {}
+        for c in cells:
+            if c.tag in seen:
+                raise UserError(f"two cells have the tag {c.tag!r}", where=f"{f}: naming.{'flavour_' * flavours}tag",
+                                fix="naming.tag must contain {name} and {arch}, naming.flavour_tag {tag} and "
+                                    "{flavour}; give explicit cells distinct names")
+            seen[c.tag] = c.name
     if not cells:
         raise UserError("the matrix yields no cells", where=f, fix="see `python build.py --explain`")
     return Matrix(path=path, cells=tuple(cells), exclusions=tuple(exclusions), rules=rule_table, data=data)
@@ -576,11 +597,12 @@ def _check_facts(f: str, facts: dict) -> None:
         for ver, spec in facts.get(table, {}).items():
             rules_mod.version(ver, f"{f}: facts.{table}")
             rules_mod.specifier(spec, f"{f}: facts.{table}.{ver}")
-    for pkg, spec in facts.get("unsloth", {}).items():
-        if pkg == "version":
-            rules_mod.version(spec, f"{f}: facts.unsloth.version")
-        else:
-            rules_mod.specifier(spec, f"{f}: facts.unsloth.{pkg}")
+    for table in rules_mod.FLAVOUR_FACTS.values():   # a package's own version and its Requires-Dist ranges
+        for pkg, spec in facts.get(table, {}).items():
+            if pkg == "version":
+                rules_mod.version(spec, f"{f}: facts.{table}.version")
+            else:
+                rules_mod.specifier(spec, f"{f}: facts.{table}.{pkg}")
 
 
 def _resolve_stacks(f: str, table: dict) -> dict[str, dict[str, str]]:
@@ -603,16 +625,97 @@ def _resolve_stacks(f: str, table: dict) -> dict[str, dict[str, str]]:
                                 fix=f"choose one of {', '.join(table)}")
             pins.update(resolve(t["extends"], chain + (name,)))
         for pkg, ver in t["packages"].items():
-            where = f"{f}: stack.{name}.packages.{pkg}"
-            if not ver or ver != ver.strip() or any(ch in ver for ch in "=<>!~;,*"):
-                raise UserError(f"pin {pkg} = {ver!r} must be one exact version like \"1.2.3\"", where=where)
-            rules_mod.version(ver, where)   # PEP 440, parsed by packaging: "banana" stops here
-            pins[pkg.lower()] = ver
+            pins[pkg.lower()] = _pin(f"{f}: stack.{name}.packages.{pkg}", ver)
         out[name] = pins
         return pins
 
     for name in table:
         resolve(name, ())
+    return out
+
+
+def _pin(where: str, ver: str) -> str:
+    if not ver or ver != ver.strip() or any(ch in ver for ch in "=<>!~;,*"):
+        raise UserError(f"pin {where.rsplit('.', 1)[-1]} = {ver!r} must be one exact version like \"1.2.3\"",
+                        where=where)
+    rules_mod.version(ver, where)   # PEP 440, parsed by packaging: "banana" stops here
+    return ver
+
+
+_FLAVOUR_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,31}", re.ASCII)
+_CMD_WORD = re.compile(r"[A-Za-z0-9_./:=,+@-]+", re.ASCII)
+
+
+def _flavour_cells(f: str, data: dict, ctx, naming: dict, vtags: list, cells: list[Cell]) -> list[Cell]:
+    """[flavour.NAME] tables -> one flavour cell per (base cell, arch) they name. The flavour's pins are the base
+    cell's with `remove` dropped and `packages` laid over; every stack rule and the flavour's own `rules` must hold
+    (a flavour names its cells explicitly: a conflict is an error, not an exclusion)."""
+    out: list[Cell] = []
+    by_name: dict[str, list[Cell]] = {}
+    for c in cells:
+        by_name.setdefault(c.name, []).append(c)
+        by_name.setdefault(c.tag, []).append(c)
+    for fname, t in data.get("flavour", {}).items():
+        w = f"{f}: flavour.{fname}"
+        _grammar(w, "flavour name", fname, _FLAVOUR_NAME, "a short lower-case name (letters, digits, '-')")
+        _check_table(w, t, _FLAVOUR, ("cells", "packages"))
+        bases: list[Cell] = []
+        for n in _str_list(f"{w}.cells", t["cells"]):
+            if n not in by_name:
+                raise UserError(f"unknown base cell {n!r}", where=f"{w}.cells",
+                                fix="name cells or tags that `python build.py --list` shows (not flavour cells)")
+            bases += [c for c in by_name[n] if c not in bases]
+        packages = {pkg.lower(): _pin(f"{w}.packages.{pkg}", v)
+                    for pkg, v in _str_table(f"{w}.packages", t["packages"]).items()}
+        if not packages:
+            raise UserError("packages must not be empty", where=f"{w}.packages")
+        for pkg in packages:
+            _grammar(w, "package name", pkg, _PACKAGE, "a package name (PEP 508)")
+        remove = [p.lower() for p in _str_list(f"{w}.remove", t["remove"])] if "remove" in t else []
+        rules = _str_list(f"{w}.rules", t["rules"]) if "rules" in t else []
+        for r in rules:
+            if r not in rules_mod.FLAVOUR_CHECKS:
+                raise UserError(f"unknown flavour rule {r!r}", where=f"{w}.rules",
+                                fix=f"flavour rules: {', '.join(rules_mod.FLAVOUR_CHECKS)}")
+            if r not in ctx.rules:
+                raise UserError(f"rule {r!r} has no [[rule]] entry (its reason)", where=f"{w}.rules",
+                                fix=f"add [[rule]] id = \"{r}\" with its reason")
+        files = []
+        for src, dest in _str_table(f"{w}.files", t.get("files", {})).items():
+            _grammar(f"{w}.files", "source", src, _REL_PATH, "a folder of the repository like images/notebooks/x")
+            _grammar(f"{w}.files", "destination", dest, _PREFIX, "an absolute path like /workspace/notebooks")
+            if ".." in src.split("/") or not (ROOT / src).exists():
+                raise UserError(f"files: {src!r} is not in the repository", where=f"{w}.files",
+                                fix=f"create {src} (the build copies it from the repository root) or drop it")
+            files.append((src, dest))
+        cmd = _str_list(f"{w}.cmd", t["cmd"]) if "cmd" in t else []
+        for word in cmd:
+            _grammar(f"{w}.cmd", "word", word, _CMD_WORD, "one plain word (no spaces or quotes)")
+        for base in bases:
+            if base.flavour:
+                continue
+            unknown = [p for p in remove if p not in base.pins]
+            if unknown:
+                raise UserError(f"remove names {unknown[0]!r}, which cell {base.tag} does not pin", where=f"{w}.remove",
+                                fix=f"remove only pins of the base stack {base.stack!r}")
+            pins = {p: v for p, v in base.pins.items() if p not in remove} | packages
+            hit = rules_mod.check_stack(ctx, pins)
+            for r in rules:
+                hit = hit or rules_mod.check_flavour(ctx, r, pins)
+            if hit:
+                raise UserError(f"flavour {fname!r} on cell {base.tag} breaks rule {hit[0]!r}: {hit[1]} — "
+                                f"{ctx.rules[hit[0]]}", where=w, fix="change the flavour's packages or its cells")
+            name = _format(f"{f}: naming.flavour_cell_name", naming.get("flavour_cell_name", FLAVOUR_CELL_NAME),
+                           name=base.name, flavour=fname)
+            tag = _format(f"{f}: naming.flavour_tag", naming.get("flavour_tag", FLAVOUR_TAG), tag=base.tag,
+                          flavour=fname, name=base.name, arch=base.arch)
+            fields = dict(tag=tag, name=name, arch=base.arch, version=base.version, torch=pins.get("torch", ""))
+            version_tags = tuple(_format(f"{f}: naming.version_tags", v, **fields) for v in vtags
+                                 if "torch" in pins or "{torch}" not in v)
+            out.append(dataclasses.replace(
+                base, name=name, tag=tag, stack=f"{base.stack}+{fname}", pins=dict(sorted(pins.items())),
+                version_tags=version_tags, venv=f"{base.venv}-{fname}", base_image=base.image, build_image=None,
+                flash=None, fabric_plugin=None, flavour=fname, base=base, files=tuple(files), cmd=tuple(cmd)))
     return out
 
 

@@ -16,8 +16,10 @@ from builder.errors import UserError
 CELL_CHECKS = ("cuda-needs-gpu", "torch-variant-exists", "gpu-min-cuda", "torch-arch-list", "fa3-hopper-only",
                "attention-supported", "vllm-variant-exists")
 STACK_CHECKS = ("vllm-pins-torch", "trl-vllm-extra", "vllm-transformers")
-# Flavour rules say whether an optional add-on fits a cell; they never exclude the cell itself (--explain shows them).
-FLAVOUR_CHECKS = ("unsloth-fits",)
+# Flavour rules check a flavour's pins ([flavour.NAME] rules = [...]) against a package's own metadata ([facts] table
+# named here); they never exclude a cell (--explain shows them per flavour, and per stack for unsloth).
+FLAVOUR_FACTS = {"unsloth-fits": "unsloth", "verl-fits": "verl"}
+FLAVOUR_CHECKS = tuple(FLAVOUR_FACTS)
 CHECKS = CELL_CHECKS + STACK_CHECKS + FLAVOUR_CHECKS
 
 
@@ -170,6 +172,27 @@ def check_stack(ctx: Context, pins: dict):
             return "vllm-transformers", (f"vllm {vllm} needs transformers{spec}, "
                                          f"stack has transformers {pins['transformers']}")
     return None
+
+
+def flavour_conflicts(package: str, spec: dict, pins: dict, file: str = "matrix.toml") -> list[str]:
+    """What keeps PINS from installing PACKAGE at its recorded version: the package's own pin, then each pin outside
+    its Requires-Dist range (SPEC: [facts] PACKAGE)."""
+    out = []
+    if "version" in spec and pins.get(package) != spec["version"]:
+        out.append(f"{package} is pinned {pins.get(package) or 'nowhere'}, its facts are for {spec['version']}")
+    out += [f"{pkg} {pins[pkg]} is outside {package}'s {pkg}{rng}" for pkg, rng in spec.items()
+            if pkg != "version" and pkg in pins and not satisfies(pins[pkg], rng, f"{file}: facts.{package}.{pkg}")]
+    return out
+
+
+def check_flavour(ctx: Context, rule: str, pins: dict):
+    """(rule id, detail) where a flavour's pins break flavour rule RULE, else None."""
+    package = FLAVOUR_FACTS[rule]
+    spec = ctx.facts.get(package)
+    if not spec:
+        return rule, f"no [facts] {package} table to check the pins against"
+    conflicts = flavour_conflicts(package, spec, pins, ctx.file)
+    return (rule, "; ".join(conflicts)) if conflicts else None
 
 
 # The stack pins that unsloth's and unsloth-zoo's Requires-Dist bound ([facts] unsloth, read from their METADATA).
