@@ -422,6 +422,8 @@ def _emulated_compiles(cell, native_builder: bool = False, root: Path = ROOT) ->
     """What CELL would compile under emulation, in words: the attention package, the fabric-plugin stage."""
     if cell.arch == host_arch() or native_builder:
         return []
+    if getattr(cell, "base", None) is not None:  # a flavour is built FROM its base cell, which the build adds
+        return _emulated_compiles(cell.base, native_builder, root)
     out = []
     if attention_how(cell, root) == "source":
         out.append(cell.attention["package"])

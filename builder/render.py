@@ -39,6 +39,13 @@ def _label_value(value) -> str:
 
 def image_record(cell: Cell) -> dict:
     """/etc/trainbox/image.json: the contract's keys (CONTRIBUTING.md) plus a few extra facts."""
+    if cell.flavour:  # the base cell's facts, with the flavour's names and versions
+        base = image_record(cell.base)
+        versions = {p: cell.requirement(p).split("==", 1)[1] for p in cell.pins}
+        if cell.attention.get("package") in base["versions"]:
+            versions[cell.attention["package"]] = base["versions"][cell.attention["package"]]
+        return {**base, "cell": cell.name, "tag": cell.tag, "base_image": cell.base_image, "image": cell.image,
+                "versions": dict(sorted(versions.items())), "flavour": cell.flavour, "base_tag": cell.base.tag}
     versions = {p: cell.requirement(p).split("==", 1)[1] for p in cell.pins}
     if cell.flash:
         versions[cell.attention["package"]] = cell.attention["version"]
@@ -110,8 +117,29 @@ def _plugin(cell: Cell) -> dict | None:
 _PLUGIN_TOOLS = ("autoconf", "automake", "ca-certificates", "curl", "git", "libtool", "make")
 
 
+def render_flavour(cell: Cell) -> str:
+    """A flavour cell's Dockerfile (builder/templates/Flavour.j2): FROM its base cell's image, one install layer."""
+    record = image_record(cell)
+    ctx = {"c": cell, "base": cell.base, "cpu_torch": cell.torch_variant == "cpu" and "torch" in cell.pins,
+           "index_defaults": {"INDEX_URL": indexes.url(cell, "default"),
+                              **{indexes.ARGS[n]: indexes.url(cell, n) for n in indexes.needed(cell)}},
+           "deps_args": [indexes.ARGS[n] for n in indexes.needed(cell) if n != "flash"],
+           "labels": [(f"io.trainbox.{k}", _label_value(record[k])) for k in ("cell", "tag", "flavour", "base_tag")]
+           + [(f"io.trainbox.version.{p}", _label_value(v)) for p, v in record["versions"].items()],
+           "description": _label_value(f"the {cell.flavour} flavour of {cell.base.tag}"),
+           "cmd": json.dumps(list(cell.cmd)) if cell.cmd else "",
+           # The base template's constraints step (constraints.j2), where it exists: the flavour regenerates the file.
+           "has_constraints": (TEMPLATES / "constraints.j2").is_file()}
+    try:
+        return _env().get_template("Flavour.j2").render(**ctx)
+    except jinja2.TemplateError as e:
+        raise UserError(f"cannot render the flavour template: {e}", where=str(TEMPLATES / "Flavour.j2")) from None
+
+
 def render(cell: Cell) -> str:
     """The cell's Dockerfile text."""
+    if cell.flavour:
+        return render_flavour(cell)
     record = image_record(cell)
     desc = (f"{cell.gpu} GPUs, CUDA {cell.cuda}, {cell.arch}" if cell.gpu else f"CPU only ({cell.stack} stack), "
             f"{cell.arch}")
