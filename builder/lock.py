@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from builder import indexes
+from builder import bases as base_lock, indexes
 from entrypoints import atomic
 from builder.errors import UserError
 from builder.matrix import ROOT, Cell
@@ -250,8 +250,10 @@ def lock_cells(cells: list[Cell], root: Path | str = ROOT, quiet: bool = False,
 
 
 def ensure(cells: list[Cell], root: Path | str = ROOT, overrides: dict[str, str] | None = None,
-           frozen: bool = False, quiet: bool = False) -> list[Path]:
-    """The build's lock step: lock what is missing or stale (returns the paths written); `frozen` refuses instead."""
+           frozen: bool = False, quiet: bool = False, bases: dict[str, str] | None = None) -> list[Path]:
+    """The build's lock step: lock what is missing or stale (returns the paths written); `frozen` refuses instead,
+    also where a base image the build pulls (one BASES does not substitute) has no digest in locks/bases.toml (the
+    repository's: a digest is not a matrix input, so any output folder's build uses it)."""
     root = Path(root)
     if frozen:
         bad = [(c, p, recorded_digest(root / p)) for c in cells for p, d in wanted(c)
@@ -262,6 +264,7 @@ def ensure(cells: list[Cell], root: Path | str = ROOT, overrides: dict[str, str]
                             f"{f' and {len(bad) - 1} more' if len(bad) > 1 else ''})",
                             fix=f"run `python build.py --lock {cell.tag}` and commit the lock, or build without "
                                 "--frozen to lock automatically")
+        base_lock.check_frozen(cells, ROOT, substituted=set(bases or {}))
         return []
     texts = _texts(cells, root, overrides, only_outdated=True)
     for path, text in texts.items():
