@@ -10,7 +10,7 @@ from pathlib import Path
 
 import jinja2
 
-from builder import indexes
+from builder import bases, indexes
 from entrypoints import atomic
 from builder.errors import UserError
 from builder.matrix import PLUGIN_PREFIX, ROOT, Cell
@@ -136,6 +136,18 @@ def render_flavour(cell: Cell) -> str:
         raise UserError(f"cannot render the flavour template: {e}", where=str(TEMPLATES / "Flavour.j2")) from None
 
 
+def _base_refs(cell: Cell) -> dict:
+    """The FROM images by digest where locks/bases.toml pins them (builder/bases.py); an unpinned one says so."""
+    build = cell.build_image if cell.has_compile_stage else ""
+    unpinned = [i for i in (cell.base_image, build) if i in bases.images(cell) and "@" not in bases.ref(i, cell)]
+    return {"base_ref": bases.ref(cell.base_image, cell), "build_ref": bases.ref(build, cell) if build else "",
+            "base_digest": bases.digest_for(cell.base_image, cell.platform) if cell.base_image in bases.images(cell)
+            else "",
+            "base_notes": [f"Not pinned by digest: {bases.PATH} has no entry for {i} (run `python build.py "
+                           f"--lock-bases {cell.tag}` where its registry is reachable); --frozen refuses this cell."
+                           for i in unpinned]}
+
+
 def render(cell: Cell) -> str:
     """The cell's Dockerfile text."""
     if cell.flavour:
@@ -164,6 +176,7 @@ def render(cell: Cell) -> str:
         "ld_library_path": ld_library_path,
         "labels": _labels(cell, record),
         "description": _label_value(desc),
+        **_base_refs(cell),
     }
     try:
         return _env().get_template("Dockerfile.j2").render(**ctx)
