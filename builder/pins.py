@@ -41,8 +41,11 @@ MARKER_ENV = {**default_environment(), "python_version": "3.12", "python_full_ve
 # Extras the stacks rely on: TRL's GRPO talks to vLLM through trl[vllm] (rule trl-vllm-extra), so that extra's bounds
 # bind the vLLM pin as much as trl's own requirements do.
 EXTRAS = {"trl": ("vllm",)}
-# The packages whose metadata fill [facts] unsloth (the tighter of the two where both bound a package).
-UNSLOTH = ("unsloth", "unsloth-zoo")
+# A [facts] table with a `version` key records one package's Requires-Dist (unsloth, verl): the tighter bound of these
+# packages' requirements where several ship together (unsloth and unsloth-zoo).
+TOGETHER = {"unsloth": ("unsloth", "unsloth-zoo")}
+# what pip prints when the index is not reachable (as opposed to reachable without the release asked for)
+NETWORK_ERRORS = r"(?i)NewConnectionError|ConnectionError|Max retries|name resolution|timed out|SSLError|ProxyError"
 DATE_LINE = re.compile(r"^(# Checked against the package index on )(\d{4}-\d{2}-\d{2})(.*)$", re.M)
 
 
@@ -76,9 +79,12 @@ def query(requirements: list[str], python: str = sys.executable) -> dict[str, Di
         p = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if p.returncode != 0 or not report.exists():
             lines = [ln for ln in p.stderr.splitlines() if ln.strip() and "is ignored" not in ln]
-            raise UserError(f"the package index did not answer for {' '.join(requirements)[:200]}: "
+            what = ("cannot reach the package index" if re.search(NETWORK_ERRORS, p.stderr)
+                    else "the package index has no release for")
+            raise UserError(f"{what} {' '.join(requirements)[:200]}: "
                             f"{' '.join(lines[-3:])[:400] or f'pip exit {p.returncode}'}",
-                            fix="check that pip reaches its index (pip config list; PIP_INDEX_URL for a mirror)")
+                            fix="check that pip reaches its index (pip config list; PIP_INDEX_URL for a mirror) and "
+                                "that matrix.toml's pins and [facts] name published releases")
         data = json.loads(report.read_text())
     out = {}
     for item in data.get("install", []):
@@ -98,10 +104,21 @@ def stack_pins(data: dict) -> dict[str, str]:
     return pins
 
 
+def flavour_pins(data: dict) -> dict[str, dict[str, str]]:
+    """Flavour -> the packages it pins over its cells' stacks."""
+    return {name: {canonicalize_name(p): v for p, v in f.get("packages", {}).items()}
+            for name, f in sorted(data.get("flavour", {}).items())}
+
+
+def package_facts(facts: dict) -> list[str]:
+    """The [facts] tables that record one package's Requires-Dist at a version (unsloth, verl)."""
+    return [t for t, v in facts.items() if isinstance(v, dict) and "version" in v]
+
+
 # ---------------------------------------------------------------------------------------------- could a pin move?
 @dataclass
 class Row:
-    package: str
+    package: str             # "trl", or "trl (unsloth)" for a flavour's own pin
     pin: str
     newest: str
     blockers: list[str]      # pinned releases whose requirements exclude the newest release
@@ -113,7 +130,7 @@ class Row:
             return "up to date"
         if self.blockers:
             return "no"
-        return "yes" if not self.needs else "with " + ", ".join(n.split()[0] for n in self.needs)
+        return "yes" if not self.needs else "with " + ", ".join(re.match(r"[\w.-]+", n).group() for n in self.needs)
 
 
 def _failing(spec: SpecifierSet, version: str) -> str:
@@ -127,9 +144,13 @@ def _verb(failing: str) -> str:
     return "pins" if failing.startswith("==") else "caps" if failing.startswith("<") else "requires"
 
 
-def rows(pins: dict[str, str], pinned: dict[str, Dist], newest: dict[str, Dist]) -> list[Row]:
+def rows(pins: dict[str, str], pinned: dict[str, Dist], newest: dict[str, Dist], only: set[str] | None = None,
+         label: str = "") -> list[Row]:
+    """A row per pin (per pin in ONLY): PINNED are the releases pinned together, NEWEST the index's newest."""
     out = []
     for pkg, pin in pins.items():
+        if only is not None and pkg not in only:
+            continue
         new = newest[pkg].version if pkg in newest else pin
         blockers, needs = [], []
         if Version(new) > Version(pin):
@@ -145,14 +166,14 @@ def rows(pins: dict[str, str], pinned: dict[str, Dist], newest: dict[str, Dist])
                 spec = newest[pkg].bounds(other, EXTRAS.get(pkg, ())) if pkg in newest else None
                 if other != pkg and spec is not None and not spec.contains(Version(ver), prereleases=True):
                     needs.append(f"{other}{_failing(spec, ver)} (pinned {ver})")
-        out.append(Row(pkg, pin, new, blockers, needs))
+        out.append(Row(f"{pkg} ({label})" if label else pkg, pin, new, blockers, needs))
     return out
 
 
 def table(rs: list[Row]) -> str:
     lines = [["package", "pin", "newest", "could move?", "what blocks it"]]
     for r in rs:
-        why = "; ".join(r.blockers) or ("; ".join(f"{r.package} {r.newest} needs {n}" for n in r.needs))
+        why = "; ".join(r.blockers) or ("; ".join(f"{r.package.split()[0]} {r.newest} needs {n}" for n in r.needs))
         lines.append([r.package, r.pin, r.newest, r.verdict, why or "-"])
     widths = [max(len(row[i]) for row in lines) for i in range(4)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row[:4], widths)) + "  " + row[4] for row in lines)
@@ -198,8 +219,8 @@ def fact_requirements(facts: dict) -> list[str]:
     reqs = [f"vllm=={v}" for v in facts.get("vllm_torch", {})]
     reqs += [f"vllm=={v}" for v in facts.get("vllm_transformers", {})]
     reqs += [f"trl=={v}" for v in facts.get("trl_vllm_extra", {})]
-    if "unsloth" in facts:
-        reqs += [f"{p}=={facts['unsloth']['version']}" for p in UNSLOTH]
+    for t in package_facts(facts):
+        reqs += [f"{p}=={facts[t]['version']}" for p in TOGETHER.get(t, (t,))]
     return sorted(set(reqs))
 
 
@@ -208,10 +229,13 @@ def _pin_of(spec: SpecifierSet | None) -> str | None:
     return exact[0] if len(exact) == 1 else None
 
 
-def facts_from(facts: dict, by_version: dict[tuple[str, str], Dist], newest: dict[str, Dist]) -> dict:
-    """[facts] as the metadata says: every recorded key re-read, the newest vLLM and TRL added, unsloth's entry moved
-    to its newest release. BY_VERSION: (name, version) -> release. A recorded value that still means the same (same
-    range written otherwise) keeps its text, so a no-op refresh leaves matrix.toml's bytes alone."""
+def facts_from(facts: dict, by_version: dict[tuple[str, str], Dist], newest: dict[str, Dist],
+               pinned_versions: dict[str, str] | None = None) -> dict:
+    """[facts] as the metadata says: every recorded key re-read, the newest vLLM and TRL added; a package's table
+    (unsloth, verl) read at the version a flavour pins (PINNED_VERSIONS), else at its recorded one. BY_VERSION:
+    (name, version) -> release. A recorded value that still means the same (same range written otherwise) keeps its
+    text, so a no-op refresh leaves matrix.toml's bytes alone."""
+    pinned_versions = pinned_versions or {}
     def rel(name: str, ver: str) -> Dist:
         d = by_version.get((canonicalize_name(name), ver))
         if d is None:
@@ -241,19 +265,18 @@ def facts_from(facts: dict, by_version: dict[tuple[str, str], Dist], newest: dic
         out["vllm_transformers"] = {v: keep(facts["vllm_transformers"].get(v),
                                             spec_text(rel("vllm", v).bounds("transformers") or SpecifierSet()))
                                     for v in dict.fromkeys(keys)}
-    if "unsloth" in facts:
-        old = facts["unsloth"]
-        ver = newest["unsloth"].version if "unsloth" in newest else old["version"]
-        dists = [rel(p, ver) if (canonicalize_name(p), ver) in by_version else newest[canonicalize_name(p)]
-                 for p in UNSLOTH]
+    for table_name in package_facts(facts):
+        # the version a flavour pins (the fact checks that pin), else the recorded one: re-read, never moved here
+        old = facts[table_name]
+        ver = pinned_versions.get(canonicalize_name(table_name), old["version"])
+        dists = [rel(p, ver) for p in TOGETHER.get(table_name, (table_name,))]
         entry = {"version": ver}
         for pkg in (k for k in old if k != "version"):
-            specs = [s for d in dists if (s := d.bounds(pkg)) is not None]
             combined = SpecifierSet()
-            for s in specs:
-                combined &= s
+            for spec in (d.bounds(pkg) for d in dists):
+                combined &= spec if spec is not None else SpecifierSet()
             entry[pkg] = keep(old.get(pkg), spec_text(tightest(combined)))
-        out["unsloth"] = entry
+        out[table_name] = entry
     for k, v in facts.items():   # tables this tool does not know stay as they are
         out.setdefault(k, v)
     return out
@@ -272,7 +295,7 @@ def differences(old: dict, new: dict) -> list[str]:
 
 def added(old: dict, new: dict) -> list[str]:
     return [f"facts.{t}.{k} = {v!r}" for t, entries in new.items() for k, v in entries.items()
-            if k not in old.get(t, {}) and t != "unsloth"]
+            if k not in old.get(t, {})]
 
 
 # ------------------------------------------------------------------------------------------- matrix.toml in place
@@ -293,14 +316,18 @@ def rewrite(text: str, facts: dict, today: str) -> str:
     stop = m.end() + end.start() if end else len(text)
     section = text[m.end():stop]
     for name, value in facts.items():
-        pat = re.compile(rf"^{re.escape(_key(name))}\s*=\s*\{{.*\}}\s*$", re.M)
+        pat = re.compile(rf"^{re.escape(_key(name))}[ \t]*=[ \t]*\{{.*\}}[ \t]*$", re.M)
         if not pat.search(section):
             raise UserError(f"[facts] {name} is not a one-line inline table", where="matrix.toml",
                             fix="write it as NAME = { ... } on one line")
         section = pat.sub(lambda _m, n=name, v=value: f"{_key(n)} = {inline(v)}", section, count=1)
     section = DATE_LINE.sub(lambda d: d.group(1) + today + d.group(3), section, count=1)
     out = text[:m.end()] + section + text[stop:]
-    if tomllib.loads(out).get("facts") != facts:   # what was written is what was meant, or nothing is written
+    try:
+        same = tomllib.loads(out).get("facts") == facts
+    except tomllib.TOMLDecodeError:
+        same = False
+    if not same:   # what was written is what was meant, or nothing is written
         raise UserError("rewriting [facts] would not give the facts read from the index", where="matrix.toml",
                         fix="check the [facts] lines by hand")
     return out
@@ -314,22 +341,45 @@ class Report:
     new_facts: dict
 
 
-def check(matrix: Path) -> Report:
-    data = tomllib.loads(matrix.read_text())
-    pins = stack_pins(data)
-    facts = data.get("facts", {})
-    newest = query(sorted(set(pins) | ({*UNSLOTH} if "unsloth" in facts else set())))
-    pinned = query([f"{p}=={v}" for p, v in pins.items()])
-    by_version = {(k, d.version): d for src in (pinned, newest) for k, d in src.items()}
-    # one pip call per batch of distinct names (pip refuses two versions of one package in one call)
-    missing = [r.split("==") for r in fact_requirements(facts)]
-    missing = [(n, v) for n, v in missing if (canonicalize_name(n), v) not in by_version]
+def _releases(requirements: list[str], known: dict[tuple[str, str], Dist]) -> None:
+    """Add the releases REQUIREMENTS (NAME==VERSION) name to KNOWN, one pip call per batch of distinct names (pip
+    refuses two versions of one package in one call)."""
+    missing = [tuple(r.split("==")) for r in requirements]
+    missing = [(n, v) for n, v in missing if (canonicalize_name(n), v) not in known]
     while missing:
         batch = {canonicalize_name(n): (n, v) for n, v in reversed(missing)}
-        by_version.update({(k, d.version): d for k, d in query([f"{n}=={v}" for n, v in batch.values()]).items()})
-        missing = [(n, v) for n, v in missing if (canonicalize_name(n), v) not in by_version and
+        known.update({(k, d.version): d for k, d in query([f"{n}=={v}" for n, v in batch.values()]).items()})
+        missing = [(n, v) for n, v in missing if (canonicalize_name(n), v) not in known and
                    batch[canonicalize_name(n)] != (n, v)]
-    return Report(rows(pins, pinned, newest), facts, facts_from(facts, by_version, newest))
+
+
+def check(matrix: Path, pins_too: bool = True) -> Report:
+    """The pins table (unless not PINS_TOO: then only the recorded [facts] are re-read) and [facts] refreshed."""
+    data = tomllib.loads(matrix.read_text())
+    pins = stack_pins(data)
+    flavours = flavour_pins(data)
+    facts = data.get("facts", {})
+    flavour_versions = {p: v for own in flavours.values() for p, v in own.items()}
+    reqs = fact_requirements(facts)
+    reqs += [f"{p}=={flavour_versions[canonicalize_name(t)]}" for t in package_facts(facts)
+             if canonicalize_name(t) in flavour_versions for p in TOGETHER.get(t, (t,))]
+    if not pins_too:
+        known: dict[tuple[str, str], Dist] = {}
+        _releases(reqs, known)
+        return Report([], facts, facts_from(facts, known, {}, flavour_versions))
+    names = set(pins) | {p for f in flavours.values() for p in f}
+    newest = query(sorted(names))
+    pinned = query([f"{p}=={v}" for p, v in pins.items()])
+    known = {(k, d.version): d for src in (pinned, newest) for k, d in src.items()}
+    out = rows(pins, pinned, newest)
+    for name, own in flavours.items():
+        _releases([f"{p}=={v}" for p, v in own.items()], known)
+        together = {**pins, **own}
+        dists = {p: known[(p, v)] if (p, v) in known else pinned[p] for p, v in together.items() if
+                 (p, v) in known or p in pinned}
+        out += rows(together, dists, newest, only=set(own), label=name)
+    _releases(reqs, known)
+    return Report(out, facts, facts_from(facts, known, newest, flavour_versions))
 
 
 @reports_user_errors
