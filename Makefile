@@ -7,7 +7,7 @@ PY ?= .venv/bin/python
 PIP ?= .venv/bin/pip
 REGISTRY ?= 127.0.0.1:$(or $(TRAINBOX_REGISTRY_PORT),5555)/trainbox
 
-.PHONY: help build setup system-deps test test-fast test-gpu-image engine engine-stop render lock bases workflow \
+.PHONY: help build setup system-deps test test-fast test-gpu-image engine engine-stop render lock bases workflow pins \
 	slurm slurm-stop bench
 
 help: ## list the targets
@@ -68,8 +68,11 @@ lock: setup ## re-lock what the default index alone can lock (cu129 cells need P
 	$(PY) build.py --lock smoke
 	$(PY) build.py --lock --cuda 13.0 --gpu blackwell
 
-workflow: setup ## regenerate .github/workflows/build.yml from matrix.toml
+workflow: setup ## regenerate .github/workflows/ (build, lock, pins) from matrix.toml
 	$(PY) -m builder.workflow
+
+pins: setup ## which pins could move and what blocks them, [facts] against the index (WRITE=1 refreshes [facts])
+	$(PY) -m builder.pins $(if $(WRITE),--write)
 
 # --- the test machine (devenv/): engine, registry, bases, Slurm ---
 engine: setup ## start (or reuse) a Docker engine, a local registry on 127.0.0.1, QEMU binfmt for arm64
