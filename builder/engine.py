@@ -1,8 +1,9 @@
-"""Build, tag and push cell images on a Docker engine, and join a cell's arches into a manifest list.
+"""Build and tag cell images on a Docker engine (publishing them: builder/publish.py).
 
 Builder choice (`--builder auto`): buildx when the CLI has it (through python-on-whales); otherwise the engine's own
-BuildKit through a classic CLI that still accepts DOCKER_BUILDKIT=1 (Docker < 23, e.g. Debian's /usr/bin/docker);
-otherwise the legacy builder. Every build runs with host networking (RUN steps reach the package index and the local
+BuildKit through a classic CLI that still accepts DOCKER_BUILDKIT=1 (Docker < 23, e.g. Debian's /usr/bin/docker).
+The rendered Dockerfiles need BuildKit (the venv install uses a cache mount): `--builder legacy` is refused at the
+build with one error. Every build runs with host networking (RUN steps reach the package index and the local
 registry) and without a tag: only a finished image gets the cell's tags, so a failed build never leaves a final tag
 on a half image. Secrets go in as BuildKit secrets only (never ARG/ENV/COPY).
 """
@@ -10,13 +11,11 @@ on a half image. Secrets go in as BuildKit secrets only (never ARG/ENV/COPY).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import platform
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from collections import deque
@@ -26,13 +25,11 @@ from pathlib import Path
 from python_on_whales import DockerClient
 from python_on_whales.exceptions import DockerException
 
-from builder.errors import UserError, reports_user_errors
+from builder.errors import UserError
 from builder.options import BuildOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 WHEELHOUSE = "wheelhouse"
-MANIFEST_LIST_TYPES = ("application/vnd.docker.distribution.manifest.list.v2+json",
-                       "application/vnd.oci.image.index.v1+json")
 
 
 # ----------------------------------------------------------------------------------------------------------- builders
@@ -93,11 +90,10 @@ def choose_builder(requested: str = "auto") -> Builder:
                             "/usr/bin/docker from docker.io) or buildx; set TRAINBOX_DOCKER to its path")
     if requested == "legacy":
         return Builder("legacy", clis[0])
-    # Never fall back to the legacy builder unasked: it is deprecated, cannot take --secret, and its banner would be
-    # the only sign that it was picked.
+    # Never fall back to the legacy builder: the Dockerfiles use a BuildKit cache mount and BuildKit secrets.
     raise UserError(f"no BuildKit builder here (no buildx plugin, no classic docker CLI older than 23 among "
-                    f"{', '.join(clis)})", fix="run `make engine` (Debian's docker.io CLI has BuildKit), install "
-                    "docker-buildx, or pass --builder legacy for the deprecated legacy builder")
+                    f"{', '.join(clis)})", fix="run `make engine` (Debian's docker.io CLI has BuildKit) or install "
+                    "docker-buildx")
 
 
 def check_engine(builder: Builder) -> str:
@@ -125,19 +121,6 @@ def cell_refs(cell, registry: str | None = None) -> list[str]:
     if cell.tag not in tags:
         tags.insert(0, cell.tag)
     return [f"{repo}:{t}" for t in tags]
-
-
-def manifest_list_ref(cell, registry: str) -> str:
-    return f"{registry}:{cell.name}"
-
-
-def _registry_host(ref: str) -> str:
-    return ref.split("/", 1)[0]
-
-
-def _insecure(ref: str) -> bool:
-    host = _registry_host(ref).split(":")[0]
-    return host in ("localhost",) or host.startswith("127.") or os.environ.get("TRAINBOX_INSECURE_REGISTRY") == "1"
 
 
 # --------------------------------------------------------------------------------------------------- build inputs
@@ -249,7 +232,7 @@ def failed_step(log: BuildLog | list[str], dockerfile: Path | None = None) -> tu
         # The step's own last error line (pip's "No matching distribution ...") says more than "exit code: 1".
         own = [re.sub(r"^#\d+ [\d.]+ ", "", ln).strip() for ln in lines
                if ln.startswith(f"#{err_id} ") and not ln.startswith(f"#{err_id} ERROR")
-               and re.search(r"error|not found|denied|refused|no such", ln, re.I)]
+               and re.search(r"error|not found|denied|refused|no such|mismatch", ln, re.I)]
         if own:
             reason = f"{own[-1]} ({reason})"
         if err_id in log.tls:
@@ -345,9 +328,11 @@ def build_image(*, dockerfile: Path, context: Path, platform: str, builder: Buil
     """Build and return (image id, log lines); no tag. Raises UserError naming LABEL and the failing step."""
     build_args = build_args or {}
     secrets = secrets or []
-    if secrets and builder.kind == "legacy":
-        raise UserError(f"{label}: --secret needs BuildKit (buildx or a classic CLI with DOCKER_BUILDKIT=1); the "
-                        "legacy builder would have to bake the secret into a layer")
+    if builder.kind == "legacy":
+        raise UserError(f"{label}: the legacy builder cannot build this Dockerfile: its venv install uses a BuildKit "
+                        "cache mount (RUN --mount=type=cache) and secrets go in as BuildKit secrets",
+                        fix="use --builder auto: buildx, or a classic docker CLI older than 23 with DOCKER_BUILDKIT=1 "
+                            "(`make engine` installs Debian's)")
     with tempfile.TemporaryDirectory(prefix="trainbox-build-") as tmp:
         iidfile = Path(tmp) / "iid"
         env = dict(os.environ)
@@ -559,122 +544,6 @@ def build_cell(cell, *, builder: Builder, context: Path = ROOT, registry: str | 
     return res
 
 
-# ------------------------------------------------------------------------------------------------------ registry
-def _skopeo(*args: str, ref: str) -> subprocess.CompletedProcess:
-    tls = ["--tls-verify=false"] if _insecure(ref) else []
-    return subprocess.run(["skopeo", args[0], *tls, *args[1:], f"docker://{ref}"], capture_output=True, text=True)
-
-
-def registry_manifest(ref: str) -> tuple[dict, str] | None:
-    """(manifest JSON, digest) as the registry serves REF, or None if it has no such tag."""
-    if not shutil.which("skopeo"):
-        raise UserError("skopeo is missing: run `make engine` (installs it) or apt-get install skopeo")
-    r = _skopeo("inspect", "--raw", ref=ref)
-    if r.returncode != 0:
-        return None
-    import hashlib
-    return json.loads(r.stdout), "sha256:" + hashlib.sha256(r.stdout.encode()).hexdigest()
-
-
-def _push(client: DockerClient, ref: str, label: str, quiet: bool) -> set[str]:
-    """Push REF through the engine, streaming its progress; returns the short diff ids it reported as `Pushed`
-    (layers the registry had, or mounted from another repository, cost no upload)."""
-    pushed: set[str] = set()
-    tail: deque[str] = deque(maxlen=20)
-    try:
-        for _source, raw in client.push(ref, stream_logs=True):
-            line = raw.decode(errors="replace").rstrip()
-            tail.append(line)
-            m = re.match(r"([0-9a-f]{12}): Pushed$", line.strip())
-            if m:
-                pushed.add(m.group(1))
-            if not quiet and not line.strip().endswith(("Preparing", "Waiting")):
-                print(f"[{label}] {line}", flush=True)
-    except DockerException as e:
-        msg = [ln for ln in [*tail, *(e.stderr or "").splitlines()] if ln.strip()]
-        raise UserError(f"push of cell {label} to {ref} failed: {msg[-1] if msg else e}; is the registry up and are "
-                        "you logged in (`docker login HOST`)?") from None
-    return pushed
-
-
-def push_result(res: BuildResult, builder: Builder, quiet: bool = False) -> None:
-    """Push RES's refs; fill digest (read back from the registry), layers and bytes actually uploaded."""
-    client = builder.client()
-    ref = res.refs[0]
-    repo = ref.rsplit(":", 1)[0]
-    t0 = time.monotonic()
-    pushed: set[str] = set()
-    for r in res.refs:
-        pushed |= _push(client, r, res.tag, quiet)
-    res.push_seconds = round(time.monotonic() - t0, 1)
-    got = registry_manifest(ref)
-    if not got:
-        raise UserError(f"push of cell {res.tag}: the registry does not show {ref} after the push")
-    man, digest = got
-    res.digest, res.pushed_ref = digest, f"{repo}@{digest}"
-    res.blobs = {b["digest"]: int(b["size"]) for b in [man.get("config", {}), *man.get("layers", [])] if b}
-    # The manifest's layers are the image's diff ids in order, compressed: map the pushed ids to blob sizes.
-    diff_ids = [str(d) for d in client.image.inspect(res.image_id).root_fs.layers or []]
-    sizes = [int(layer["size"]) for layer in man.get("layers", [])]
-    if len(diff_ids) == len(sizes):
-        sent = [size for d, size in zip(diff_ids, sizes) if d.split(":")[-1][:12] in pushed]
-        res.pushed_layers, res.pushed_bytes = len(sent), sum(sent)
-    else:  # cannot map: count every reported upload at its manifest size unknown -> layers only
-        res.pushed_layers, res.pushed_bytes = len(pushed), 0
-    if not quiet:
-        print(f"[{res.tag}] pushed {ref} {digest} ({res.pushed_layers} layers, {res.pushed_bytes} bytes sent)")
-
-
-def _drop_local_list(client: DockerClient, list_ref: str) -> None:
-    """A list that was not pushed must not stay behind in the CLI's local manifest store."""
-    try:
-        client.manifest.remove(list_ref)
-    except DockerException:
-        pass
-
-
-def publish_manifest_list(list_ref: str, results: list[BuildResult], expected_arches: list[str],
-                          builder: Builder) -> str:
-    """Join the pushed per-arch images into LIST_REF; refuses unless every expected arch is in the registry.
-    Returns the list's digest as read back."""
-    by_arch = {_platform_arch(r.platform): r for r in results if r.digest}
-    missing = [a for a in expected_arches if a not in by_arch]
-    if missing:
-        raise UserError(f"manifest list {list_ref}: no pushed image for {', '.join(missing)}; build and push every "
-                        f"arch of the cell ({', '.join(expected_arches)}) in one run, nothing was published")
-    members = []
-    for arch in expected_arches:
-        r = by_arch[arch]
-        got = registry_manifest(r.pushed_ref)
-        if not got or got[1] != r.digest:
-            raise UserError(f"manifest list {list_ref}: {r.pushed_ref} is not in the registry; nothing was published")
-        members.append(r.pushed_ref)
-    client = builder.client()
-    insecure = _insecure(list_ref)
-    try:
-        try:
-            client.manifest.remove(list_ref)  # a stale local list from an earlier run would be amended, not replaced
-        except DockerException:
-            pass
-        client.manifest.create(list_ref, members, insecure=insecure)
-        cmd = [builder.cli, "manifest", "push", "--purge"] + (["--insecure"] if insecure else []) + [list_ref]
-        p = subprocess.run(cmd, capture_output=True, text=True)
-        if p.returncode != 0:
-            _drop_local_list(client, list_ref)
-            raise UserError(f"pushing manifest list {list_ref} failed: {p.stderr.strip()[-300:]}")
-    except DockerException as e:
-        _drop_local_list(client, list_ref)
-        raise UserError(f"creating manifest list {list_ref} failed: {(e.stderr or str(e)).strip()[-300:]}") from None
-    got = registry_manifest(list_ref)
-    if not got or got[0].get("mediaType") not in MANIFEST_LIST_TYPES:
-        raise UserError(f"manifest list {list_ref}: the registry does not serve a list after the push")
-    listed = {m["digest"] for m in got[0]["manifests"]}
-    want = {r.digest for r in by_arch.values() if _platform_arch(r.platform) in expected_arches}
-    if listed != want:
-        raise UserError(f"manifest list {list_ref} lists {sorted(listed)}, expected {sorted(want)}")
-    return got[1]
-
-
 # --------------------------------------------------------------------------------------------------- entry point
 def build_cells(cells, opts: BuildOptions) -> int:
     """The CLI's real build: build every cell, optionally push and join arches into manifest lists, report. With
@@ -710,7 +579,8 @@ def build_cells(cells, opts: BuildOptions) -> int:
                                         use_enroot=opts.use_enroot, progress=not quiet,
                                         arch=_platform_arch(cell.platform))
         if opts.push:
-            _push_all(cells, results, lists, opts.registry, builder, quiet)
+            from builder import publish   # publish imports this module
+            publish.push_all(cells, results, lists, opts.registry, builder, quiet)
     except BaseException as e:
         stuck = journal.rollback() if journal else []
         if stuck and isinstance(e, UserError):
@@ -720,64 +590,11 @@ def build_cells(cells, opts: BuildOptions) -> int:
     return 0
 
 
-def _push_all(cells, results: list[BuildResult], lists: dict[str, str], registry: str, builder: Builder,
-              quiet: bool) -> None:
-    for res in results:
-        push_result(res, builder, quiet)
-    by_name: dict[str, list[BuildResult]] = {}
-    for res in results:
-        by_name.setdefault(res.cell, []).append(res)
-    for name, group in by_name.items():
-        cell = next(c for c in cells if c.name == name)
-        expected = [_platform_arch(c.platform) for c in cells if c.name == name]
-        if len(expected) < 2:
-            continue  # a single-arch run: nothing to join
-        ref = manifest_list_ref(cell, registry)
-        lists[ref] = publish_manifest_list(ref, group, expected, builder)
-        if not quiet:
-            print(f"manifest list {ref} {lists[ref]}")
 
 
-# ------------------------------------------------------------------------------------- `python -m builder.engine`
-def join_pushed(cell_names: list[str], registry: str, matrix_path: str | None = None) -> dict[str, str]:
-    """Manifest lists for cells whose arches were pushed by separate runs (one CI job per arch): each arch's image
-    is read back from REGISTRY; a missing arch refuses the list. Returns {list ref: digest}."""
-    from builder.matrix import load_matrix
-
-    matrix = load_matrix(matrix_path) if matrix_path else load_matrix()
-    builder = choose_builder("auto")
-    out = {}
-    for name in cell_names:
-        cells = matrix.select([name])
-        results = []
-        for c in cells:
-            ref = cell_refs(c, registry)[0]
-            got = registry_manifest(ref)
-            if got is None:
-                continue
-            results.append(BuildResult(cell=c.name, tag=c.tag, arch=c.arch, platform=c.platform, builder="-",
-                                       digest=got[1], pushed_ref=f"{registry}@{got[1]}"))
-        ref = manifest_list_ref(cells[0], registry)
-        out[ref] = publish_manifest_list(ref, results, [_platform_arch(c.platform) for c in cells], builder)
-        print(f"{ref}@{out[ref]}")
-    return out
-
-
-@reports_user_errors
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m builder.engine")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    m = sub.add_parser("manifest", help="join the pushed arches of cells into manifest lists")
-    m.add_argument("--registry", required=True, help="HOST:PORT/REPO the cells were pushed to")
-    m.add_argument("--matrix", default=None)
-    m.add_argument("cells", nargs="+", help="cell names, e.g. smoke")
-    a = p.parse_args(argv)
-    from builder import reference
-    join_pushed(a.cells, reference.check_repository(a.registry), a.matrix)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def __getattr__(name: str):
+    """`_insecure` moved to builder.publish; builder/sbom.py still imports it from here."""
+    if name == "_insecure":
+        from builder.publish import _insecure
+        return _insecure
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

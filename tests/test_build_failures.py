@@ -123,6 +123,19 @@ def test_cli_bad_base_exits_2_with_one_line(engine):  # noqa: F811
     assert "`make bases`" in err[0]
 
 
+def test_legacy_builder_is_refused_with_one_line(engine):  # noqa: F811
+    # the rendered Dockerfiles install the venv under a BuildKit cache mount: the legacy builder can't run them, so
+    # --builder legacy stops before any build step with one line and the way out (no image, no tag)
+    before = _image_id("trainbox:smoke-x86_64")
+    r = subprocess.run([sys.executable, "build.py", "--cell", "smoke", "--arch", "x86_64", "--quiet", "--builder",
+                        "legacy"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    err = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(err) == 1 and "smoke-x86_64" in err[0] and "RUN --mount=type=cache" in err[0], err
+    assert "--builder auto" in err[0] and "Traceback" not in r.stderr
+    assert _image_id("trainbox:smoke-x86_64") == before
+
+
 def test_a_step_with_long_output_is_named_by_its_instruction(tmp_path, test_base):  # noqa: F811
     """600 lines of output push BuildKit's `#N [k/n] RUN ...` header out of any tail: the error still names the
     instruction and its Dockerfile line, never a bare `#N`."""

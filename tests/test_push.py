@@ -1,12 +1,16 @@
-"""Push through the real CLI: both arches of the smoke cell, a manifest list joining them, digests read back with
-skopeo; refusals (missing arch, failed push) publish no list; an entrypoints-only change re-pushes one layer."""
+"""Push through the real CLI: both arches of the smoke cell, a manifest list joining them (build.py, and
+`python -m builder.publish manifest` for arches pushed by separate runs), digests that are the registry's own (sha256
+of the bytes it serves); refusals (missing arch, failed push) publish no list; an entrypoints-only change re-pushes
+one layer."""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import subprocess
 import sys
+import urllib.request
 import uuid
 
 import pytest
@@ -14,7 +18,7 @@ import pytest
 from enginefix import (BUILD_TIMEOUT, ROOT, build_args, docker, engine, registry, secret_file, smoke_arm64,  # noqa: F401
                        smoke_build, smoke_cells, test_base, torch_wheelhouse)
 
-from builder import engine as eng
+from builder import engine as eng, publish
 from builder.options import parse_bases
 from builder.errors import UserError
 
@@ -65,7 +69,7 @@ def test_manifest_list_joins_both_arches(pushed):
     lists = pushed["report"]["manifest_lists"]
     assert [x["ref"] for x in lists] == [f"{pushed['repo']}:smoke"]
     raw = skopeo_raw(f"{pushed['repo']}:smoke")
-    assert raw["mediaType"] in eng.MANIFEST_LIST_TYPES
+    assert raw["mediaType"] in publish.MANIFEST_LIST_TYPES
     by_arch = {m["platform"]["architecture"]: m["digest"] for m in raw["manifests"]}
     cells = {c["arch"]: c["digest"] for c in pushed["report"]["cells"]}
     assert by_arch == {"amd64": cells["x86_64"], "arm64": cells["aarch64"]}
@@ -75,12 +79,56 @@ def test_manifest_list_joins_both_arches(pushed):
     assert cells["aarch64"] in arm
 
 
+def _registry_says(ref: str) -> tuple[bytes, str]:
+    """The manifest's bytes and the registry's own Docker-Content-Digest header for REF (plain HTTP: local registry)."""
+    host, rest = ref.split("/", 1)
+    repo, tag = rest.rsplit(":", 1)
+    req = urllib.request.Request(f"http://{host}/v2/{repo}/manifests/{tag}", headers={"Accept": ", ".join(
+        [*publish.MANIFEST_LIST_TYPES, "application/vnd.docker.distribution.manifest.v2+json",
+         "application/vnd.oci.image.manifest.v1+json"])})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return r.read(), r.headers["Docker-Content-Digest"]
+
+
+def test_digests_are_the_registrys_own(pushed):
+    """publish.registry_manifest's digest is the one the registry names (sha256 of the bytes it serves), for an
+    image manifest and for the list."""
+    for tag in ("smoke-x86_64", "smoke-aarch64", "smoke"):
+        ref = f"{pushed['repo']}:{tag}"
+        body, header = _registry_says(ref)
+        man, digest = publish.registry_manifest(ref)
+        assert digest == header == "sha256:" + hashlib.sha256(body).hexdigest(), tag
+        assert man == json.loads(body)
+
+
+def test_publish_cli_joins_arches_pushed_by_separate_runs(pushed):
+    """What the generated workflow's manifest job runs after one build job per arch: the list is made from what the
+    registry holds; the same members give the same list digest as build.py's; `join` is the same command."""
+    want = next(x["digest"] for x in pushed["report"]["manifest_lists"])
+    for word in ("manifest", "join"):
+        r = subprocess.run([sys.executable, "-m", "builder.publish", word, "--registry", pushed["repo"], "smoke"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        assert r.stdout.split() == [f"{pushed['repo']}:smoke@{want}"], r.stdout
+    assert skopeo_digest(f"{pushed['repo']}:smoke") == want
+
+
+def test_publish_cli_refuses_a_missing_arch(pushed):
+    """A registry that has no image of the cell: exit 2, one line naming the missing arches, no list written."""
+    repo = f"{pushed['repo']}-empty"
+    r = subprocess.run([sys.executable, "-m", "builder.publish", "manifest", "--registry", repo, "smoke"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    err = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(err) == 1 and "no pushed image for amd64, arm64" in err[0], r.stderr
+    assert skopeo_raw(f"{repo}:smoke") is None
+
+
 def test_list_refused_when_an_arch_is_missing(pushed):
     x86 = next(c for c in pushed["report"]["cells"] if c["arch"] == "x86_64")
     res = eng.BuildResult(**{k: v for k, v in x86.items() if k in {f.name for f in dataclasses.fields(eng.BuildResult)}})
     ref = f"{pushed['repo']}:smoke-partial"
     with pytest.raises(UserError, match="no pushed image for arm64"):
-        eng.publish_manifest_list(ref, [res], ["amd64", "arm64"], eng.choose_builder())
+        publish.publish_manifest_list(ref, [res], ["amd64", "arm64"], eng.choose_builder())
     assert skopeo_raw(ref) is None
 
 
@@ -92,14 +140,14 @@ def test_failed_push_publishes_no_list(pushed, smoke_build, registry):  # noqa: 
     arm = dataclasses.replace(smoke_build, platform="linux/arm64", digest=ghost, pushed_ref=f"{pushed['repo']}@{ghost}")
     ref = f"{pushed['repo']}:smoke-ghost"
     with pytest.raises(UserError, match="not in the registry; nothing was published"):
-        eng.publish_manifest_list(ref, [x86, arm], ["amd64", "arm64"], eng.choose_builder())
+        publish.publish_manifest_list(ref, [x86, arm], ["amd64", "arm64"], eng.choose_builder())
     assert skopeo_raw(ref) is None
     # and a push to a registry that is not there: one error naming the cell
     dead = dataclasses.replace(smoke_build, refs=["127.0.0.1:1/trainbox-dead:smoke-x86_64"])
     docker("tag", smoke_build.image_id, dead.refs[0])
     try:
         with pytest.raises(UserError, match="push of cell smoke-x86_64 to 127.0.0.1:1/trainbox-dead"):
-            eng.push_result(dead, eng.choose_builder(), quiet=True)
+            publish.push_result(dead, eng.choose_builder(), quiet=True)
     finally:
         docker("rmi", dead.refs[0], check=False)
 
@@ -117,7 +165,7 @@ def test_entrypoints_change_rebuilds_and_repushes_only_the_last_layer(pushed, tm
     # COPY entrypoints/ and the --help texts rendered from it (helpcache.py) ran; every layer below is reused.
     assert len(after) == len(before) and after[:-2] == before[:-2] and after[-2] != before[-2]
     assert res.steps - res.cached_steps == 2, (res.steps, res.cached_steps)
-    eng.push_result(res, eng.choose_builder(), quiet=True)
+    publish.push_result(res, eng.choose_builder(), quiet=True)
     assert res.pushed_layers == 2
     assert 0 < res.pushed_bytes < 1_000_000 < res.size
     assert skopeo_digest(f"{pushed['repo']}:smoke-x86_64") == res.digest
