@@ -30,8 +30,6 @@ def parser() -> argparse.ArgumentParser:
     mode.add_argument("--lock", action="store_true", help="re-lock the selected cells' requirements")
     mode.add_argument("--lock-bases", action="store_true",
                       help="pin the selected GPU cells' base images by digest in locks/bases.toml (asks the registry)")
-    mode.add_argument("--lock-bases", action="store_true",
-                      help="pin the selected GPU cells' base images by digest in locks/bases.toml (asks the registry)")
     mode.add_argument("--frozen", action="store_true",
                       help="build only with committed, fresh locks (refuse instead of locking; what CI uses)")
     inp = p.add_argument_group("inputs")
@@ -296,9 +294,6 @@ def run(argv: list[str] | None = None) -> int:
     opts = dataclasses.replace(opts, output_dir=output_dir(args))
     temporary = opts.output_dir != ROOT and args.output_dir is None  # output_dir() made it for a foreign matrix
     try:
-        if args.lock_bases:
-            from builder import bases
-            return bases.lock_bases(cells, root=opts.output_dir, quiet=args.quiet)
         if args.lock_bases:
             from builder import bases
             return bases.lock_bases(cells, root=opts.output_dir, quiet=args.quiet)
