@@ -161,8 +161,11 @@ def _test_jobs() -> dict:
                 {"name": "Tools the engine tests use beside Docker",
                  "run": "sudo apt-get update -qq\nsudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "
                         + " ".join(ENGINE_TEST_PACKAGES) + "\n"},
-                {"name": "Engine, local registry, QEMU binfmt", "run": "make engine\n"},
-                {"name": "The engine tests", "run": '.venv/bin/python -m pytest -ra -m "engine and not slurm" tests\n'},
+                {"name": "The test environment (.venv)", "run": "make setup\n"},
+                # root, as in the project's CI: debootstrap (the local bases) and binfmt need it
+                {"name": "Engine, local registry, QEMU binfmt", "run": "sudo -E make engine\n"},
+                {"name": "The engine tests",
+                 "run": 'sudo -E .venv/bin/python -m pytest -ra -m "engine and not slurm" tests\n'},
             ],
         },
     }

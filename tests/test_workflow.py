@@ -83,7 +83,8 @@ def test_tests_gate_every_build_and_push():
     assert {"test", "test-engine", "plan"} <= set(build["needs"])
     assert "make test-fast" in _runs(jobs["test"])                       # unit, rendered files, linters, facts
     assert "python -m builder.workflow --check" in _runs(jobs["test"])    # the workflows themselves are fresh
-    assert '-m "engine and not slurm"' in _runs(jobs["test-engine"]) and "make engine" in _runs(jobs["test-engine"])
+    engine = _runs(jobs["test-engine"])
+    assert 'pytest -ra -m "engine and not slurm" tests' in engine and "sudo -E make engine" in engine
     # nothing pushes except through build (and publish/storage, which need build)
     for name, job in jobs.items():
         pushes = "--push" in _runs(job) or "cosign" in _runs(job) or "builder.publish" in _runs(job)
