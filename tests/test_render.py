@@ -151,10 +151,47 @@ def test_image_contract(tag):
 
 
 @pytest.mark.parametrize("tag", sorted(CELLS))
-def test_no_buildkit_only_syntax(tag):
+def test_buildkit_syntax_is_only_the_venv_installs_cache_mount(tag):
+    """A cell's Dockerfile needs BuildKit for one thing: uv's download cache in a cache mount on the deps stage's
+    install (never in a layer). Nothing needs a frontend image (`# syntax=`, heredocs, COPY --chmod/--link) that
+    can't be pulled here."""
     text = render.render(CELLS[tag])
-    assert "--mount=" not in text and "# syntax=" not in text and "<<" not in text
+    assert "# syntax=" not in text and "<<" not in text
     assert "COPY --chmod" not in text and "COPY --link" not in text and "--platform=" not in text
+    if "FROM base AS deps" not in text:   # a flavour (Flavour.j2) layers on a built image: no venv install here
+        return
+    mounts = [ln for ln in text.splitlines() if "--mount=" in ln and not ln.startswith("#")]
+    assert mounts == ["RUN --mount=type=cache,target=/root/.cache/uv \\"], mounts
+    deps = text[text.index("FROM base AS deps"):text.index("FROM base AS runtime")]
+    assert mounts[0] in deps and "UV_CACHE_DIR=/root/.cache/uv" in deps
+
+
+@pytest.mark.parametrize("tag", sorted(CELLS))
+def test_the_venv_is_installed_by_a_pinned_hash_checked_uv(tag):
+    """uv comes from its own hash-pinned requirement into /opt/uv (deps stage only: the runtime copies /opt/venv
+    alone); it installs the lock into /opt/venv with --require-hashes and no resolution (--no-deps), bytecode
+    compiled as pip did; no pip install of the lock is left."""
+    cell = CELLS[tag]
+    if "FROM base AS deps" not in render.render(cell):
+        pytest.skip("a flavour (Flavour.j2): no venv install of its own")
+    ins = instructions(render.render(cell))
+    deps = ins[[i for i, (w, r) in enumerate(ins) if w == "FROM" and r.endswith("AS deps")][0]:
+               [i for i, (w, r) in enumerate(ins) if w == "FROM" and r.endswith("AS runtime")][0]]
+    runs = [r for w, r in deps if w == "RUN"]
+    uv_step = next(r for r in runs if "--target /opt/uv" in r)
+    assert re.search(r"'uv==\d+\.\d+\.\d+ \\'\s+'    --hash=sha256:[0-9a-f]{64} \\'\s+'    --hash=sha256:[0-9a-f]{64}' "
+                     r"> /tmp/trainbox/uv.txt", uv_step), uv_step
+    assert "pip install --no-cache-dir --require-hashes --no-deps" in uv_step
+    install = next(r for r in runs if "uv pip install" in r)
+    assert "/opt/uv/bin/uv pip install --python /opt/venv/bin/python --require-hashes --no-deps --compile-bytecode" \
+        in install and f"-r /tmp/trainbox/locks/{cell.venv}.txt" in install
+    assert "unsafe-best-match" not in install
+    assert not any(f"-r /tmp/trainbox/locks/{cell.venv}.txt" in r for r in runs if r is not install)
+    # uv's step comes before the lock's COPY: a lock change reuses it
+    copy_lock = next(i for i, (w, r) in enumerate(deps) if w == "COPY" and "locks/" in r)
+    assert deps.index(("RUN", uv_step)) < copy_lock < deps.index(("RUN", install))
+    runtime = render.render(cell).split("FROM base AS runtime")[1]
+    assert "/opt/uv" not in runtime and "/root/.cache" not in runtime
 
 
 def test_attention_layer_only_where_a_flash_wheel_goes():
