@@ -165,7 +165,8 @@ def plan_lines(cells: list[Cell], bases, paths: dict, root: Path = ROOT, overrid
         lines.append(f"{i}. {c.tag} ({c.platform}{', emulated (QEMU)' if c.arch != engine.host_arch() else ''})")
         lines.append(f"   dockerfile: {paths[c.tag]}")
         sub = f" (substituted for {c.base_image})" if base != c.base_image else ""
-        lines.append(f"   base: {base}{sub}")
+        from builder import bases as base_lock   # the pinned TAG@sha256 the Dockerfile pulls (locks/bases.toml)
+        lines.append(f"   base: {base if sub else base_lock.ref(c.base_image, c)}{sub}")
         args = engine.cell_build_args(c, bases=bases, index_overrides=overrides)
         lines.append("   build args: " + " ".join(f"{k}={indexes.redact(v)}" for k, v in args.items()))
         default = indexes.url(c, "default", overrides) or "the installer's default index"
