@@ -68,7 +68,7 @@ id = "after-facts"
 
 def _wheel(folder: Path, name: str, version: str, requires: list[str]) -> Path:
     info = f"{name}-{version}.dist-info"
-    meta = [f"Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
+    meta = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
     extras = sorted({m.group(1) for r in requires if (m := re.search(r'extra == "(\w+)"', r))})
     meta += [f"Provides-Extra: {e}" for e in extras] + [f"Requires-Dist: {r}" for r in requires]
     files = {f"{name}/__init__.py": b"", f"{info}/METADATA": ("\n".join(meta) + "\n").encode(),
