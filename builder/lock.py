@@ -139,7 +139,7 @@ def _shown(path: str) -> str:
     try:
         return str(Path(path).resolve().relative_to(ROOT.resolve()))
     except ValueError:
-        return "a local wheel folder (PIP_FIND_LINKS or /opt/wheels)"
+        return "a local wheel folder outside the repository (PIP_FIND_LINKS)"
 
 
 def compile_lock(cell: Cell, overrides: dict[str, str] | None = None) -> str:
