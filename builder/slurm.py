@@ -7,6 +7,9 @@ Every mode runs one task per node; each task runs the dispatcher (`trainbox ENTR
 whose launcher (entrypoints/launch.py, the one home of the rendezvous rule) reads the step's Slurm variables and
 starts torchrun: nothing depends on hooks that may or may not set RANK/LOCAL_RANK in the container, and the script
 computes no address or port of its own.
+verl jobs (`--entrypoint verl-ppo|verl-sft`, pyxis or bare) come from their own template, verl.sh.j2: PPO runs
+verl's Ray driver on the head of a `trainbox ray` cluster, SFT runs verl's torchrun trainer through the launcher;
+what comes after -- are verl's Hydra overrides (key=value).
 """
 
 from __future__ import annotations
@@ -24,8 +27,11 @@ from builder.errors import UserError, reports_user_errors
 from entrypoints import atomic, launch
 
 TEMPLATES = Path(__file__).resolve().parent / "templates" / "slurm"
-ENTRYPOINTS = ("sft", "grpo", "nccl-check", "ray")
-NO_CONFIG = ("nccl-check", "ray")  # entrypoints that take no YAML config (their options go after --)
+# verl's job kinds -> the module each runs by default (--module: another, e.g. a verl recipe's main).
+VERL_JOBS = {"verl-ppo": "verl.trainer.main_ppo", "verl-sft": "verl.trainer.sft_trainer"}
+ENTRYPOINTS = ("sft", "grpo", "nccl-check", "ray", *VERL_JOBS)
+NO_CONFIG = ("nccl-check", "ray", *VERL_JOBS)  # entrypoints that take no YAML config (their options go after --)
+_MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 MODES = ("pyxis", "enroot", "bare")
 # Where the convenience mounts land in the image (CONTRIBUTING.md: outputs default /workspace/outputs).
 DATA_DST, OUTPUTS_DST, HF_DST = "/data", "/workspace/outputs", "/cache/huggingface"
@@ -93,6 +99,8 @@ class JobSpec:
     env: tuple[tuple[str, str], ...] = ()
     args: tuple[str, ...] = field(default=())  # extra entrypoint options
     vllm_nodes: int = 0  # grpo: the last node(s) run `trl vllm-serve`, the others train (entrypoints/vllm_server.py)
+    module: str | None = None  # verl jobs: the Python module to run (default: VERL_JOBS[entrypoint])
+    ray_args: tuple[str, ...] = ()  # verl-ppo: `trainbox ray` options (--num-cpus 8, --gpu-free-head is refused)
 
 
 def _check(spec: JobSpec) -> None:
@@ -133,6 +141,10 @@ def _check(spec: JobSpec) -> None:
         if spec.nodes <= spec.vllm_nodes:
             raise UserError(f"--vllm-nodes {spec.vllm_nodes} with --nodes {spec.nodes} leaves no node to train; "
                             f"use --nodes {spec.vllm_nodes + 1} or more")
+    if spec.entrypoint in VERL_JOBS:
+        _check_verl(spec)
+    elif spec.module or spec.ray_args:
+        raise UserError(f"--module/--ray-arg are for verl jobs ({', '.join(VERL_JOBS)}), not {spec.entrypoint}")
     if spec.mode == "bare":
         if spec.sqsh or spec.mounts or spec.data or spec.outputs or spec.hf_cache:
             raise UserError("bare mode runs on the nodes without a container: drop --sqsh/--mount/--data/--outputs/"
@@ -146,6 +158,30 @@ def _check(spec: JobSpec) -> None:
                             "try to pull it from a registry); export one with `python -m builder.enroot`")
         if "," in spec.sqsh or shlex.quote(spec.sqsh) != spec.sqsh:
             raise UserError(f"--sqsh {spec.sqsh!r} must not contain spaces, commas, quotes or shell characters")
+
+
+def _check_verl(spec: JobSpec) -> None:
+    if spec.mode == "enroot":
+        raise UserError(f"{spec.entrypoint} jobs run through pyxis or bare; on an enroot-only cluster use --mode "
+                        "enroot --entrypoint ray -- python3 -m verl.trainer.main_ppo trainer.nnodes=N ...")
+    if spec.config:
+        raise UserError(f"{spec.entrypoint} takes verl's Hydra overrides after -- (e.g. -- data.train_files=/data/"
+                        "train.parquet model.path=/models/m), not --config")
+    if spec.module is not None and not _MODULE_RE.match(spec.module):
+        raise UserError(f"--module {spec.module!r} is not a Python module name (e.g. verl.trainer.main_ppo)")
+    if spec.entrypoint == "verl-ppo":
+        if spec.nproc_per_node is not None:
+            raise UserError("--nproc-per-node: verl-ppo's processes are Ray's, one per GPU (trainer.n_gpus_per_node "
+                            "comes from --gpus-per-node); drop it")
+        if "--gpu-free-head" in spec.ray_args or "--" in spec.ray_args:
+            raise UserError("--ray-arg: verl places its workers on every node's GPUs (trainer.nnodes = the job's "
+                            "nodes), so no --gpu-free-head and no '--' (the command is verl's)")
+    elif spec.ray_args:
+        raise UserError("--ray-arg: verl-sft runs under torchrun, without Ray; drop it")
+    bad = [a for a in spec.args if a.startswith(("trainer.nnodes=", "trainer.n_gpus_per_node="))]
+    if bad and spec.entrypoint == "verl-ppo":
+        raise UserError(f"{bad[0]}: the job sets trainer.nnodes and trainer.n_gpus_per_node from Slurm "
+                        "(--nodes, --gpus-per-node); drop it")
 
 
 def _all_mounts(spec: JobSpec) -> list[Mount]:
@@ -174,6 +210,14 @@ def render(spec: JobSpec) -> str:
     jenv.filters["q"] = lambda v: shlex.quote(str(v))
     # Names whose values the job (not the image) decides; pyxis lets the image env win for everything else.
     container_env = [k for k, _ in env]
+    if spec.entrypoint in VERL_JOBS:
+        return jenv.get_template("verl.sh.j2").render(
+            kind=spec.entrypoint, module=spec.module or VERL_JOBS[spec.entrypoint], tag=spec.tag, mode=spec.mode,
+            nodes=spec.nodes, nproc=nproc, job_name=f"{spec.entrypoint}-{spec.tag}", gpus_per_node=spec.gpus_per_node,
+            cpus_per_task=spec.cpus_per_task, partition=spec.partition, account=spec.account, time=spec.time,
+            log_dir=spec.log_dir.rstrip("/") or "/", sqsh=spec.sqsh, python=spec.python, workdir=spec.workdir,
+            env=env, args=spec.args, ray_args=spec.ray_args, mounts=mounts, container_workdir="/workspace",
+            container_env=container_env)
     return jenv.get_template("job.sh.j2").render(
         entrypoint=spec.entrypoint, tag=spec.tag, mode=spec.mode, nodes=spec.nodes, nproc=nproc,
         job_name=f"{spec.entrypoint}-{spec.tag}", gpus_per_node=spec.gpus_per_node, cpus_per_task=spec.cpus_per_task,
@@ -238,6 +282,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", help="bare mode: directory holding entrypoints/ (e.g. the repo root)")
     p.add_argument("--vllm-nodes", type=int, default=0,
                    help="grpo: the last node runs `trl vllm-serve`, the others train with vllm_mode server (1 or 0)")
+    p.add_argument("--module", help=f"verl jobs: the module to run (default: {', '.join(VERL_JOBS.values())}; "
+                   "a verl recipe's main, e.g. recipe.dapo.main_dapo)")
+    p.add_argument("--ray-arg", action="append", default=[], dest="ray_args",
+                   help="verl-ppo: one `trainbox ray` option word (--ray-arg=--num-cpus --ray-arg=8), repeatable")
     p.add_argument("-o", "--output", help="write here (else stdout)")
     p.add_argument("extra", nargs="*", help="more entrypoint options, after --")
     a = p.parse_args(argv)
@@ -248,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         mounts=tuple(parse_mount(m) for m in a.mount), data=a.data, outputs=a.outputs, hf_cache=a.hf_cache,
         log_dir=a.log_dir, grace=a.grace, python=a.python, workdir=a.workdir,
         env=tuple(_env_pair(e) for e in a.env), args=tuple(a.extra), vllm_nodes=a.vllm_nodes,
+        module=a.module, ray_args=tuple(a.ray_args),
     )
     if a.output:
         write(spec, a.output)
