@@ -95,7 +95,7 @@ def main(argv: list[str]) -> int:
         text = Path(args.lock).read_text()
     except OSError as e:
         raise UsageError(f"cannot read the lock {args.lock}: {e.strerror}; give the venv's lock file") from None
-    out = render(from_lock(text, args.lock), Path(args.lock).name)
+    out = render(from_lock(text, args.lock), args.lock)
     if args.output:
         from entrypoints import atomic
 

@@ -415,12 +415,14 @@ def constraints_check(pins: dict[str, tuple[str, str]], installed: dict[str, str
     normalised name. Not a fallback: the record's own packages are the version rows' job."""
     if not pins:
         return None
-    changed = [f"{name} {installed[key]} (pinned {version})" for key, (name, version) in sorted(pins.items())
+    changed = [(name, installed[key], version) for key, (name, version) in sorted(pins.items())
                if key in installed and not same_version(version, installed[key])]
     if not changed:
         return Check("constraints", "ok", f"the installed packages match {path} ({len(pins)} pins)")
-    return Check("constraints", "warn", f"installed against {path}: {', '.join(changed)}; the image was tested with "
-                                        "the pinned versions: put them back with `pip install NAME==VERSION`")
+    return Check("constraints", "warn", f"installed against {path}: "
+                                        f"{', '.join(f'{n} {got} (pinned {v})' for n, got, v in changed)}; the image "
+                                        "was tested with the pinned versions: put them back with `pip install "
+                                        f"{' '.join(f'{n}=={v}' for n, _, v in changed)}`")
 
 
 def installed_all() -> dict[str, str]:

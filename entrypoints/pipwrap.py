@@ -60,14 +60,19 @@ def main(argv: list[str]) -> int:
     held = {"out": [], "err": []}
 
     def relay(src, dst, key):
-        hold = False
+        hold, blank = False, ""  # pip prints a blank line before its conflict block: it goes with the block
         for line in src:
             hold = hold or bool(_START.match(line))
             if hold:
-                held[key].append(line)
+                held[key].append(blank + line)
+            elif not line.strip():
+                blank += line
+                continue
             else:
-                dst.write(line)
+                dst.write(blank + line)
                 dst.flush()
+            blank = ""
+        held[key].append(blank)
 
     threads = [threading.Thread(target=relay, args=(proc.stdout, sys.stdout, "out")),
                threading.Thread(target=relay, args=(proc.stderr, sys.stderr, "err"))]

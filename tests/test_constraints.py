@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import re
 import shutil
 import uuid
 import zipfile
@@ -141,7 +142,7 @@ def test_a_derived_image_adding_a_package_builds(extended):
     assert "Successfully installed tbx-extra-1.0" in r.stdout
     got = docker("run", "--rm", "--entrypoint", "sh", tag, "-c",
                  f'echo "$PIP_CONSTRAINT $UV_CONSTRAINT"; python -c "import tbx_extra, torch; print(torch.__version__)";'
-                 f" grep -c '==' {FILE}; grep -c -- --hash /etc/trainbox/lock.txt").stdout.split()
+                 f" grep -vc '^#' {FILE}; grep -c -- --hash /etc/trainbox/lock.txt").stdout.split()
     assert got[:3] == [FILE, FILE, "2.13.0+cpu"]
     assert int(got[3]) == len(constraints.from_lock((ROOT / "locks/smoke-x86_64.txt").read_text()))
     assert int(got[4]) > int(got[3])  # the lock keeps its hashes, the constraints have none
@@ -152,7 +153,7 @@ def test_a_derived_image_asking_for_another_torch_fails_with_one_line(smoke_imag
     tag = f"trainbox-test/constraints:torch-{uuid.uuid4().hex[:8]}"
     r = derived(smoke_image, "pip install --no-cache-dir torch==2.12.0", tmp_path, index, tag)
     docker("rmi", "-f", tag, check=False)
-    log = r.stdout + r.stderr
+    log = re.sub(r"\x1b\[[0-9;]*m", "", r.stdout + r.stderr)  # the legacy builder colours a RUN's stderr
     assert r.returncode != 0
     errors = [ln for ln in log.splitlines() if ln.startswith("error: ")]
     assert errors == [f"error: torch is pinned to 2.13.0+cpu by this image ({FILE}) and this install needs another "

@@ -326,4 +326,5 @@ def test_doctor_warns_about_a_package_changed_against_the_constraints():
     assert ok.status == "ok" and "3 pins" in ok.detail
     warn = doctor.constraints_check(pins, {"torch": "2.12.0", "peft": "0.21.2"}, "/etc/trainbox/constraints.txt")
     assert warn.status == "warn" and "torch 2.12.0 (pinned 2.13.0+cpu)" in warn.detail and "peft" not in warn.detail
+    assert warn.detail.endswith("`pip install torch==2.13.0+cpu`")
     assert doctor.exit_code([warn]) == doctor.EXIT_OK

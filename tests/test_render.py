@@ -332,18 +332,20 @@ def test_gpu_images_carry_the_fabric_and_ask_enroot_for_hcas(tag):
 
 @pytest.mark.parametrize("tag", sorted(CELLS))
 def test_constraints_step_in_every_image(tag):
-    """The runtime ships the venv's lock and writes the pip/uv constraints file from it during the build (so it can't
-    drift from the lock), puts the one-line `pip` in front of pip, and makes pip and uv read the file."""
+    """Every image (base cells and flavours) puts its own venv lock at /etc/trainbox/lock.txt and writes the pip/uv
+    constraints file from it during the build (so it can't drift from the lock), puts the one-line `pip` in front of
+    pip, and makes pip and uv read the file; no install runs under it."""
     cell = CELLS[tag]
     ins = instructions(render.render(cell))
     runtime = ins[max(i for i, (w, _) in enumerate(ins) if w == "FROM"):]
-    assert ("COPY", f"--from=deps /tmp/trainbox/locks/{cell.venv}.txt /etc/trainbox/lock.txt") in runtime
     run = [r for w, r in runtime if w == "RUN" and "entrypoints.constraints" in r]
     assert len(run) == 1 and run[0].startswith(
         "python -m entrypoints.constraints /etc/trainbox/lock.txt -o /etc/trainbox/constraints.txt")
     assert f"for p in pip pip3 pip{cell.python}; do" in run[0] and "-m entrypoints.pipwrap" in run[0]
-    # The ENV right after the file exists; no pip install in the runtime stage runs under it.
     at = runtime.index(("RUN", run[0]))
+    lock = [r for w, r in runtime[:at]
+            if w in ("COPY", "RUN") and f"{cell.venv}.txt" in r and "/etc/trainbox/lock.txt" in r]
+    assert lock, f"no step puts locks/{cell.venv}.txt at /etc/trainbox/lock.txt before the constraints step"
     assert runtime[at + 1][0] == "ENV" and " ".join(runtime[at + 1][1].split()) == (
         "PIP_CONSTRAINT=/etc/trainbox/constraints.txt UV_CONSTRAINT=/etc/trainbox/constraints.txt")
-    assert not any("pip install" in r for w, r in runtime if w == "RUN")
+    assert not any("pip install" in r or "uv pip" in r for w, r in runtime[at:] if w == "RUN")
