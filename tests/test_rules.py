@@ -135,3 +135,28 @@ def test_stack_consistency(ctx, change, rule, detail):
 def test_real_gpu_stack_is_consistent(ctx):
     assert rules.check_stack(ctx, ctx.stacks["gpu"]) is None
     assert rules.check_stack(ctx, {"torch": "2.13.0"}) is None   # no vLLM, nothing to check
+
+
+@pytest.mark.parametrize("change, rule, detail", [
+    ({"verl": "0.9.1", "transformers": "5.10.4"}, "verl-fits", None),
+    ({"verl": "0.9.1"}, "verl-fits", "transformers 5.17.0 is outside verl's transformers>=5.5.3,<5.11,!=5.6.0"),
+    ({"verl": "0.9.0", "transformers": "5.10.4"}, "verl-fits", "verl is pinned 0.9.0, its facts are for 0.9.1"),
+    ({"transformers": "5.10.4"}, "verl-fits", "verl is pinned nowhere"),
+    ({"unsloth": "2026.10.9", "trl": "1.15.0", "datasets": "4.8.5"}, "unsloth-fits", None),
+    ({"unsloth": "2026.10.9", "datasets": "4.8.5"}, "unsloth-fits", "trl 1.16.0 is outside unsloth's trl"),
+    ({"unsloth": "2026.10.9", "trl": "1.15.0", "datasets": "4.4.1"}, "unsloth-fits", "datasets 4.4.1 is outside"),
+])
+def test_flavour_rules_check_pins_against_the_packages_metadata(ctx, change, rule, detail):
+    """A flavour rule ([flavour.NAME] rules) holds the flavour's pins to [facts] PACKAGE: its own version, then each
+    Requires-Dist range the stack pins."""
+    hit = rules.check_flavour(ctx, rule, dict(ctx.stacks["gpu"], **change))
+    if detail is None:
+        assert hit is None, hit
+    else:
+        assert hit is not None and hit[0] == rule and detail in hit[1], hit
+
+
+def test_a_flavour_rule_without_its_facts_is_a_finding(ctx):
+    bare = rules.Context(data=ctx.data, stacks=ctx.stacks, facts={}, rules=ctx.rules)
+    assert rules.check_flavour(bare, "verl-fits", {"verl": "0.9.1"}) == ("verl-fits", "no [facts] verl table to check "
+                                                                         "the pins against")

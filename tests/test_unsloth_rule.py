@@ -36,3 +36,15 @@ def test_explain_says_per_stack_whether_unsloth_fits():
     assert lines[0].startswith("unsloth flavour (unsloth ") and "rule=unsloth-fits" in lines[0]
     assert any("stack gpu (" in ln and "does not fit: trl 1.16.0" in ln for ln in lines), lines
     assert any("stack light (" in ln and "not offered" in ln for ln in lines), lines
+
+
+def test_the_unsloth_flavour_pins_what_unsloth_accepts_and_keeps_the_cells_vllm():
+    m = load(ROOT / "matrix.toml")
+    facts = m.data["facts"]
+    cells = [c for c in m.cells if c.flavour == "unsloth"]
+    assert {c.base.name for c in cells} == {"cu130-ampere", "cu130-hopper", "cu130-blackwell"}
+    for c in cells:
+        assert rules.unsloth_conflicts(facts, c.pins) == [], c.tag
+        assert c.pins["unsloth"] == c.pins["unsloth-zoo"] == facts["unsloth"]["version"]
+        assert c.pins["vllm"] == c.base.pins["vllm"] and c.pins["torch"] == c.base.pins["torch"]
+        assert rules.satisfies(c.pins["vllm"], facts["trl_vllm_extra"][c.pins["trl"]], "t")
