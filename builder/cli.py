@@ -108,8 +108,8 @@ def cmd_explain(m: Matrix, quiet: bool) -> None:
     if "unsloth-fits" in m.rules:  # an optional flavour: says per stack whether it fits, excludes nothing
         from builder.rules import unsloth_lines
 
-        for line in unsloth_lines(m.data.get("facts", {}), [c for c in m.cells if not c.flavour], m.rules["unsloth-fits"],
-                                  str(m.path)):
+        plain = [c for c in m.cells if not c.flavour]
+        for line in unsloth_lines(m.data.get("facts", {}), plain, m.rules["unsloth-fits"], str(m.path)):
             print(line)
     for line in flavour_lines(m):
         print(line)

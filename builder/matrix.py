@@ -37,7 +37,7 @@ _ATTN = {"package": str, "version": str, "source": str, "source_subdir": str, "b
          "gpus": list, "prebuilt": dict, "probe": list}
 _STACK = {"packages": dict, "extends": str}
 _FACTS = {"vllm_torch": dict, "trl_vllm_extra": dict, "vllm_transformers": dict, "unsloth": dict, "verl": dict}
-# [flavour.NAME]: a named stack on top of some cells' stacks, built FROM the cell's image (builder/templates/Flavour.j2).
+# [flavour.NAME]: a named stack on top of some cells' stacks, built FROM the cell's image (templates/Flavour.j2).
 _FLAVOUR = {"description": str, "cells": list, "packages": dict, "remove": list, "rules": list, "files": dict,
             "cmd": list}
 _EXPAND = {"arch": list, "cuda": list, "gpu": list, "stack": str}

@@ -107,14 +107,16 @@ FLAVOUR_ANCHOR = 'packages = { verl = "0.9.1", transformers = "5.10.4", hydra-co
 
 @pytest.mark.parametrize("old, new, needles", [
     ('cells = ["cu130-ampere", "cu130-hopper", "cu130-blackwell"]\npackages = { verl',
-     'cells = ["cu130-ampere", "cu130-nope"]\npackages = { verl', ["flavour.verl.cells", "unknown base cell 'cu130-nope'"]),
+     'cells = ["cu130-ampere", "cu130-nope"]\npackages = { verl',
+     ["flavour.verl.cells", "unknown base cell 'cu130-nope'"]),
     (FLAVOUR_ANCHOR, FLAVOUR_ANCHOR.replace('"0.9.1"', '">=0.9"'), ["flavour.verl.packages.verl", "one exact version"]),
     (FLAVOUR_ANCHOR, FLAVOUR_ANCHOR.replace('"0.9.1"', '"banana"'), ["flavour.verl.packages.verl", "not a version"]),
     (FLAVOUR_ANCHOR, FLAVOUR_ANCHOR + '\nremove = ["no-such-package"]', ["flavour.verl.remove", "'no-such-package'"]),
     (FLAVOUR_ANCHOR, FLAVOUR_ANCHOR.replace('"5.10.4"', '"5.17.0"'), ["rule 'verl-fits'", "transformers 5.17.0"]),
     (FLAVOUR_ANCHOR, FLAVOUR_ANCHOR.replace('"5.10.4"', '"5.9.0"'), ["rule 'vllm-transformers'", "5.9.0"]),
     ('rules = ["verl-fits"]', 'rules = ["verl-fitz"]', ["flavour.verl.rules", "unknown flavour rule"]),
-    ('datasets = "4.8.5" }\nfiles = { "images/notebooks/unsloth"', 'datasets = "4.8.5" }\nfiles = { "images/notebooks/nope"',
+    ('datasets = "4.8.5" }\nfiles = { "images/notebooks/unsloth"',
+     'datasets = "4.8.5" }\nfiles = { "images/notebooks/nope"',
      ["flavour.unsloth-stack.files", "not in the repository"]),
     ('cmd = ["jupyter"]\n\n[flavour.verl]', 'cmd = ["jupyter; rm -rf /"]\n\n[flavour.verl]',
      ["flavour.unsloth-stack.cmd", "one plain word"]),
@@ -163,7 +165,8 @@ def test_smoke_flavour_shares_every_base_layer_and_installs_its_lock(flavour_bui
     assert layers[:len(base_layers)] == base_layers          # every layer of the base, byte for byte
     assert 0 < len(layers) - len(base_layers) <= 6, len(layers) - len(base_layers)
     cfg = flav["Config"]
-    assert cfg["Labels"]["io.trainbox.flavour"] == "unsloth-stack" and cfg["Labels"]["io.trainbox.base_tag"] == "smoke-x86_64"
+    labels = cfg["Labels"]
+    assert labels["io.trainbox.flavour"] == "unsloth-stack" and labels["io.trainbox.base_tag"] == "smoke-x86_64"
     assert cfg["Cmd"] == ["jupyter"] and cfg["User"] == "1000:1000"
     probe = ("import importlib.metadata as m, json, glob; "
              "print(json.dumps({'dists': {d.metadata['Name']: d.version for d in m.distributions()}, "
