@@ -184,4 +184,46 @@ def test_verl_ppo_job_on_two_nodes_imports_verl_on_each(slurm2, verl_python, tmp
     assert "[trainbox] ray command exited 0; stopping the cluster" in log
 
 
+# A rank in place of verl.trainer.sft_trainer (--module): it imports verl's SFT entry module as torchrun's rank would,
+# then a gloo all-gather across the job's ranks (verl's own process group wants a CUDA device: none here).
+SFT_PROBE = """\
+import json, os, socket
+import torch.distributed as dist
+import verl.trainer.sft_trainer  # noqa: F401
+
+dist.init_process_group("gloo")
+ranks = [None] * dist.get_world_size()
+dist.all_gather_object(ranks, [socket.gethostname(), int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])])
+if dist.get_rank() == 0:
+    print("VERLSFT " + json.dumps(sorted(ranks)), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slurm
+@pytest.mark.network
+@pytest.mark.timeout(900)  # may make the verl venv first
+def test_verl_sft_job_on_two_nodes_runs_one_torchrun_per_node(slurm2, verl_python, tmp_path):
+    from test_slurm_job import submit, wait_job
+
+    from entrypoints import launch
+
+    env, partition = slurm2
+    (tmp_path / "verl_sft_probe.py").write_text(SFT_PROBE)
+    spec = JobSpec(tag="smoke-cpu", entrypoint="verl-sft", mode="bare", nodes=2, gpus_per_node=0, time="7:00",
+                   partition=partition, python=verl_python, workdir=str(ROOT), log_dir=str(tmp_path),
+                   module="verl_sft_probe", env=(("PYTHONPATH", str(tmp_path)), ("PYTHONWARNINGS", "ignore")))
+    job_id = submit(write(spec, tmp_path / "verl.sh"), env)
+    job = wait_job(job_id, env, timeout=480)
+    log = (tmp_path / f"verl-sft-smoke-cpu-{job_id}.out").read_text(errors="replace")
+    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", log[-4000:]
+    port = launch.slurm_port({"SLURM_JOB_ID": job_id})
+    for rank in (0, 1):  # the launcher's line on each node: its rendezvous rule, no port of the script's
+        assert re.search(rf"torchrun nnodes=2 nproc_per_node=1 node_rank={rank} rdzv=c10d tbx1:{port} "
+                         rf"id={job_id}\b", log), log[-4000:]
+    ranks = re.search(r"VERLSFT (.*)", log)
+    assert ranks and json.loads(ranks.group(1)) == [["tbx1", 0, 0], ["tbx2", 1, 0]], log[-4000:]
+    assert "[trainbox] ray" not in log and "ray start" not in log  # SFT starts no Ray
+
+
 from test_slurm_multinode import slurm2  # noqa: E402,F401  (module fixture: the cluster with two netns nodes)
