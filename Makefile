@@ -90,6 +90,6 @@ slurm: setup ## start (or reuse) a one-node Slurm + munge on this machine
 slurm-stop: setup ## stop what `make slurm` started
 	$(PY) -m devenv.slurm down
 
-bench: engine ## figures, not tests: cold/warm rebuild and re-push, .sqsh export time and size
-	$(PY) benchmarks/rebuild.py
+bench: engine ## figures, not tests: cold, warm and one-package-lock-change build (+ push), .sqsh export time and size
+	$(PY) benchmarks/rebuild.py --push
 	$(PY) benchmarks/sqsh_export.py trainbox:smoke-x86_64
