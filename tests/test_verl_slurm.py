@@ -2,10 +2,10 @@
 for real on the two netns Slurm nodes (bare mode): `trainbox ray` forms the cluster across both nodes, the head's
 driver gets trainer.nnodes/n_gpus_per_node from the allocation and verl's entry modules import on every node.
 
-verl comes from a venv of its own (uv, cached under ~/.cache/trainbox/verl-venv/): verl 0.9.1 with its verl-core
-extra (its entry modules import uvicorn, fastapi..., which verl's base requirements lack), torch's CPU build from
-pip's configured find-links (devenv.buildinputs' wheelhouse), the Ray `trainbox ray` runs (matrix.toml's GPU stack)
-and transformers 5.10.x (verl 0.9.1: <5.11).
+verl comes from a venv of its own (uv, cached under ~/.cache/trainbox/verl-venv/) with the verl flavour's pins from
+matrix.toml (verl, transformers, hydra-core, and the cells' Ray, the one `trainbox ray` runs), verl's verl-core extra
+(its entry modules import uvicorn, fastapi..., which verl's base requirements lack) and torch's CPU build from pip's
+configured find-links (devenv.buildinputs' wheelhouse) in place of the image's CUDA torch.
 No GPU here: what runs is verl's import tree with CUDA absent and Hydra's composition of verl's own PPO config with
 the job's overrides, not a PPO step (verl's rollout needs vLLM/SGLang on GPUs).
 """
@@ -31,13 +31,14 @@ from devenv.buildinputs import smoke_torch, torch_wheelhouse
 from devenv.common import cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-VERL = "verl[verl-core]==0.9.1"
-TRANSFORMERS = "transformers>=5.10,<5.11"
 
 
 def verl_requirements() -> list[str]:
-    gpu = next(c for c in load_matrix(ROOT / "matrix.toml").cells if c.cuda and c.arch == "x86_64")
-    return [VERL, f"ray[default]=={gpu.pins['ray']}", smoke_torch(), TRANSFORMERS]
+    """The x86_64 verl flavour cell's pins that verl's import tree reads, with their extras; CPU torch."""
+    cell = next(c for c in load_matrix(ROOT / "matrix.toml").cells if c.flavour == "verl" and c.arch == "x86_64")
+    pins = cell.pins
+    return [f"verl[verl-core]=={pins['verl']}", f"ray[default]=={pins['ray']}", f"transformers=={pins['transformers']}",
+            f"hydra-core=={pins['hydra-core']}", smoke_torch()]
 
 
 @pytest.fixture(scope="module")
@@ -134,10 +135,13 @@ import ray
 from hydra import compose, initialize_config_module
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-with initialize_config_module("verl.trainer.config", version_base=None):
-    cfg = compose("ppo_trainer", overrides=sys.argv[1:])
-print("VERLCONFIG " + json.dumps({"nnodes": cfg.trainer.nnodes, "n_gpus_per_node": cfg.trainer.n_gpus_per_node}),
-      flush=True)
+try:  # what main_ppo's @hydra.main does first; reported, and the node checks still run
+    with initialize_config_module("verl.trainer.config", version_base=None):
+        cfg = compose("ppo_trainer", overrides=sys.argv[1:])
+    composed = {"nnodes": cfg.trainer.nnodes, "n_gpus_per_node": cfg.trainer.n_gpus_per_node}
+except Exception as e:
+    composed = {"error": f"{type(e).__name__}: {' '.join(str(e).split())}"}
+print("VERLCONFIG " + json.dumps(composed), flush=True)
 ray.init()  # RAY_ADDRESS from trainbox ray, as verl's run_ppo calls it
 nodes = [n for n in ray.nodes() if n["Alive"]]
 
@@ -174,14 +178,17 @@ def test_verl_ppo_job_on_two_nodes_imports_verl_on_each(slurm2, verl_python, tmp
     assert job["NodeList"] == "tbx[1-2]", job
     m = re.search(r"\[trainbox\] ray cluster up: 2/2 nodes in [\d.]+ s \((.*)\); RAY_ADDRESS=", log)
     assert m and "tbx1" in m.group(1) and "tbx2" in m.group(1), log[-4000:]
-    cfg = re.search(r"VERLCONFIG (.*)", log)
-    assert cfg and json.loads(cfg.group(1)) == {"nnodes": 2, "n_gpus_per_node": 0}, log[-4000:]
     nodes = re.search(r"VERLNODES (.*)", log)
     assert nodes, log[-4000:]
     seen = json.loads(nodes.group(1))
     assert [h for h, *_ in seen] == ["tbx1", "tbx2"] and len({i for _, i, *_ in seen}) == 2, seen
     assert all(v == "0.9.1" and cuda is False for *_, v, cuda in seen), seen
     assert "[trainbox] ray command exited 0; stopping the cluster" in log
+    # verl's own PPO config with the job's overrides, under the flavour's hydra-core (main_ppo's first step)
+    composed = json.loads(re.search(r"VERLCONFIG (.*)", log).group(1))
+    assert composed == {"nnodes": 2, "n_gpus_per_node": 0}, (
+        f"verl's ppo_trainer config under hydra-core=={verl_requirements()[3].split('==')[1]} (matrix.toml "
+        f"[flavour.verl]): {composed}")
 
 
 # A rank in place of verl.trainer.sft_trainer (--module): it imports verl's SFT entry module as torchrun's rank would,
