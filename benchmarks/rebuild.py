@@ -1,7 +1,7 @@
 """Build time of one cell three ways: cold, warm (nothing changed), and after a one-package lock change.
 
     python benchmarks/rebuild.py [--cell smoke-x86_64 | --gpu-test-cell] [--bump tqdm] [--deps-stage-from REV]
-                                 [--cold-mounts] [--push] [--json OUT]
+                                 [--cold-mounts] [--skip-cold] [--push] [--json OUT]
 
 cold: `--no-cache` (BuildKit's cache mounts, e.g. uv's download cache, persist: `--cold-mounts` first removes the
 engine's cache mounts, everyone's, so that run downloads everything again). warm: the same build again. lock: one
@@ -108,6 +108,7 @@ def main(argv=None) -> int:
     p.add_argument("--bump", default="tqdm", help="the package the lock run moves (default: tqdm, small, pure Python)")
     p.add_argument("--cold-mounts", action="store_true", help="empty the engine's cache mounts before the cold run")
     p.add_argument("--deps-stage-from", metavar="REV", help="build with the deps stage committed at REV (a 'before')")
+    p.add_argument("--skip-cold", action="store_true", help="no cold run: warm (from whatever the cache holds), lock")
     p.add_argument("--push", action="store_true", help="also push each build (time, layers and bytes sent)")
     p.add_argument("--json", help="also write the figures here")
     a = p.parse_args(argv)
@@ -140,13 +141,14 @@ def main(argv=None) -> int:
             if a.cold_mounts:
                 subprocess.run([cli, "builder", "prune", "-f", "--filter", "type=exec.cachemount"], check=True,
                                capture_output=True)
-            rows.append(run(cell, ctx, repo, "cold (--no-cache)", no_cache=True, **kw))
+            if not a.skip_cold:
+                rows.append(run(cell, ctx, repo, "cold (--no-cache)", no_cache=True, **kw))
             rows.append(run(cell, ctx, repo, "warm (no change)", no_cache=False, **kw))
             lock_path = ctx / "locks" / f"{cell.venv}.txt"
             old, new = previous_release(cell, lock_path, a.bump)
             lock_path.write_text(lock_path.read_text().replace(old, new, 1))
             if a.gpu_test_cell:   # the old venv is no longer needed: the new one must fit on the disk
-                drop_own_venvs(cli, before, rows[0]["result"].refs)
+                drop_own_venvs(cli, before, rows[-1]["result"].refs)
             rows.append(run(cell, ctx, repo, f"lock: {new.split()[0]} (was {old.split()[0]})", no_cache=False, **kw))
         finally:
             drop_own_venvs(cli, before, [ref for r in rows for ref in r["result"].refs])
