@@ -8,12 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from builder import render
+from builder import bases, render
 from builder.errors import UserError
 from builder.matrix import ROOT, load_matrix
 
 M = load_matrix(ROOT / "matrix.toml")
 CELLS = {c.tag: c for c in M.cells}
+# Cells rendered from Dockerfile.j2 (a flavour's Flavour.j2 image is checked in tests/test_flavours.py).
+BASE_CELLS = {t: c for t, c in CELLS.items() if not c.flavour}
 
 
 def hadolint() -> str:
@@ -46,7 +48,7 @@ def test_committed_files_are_fresh(tag):
 
 
 def test_no_stray_rendered_dirs():
-    dirs = {p.name for p in (ROOT / "images").iterdir() if p.is_dir()} - {"templates", "certs"}
+    dirs = {p.name for p in (ROOT / "images").iterdir() if p.is_dir()} - {"templates", "certs", "notebooks"}
     assert dirs == set(CELLS), "images/ holds dirs for cells the matrix no longer has; delete them"
 
 
@@ -77,14 +79,14 @@ def test_hadolint_catches_errors(tmp_path):
     assert proc.returncode != 0 and "DL3004" in proc.stdout
 
 
-@pytest.mark.parametrize("tag", sorted(CELLS))
+@pytest.mark.parametrize("tag", sorted(BASE_CELLS))
 def test_image_contract(tag):
     cell = CELLS[tag]
     text = render.render(cell)
     ins = instructions(text)
     words = [w for w, _ in ins]
     # ARG BASE_IMAGE before the first FROM, so --base is a build-arg substitution.
-    assert ins[0] == ("ARG", f"BASE_IMAGE={cell.base_image}")
+    assert ins[0] == ("ARG", f"BASE_IMAGE={bases.ref(cell.base_image, cell)}")
     froms = [r for w, r in ins if w == "FROM"]
     assert froms[0] == "${BASE_IMAGE} AS base"
     stages = [r.split(" AS ")[1] for r in froms]
@@ -195,7 +197,7 @@ def test_the_venv_is_installed_by_a_pinned_hash_checked_uv(tag):
 
 
 def test_attention_layer_only_where_a_flash_wheel_goes():
-    for cell in M.cells:
+    for cell in BASE_CELLS.values():
         text = render.render(cell)
         assert ("AS attention" in text) == (cell.gpu in ("hopper", "ampere"))
         if not cell.flash:
@@ -300,7 +302,7 @@ def test_dockerignore_keeps_junk_out_and_inputs_in():
 
 
 
-@pytest.mark.parametrize("tag", sorted(CELLS))
+@pytest.mark.parametrize("tag", sorted(BASE_CELLS))
 def test_the_venv_reaches_the_runtime_only_through_the_copy(tag):
     """A venv made in `base` would sit under the runtime's COPY of the locked one, and files pip removed in `deps`
     (the seed setuptools' metadata) would survive there: `pip check` then saw setuptools 66 next to the locked 84."""
@@ -312,7 +314,7 @@ def test_the_venv_reaches_the_runtime_only_through_the_copy(tag):
     assert "COPY --from=deps /opt/venv /opt/venv" in text
 
 
-@pytest.mark.parametrize("tag", sorted(CELLS))
+@pytest.mark.parametrize("tag", sorted(BASE_CELLS))
 def test_gpu_images_carry_the_fabric_and_ask_enroot_for_hcas(tag):
     """Every GPU image installs matrix.toml's [fabric] packages (RDMA userspace: NCCL's IB/RoCE transport) in the base
     stage's one apt layer and sets its env (enroot's mellanox hook injects HCAs only when asked); CPU images neither.
