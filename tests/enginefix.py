@@ -137,7 +137,7 @@ def smoke_image(smoke_build):
 
 @pytest.fixture(scope="session")
 def smoke_sqsh(smoke_image, tmp_path_factory):
-    """The x86_64 smoke image as an enroot .sqsh (lzo, fixed SOURCE_DATE_EPOCH), exported once per session."""
+    """The x86_64 smoke image as an enroot .sqsh (zstd, the default; fixed SOURCE_DATE_EPOCH), exported once per session."""
     from builder.enroot import export_image
 
     d = tmp_path_factory.mktemp("smoke-sqsh")
