@@ -142,6 +142,8 @@ def flavour_lines(m: Matrix) -> list[str]:
 def with_bases(cells: list[Cell], m: Matrix, bases: dict, registry: str | None) -> tuple[list[Cell], dict]:
     """The build's order: each flavour cell's base cell first (added when not selected, unless --base/--config gives
     its image), and BASE_IMAGE pointed at the ref the base build tags (the registry's name under --push)."""
+    if not any(c.flavour for c in cells):
+        return cells, dict(bases)
     from builder import engine
     out = [c for c in cells if not c.flavour]
     bases = dict(bases)

@@ -558,7 +558,7 @@ def build_cells(cells, opts: BuildOptions) -> int:
         print(f"builder: {builder.kind} ({builder.cli})", flush=True)
     # The lock step: every missing or stale lock of the selection is resolved before the first build.
     lock.ensure([c for c in cells if hasattr(c, "venv")], root=opts.output_dir, overrides=dict(opts.index_overrides),
-                frozen=opts.frozen, quiet=quiet)
+                frozen=opts.frozen, quiet=quiet, bases=dict(opts.bases))
     refuse_emulated_compile(cells, opts.native_builder, opts.output_dir)  # a probed arch's lock may say "source"
     results: list[BuildResult] = []
     lists: dict[str, str] = {}
@@ -580,7 +580,7 @@ def build_cells(cells, opts: BuildOptions) -> int:
                                         arch=_platform_arch(cell.platform))
         if opts.push:
             from builder import publish   # publish imports this module
-            publish.push_all(cells, results, lists, opts.registry, builder, quiet)
+            publish.push_all(cells, results, lists, opts.registry, builder, quiet, lock_root=opts.output_dir)
     except BaseException as e:
         stuck = journal.rollback() if journal else []
         if stuck and isinstance(e, UserError):
@@ -588,13 +588,3 @@ def build_cells(cells, opts: BuildOptions) -> int:
         raise
     report.emit(results, lists, opts.report, quiet=quiet)
     return 0
-
-
-
-
-def __getattr__(name: str):
-    """`_insecure` moved to builder.publish; builder/sbom.py still imports it from here."""
-    if name == "_insecure":
-        from builder.publish import _insecure
-        return _insecure
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,11 +16,13 @@ import subprocess
 import sys
 import time
 from collections import deque
+from pathlib import Path
 
 from python_on_whales import DockerClient
 from python_on_whales.exceptions import DockerException
 
 from builder.engine import Builder, BuildResult, _platform_arch, cell_refs, choose_builder
+from builder.matrix import ROOT
 from builder.errors import UserError, reports_user_errors
 
 MANIFEST_LIST_TYPES = ("application/vnd.docker.distribution.manifest.list.v2+json",
@@ -35,7 +37,7 @@ def _registry_host(ref: str) -> str:
     return ref.split("/", 1)[0]
 
 
-def _insecure(ref: str) -> bool:
+def insecure_registry(ref: str) -> bool:
     host = _registry_host(ref).split(":")[0]
     return host in ("localhost",) or host.startswith("127.") or os.environ.get("TRAINBOX_INSECURE_REGISTRY") == "1"
 
@@ -45,7 +47,7 @@ def registry_manifest(ref: str) -> tuple[dict, str] | None:
     served bytes, as the registry computes it (a re-encoding of the JSON would not match)."""
     if not shutil.which("skopeo"):
         raise UserError("skopeo is missing: run `make engine` (installs it) or apt-get install skopeo")
-    tls = ["--tls-verify=false"] if _insecure(ref) else []
+    tls = ["--tls-verify=false"] if insecure_registry(ref) else []
     r = subprocess.run(["skopeo", "inspect", *tls, "--raw", f"docker://{ref}"], capture_output=True)
     if r.returncode != 0:
         return None
@@ -120,7 +122,7 @@ def _imagetools_create(builder: Builder, list_ref: str, members: list[str]) -> N
 def _manifest_create(builder: Builder, list_ref: str, members: list[str]) -> None:
     """`docker manifest create` + `push --purge` (no buildx here): the list must not stay in the local store."""
     client = builder.client()
-    insecure = _insecure(list_ref)
+    insecure = insecure_registry(list_ref)
     try:
         try:
             client.manifest.remove(list_ref)  # a stale local list from an earlier run would be amended, not replaced
@@ -168,10 +170,17 @@ def publish_manifest_list(list_ref: str, results: list[BuildResult], expected_ar
 
 
 def push_all(cells, results: list[BuildResult], lists: dict[str, str], registry: str, builder: Builder,
-             quiet: bool) -> None:
-    """Push every result; join each cell whose arches were all built in this run into its manifest list."""
+             quiet: bool, lock_root: Path | None = None) -> None:
+    """Push every result with its SBOM (read from the image, attached as an OCI referrer of the pushed manifest); join
+    each cell whose arches were all built in this run into its manifest list. LOCK_ROOT: where the cells' locks are."""
+    from builder import sbom
+
     for res in results:
         push_result(res, builder, quiet)
+        cell = next(c for c in cells if c.tag == res.tag)
+        referrer = sbom.attach(sbom.generate(res.refs[0], cell, root=lock_root or ROOT), res.pushed_ref)
+        if not quiet:
+            print(f"[{res.tag}] SBOM attached: {res.pushed_ref.rsplit('@', 1)[0]}@{referrer}", flush=True)
     by_name: dict[str, list[BuildResult]] = {}
     for res in results:
         by_name.setdefault(res.cell, []).append(res)

@@ -312,7 +312,7 @@ class Registry:
     def __init__(self, host: str, repo: str):
         import requests
 
-        from builder.engine import _insecure  # the engine's rule for which registries speak plain HTTP
+        from builder.publish import insecure_registry as _insecure  # which registries speak plain HTTP
 
         self.host, self.repo = host, repo
         self.base = f"{'http' if _insecure(host + '/x') else 'https'}://{host}/v2/{repo}"

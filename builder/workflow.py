@@ -213,10 +213,11 @@ def _build_job() -> dict:
     ]) + "\n"
     sbom = "\n".join([
         "mkdir -p sbom",
-        # every pushed image of the report: REF@DIGEST; the SBOM is read from the image as built (local tag)
+        # every pushed image of the report: REF@DIGEST; `build.py --push` attached its SBOM as an OCI referrer already,
+        # this writes the same SBOM (read from the image as built, local tag) for cosign's signed attestation
         "jq -r '.cells[] | select(.pushed_ref != \"\") | \"\\(.tag) \\(.pushed_ref)\"' \"report-$VENV.json\" |",
         "while read -r tag ref; do",
-        '  python -m builder.sbom "${ref%@*}:$tag" --output "sbom/$tag.cdx.json" --attach "$ref"',
+        '  python -m builder.sbom "${ref%@*}:$tag" --output "sbom/$tag.cdx.json"',
         '  cosign attest --yes --type cyclonedx --predicate "sbom/$tag.cdx.json" "$ref"',
         "done",
     ]) + "\n"

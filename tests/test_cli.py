@@ -190,7 +190,7 @@ def test_user_error_from_the_engine_is_one_line(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().err == "error: --push needs --registry\n"
 
 
-@pytest.mark.parametrize("module", ["builder.engine", "builder.enroot", "builder.slurm", "builder.workflow",
+@pytest.mark.parametrize("module", ["builder.publish", "builder.enroot", "builder.slurm", "builder.workflow",
                                     "devenv.bases", "devenv.engine", "devenv.slurm"])
 def test_every_module_cli_reports_user_errors_on_one_line(module, capsys, monkeypatch):
     """Each `python -m builder.X` / `devenv.X` goes through errors.reports_user_errors: bad input -> one `error:`

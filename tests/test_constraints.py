@@ -121,7 +121,8 @@ def index(tmp_path_factory):
 
 
 def derived(base: str, run: str, tmp_path: Path, url: str, tag: str):
-    """docker build of `FROM base` + RUN (as root: the venv belongs to root) with the index as PIP_INDEX_URL."""
+    """docker build of `FROM base` + RUN (as root, as a derived Dockerfile usually does) with the index as
+    PIP_INDEX_URL."""
     (tmp_path / "Dockerfile").write_text(f"FROM {base}\nARG PIP_INDEX_URL\nUSER root\nRUN {run}\nUSER 1000:1000\n")
     return docker("build", "--network", "host", "--build-arg", f"PIP_INDEX_URL={url}", "-t", tag, str(tmp_path),
                   check=False)
@@ -146,6 +147,20 @@ def test_a_derived_image_adding_a_package_builds(extended):
     assert got[:3] == [FILE, FILE, "2.13.0+cpu"]
     assert int(got[3]) == len(constraints.from_lock((ROOT / "locks/smoke-x86_64.txt").read_text()))
     assert int(got[4]) > int(got[3])  # the lock keeps its hashes, the constraints have none
+
+
+@_engine
+def test_the_images_user_adds_a_package_in_a_running_container_and_pins_hold(smoke_image, index):
+    """A notebook's `%pip install X` runs as the image's user (uid 1000, the venv's owner): a new package installs,
+    another torch is still refused by the constraints."""
+    script = ("id -u; python -m pip install --no-cache-dir tbx-extra >/dev/null && python -c 'import tbx_extra' "
+              "&& echo added; pip install --no-cache-dir torch==2.12.0 2>&1 | grep '^error: '; "
+              "python -c 'import torch; print(torch.__version__)'")
+    out = docker("run", "--rm", "--network", "host", "-e", f"PIP_INDEX_URL={index}", "--entrypoint", "sh",
+                 smoke_image, "-c", script, check=False)
+    lines = out.stdout.splitlines()
+    assert lines[:2] == ["1000", "added"], out.stdout + out.stderr
+    assert lines[2].startswith("error: torch is pinned to 2.13.0+cpu by this image") and lines[3] == "2.13.0+cpu"
 
 
 @_engine

@@ -65,6 +65,19 @@ def test_cli_push_prints_digests_that_the_registry_serves(pushed):
     assert "pushed MB" in pushed["stdout"]  # the table
 
 
+def test_every_pushed_image_carries_its_sbom(pushed):
+    """build.py --push attaches each image's SBOM (read from the image) as an OCI referrer of the pushed manifest."""
+    from builder import sbom
+
+    for c in pushed["report"]["cells"]:
+        got = sbom.read_back(c["pushed_ref"])
+        assert len(got) == 1, c["tag"]
+        names = {comp["name"] for comp in got[0]["components"]}
+        assert {"dpkg", "jupyterlab"} <= names   # an OS package and a locked Python package
+        assert ("torch" in names) == (c["arch"] == "x86_64")   # the aarch64 smoke cell is the light stack
+        assert f"SBOM attached: {pushed['repo']}@" in pushed["stdout"]
+
+
 def test_manifest_list_joins_both_arches(pushed):
     lists = pushed["report"]["manifest_lists"]
     assert [x["ref"] for x in lists] == [f"{pushed['repo']}:smoke"]

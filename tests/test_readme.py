@@ -49,9 +49,9 @@ COVERED_BY = {
         ["tests/test_push.py::test_cli_push_prints_digests_that_the_registry_serves"],
     "docker build --platform linux/amd64 -f images/<tag>/Dockerfile "
     "--build-arg BASE_IMAGE=<other base> --build-arg VCS_REF=$(git rev-parse HEAD) .":
-        # the rendered file with BASE_IMAGE substituted is what every smoke build builds; plain-builder syntax only
+        # the rendered file with BASE_IMAGE substituted is what every smoke build builds; BuildKit's cache mount only
         ["tests/test_push.py::test_cli_push_prints_digests_that_the_registry_serves",
-         "tests/test_render.py::test_no_buildkit_only_syntax"],
+         "tests/test_render.py::test_buildkit_syntax_is_only_the_venv_installs_cache_mount"],
     "python build.py --cell smoke --arch x86_64 --config .cache/bases.toml --wheelhouse .cache/wheels --sqsh out/":
         ["tests/test_readme.py::test_sqsh_command_exports_the_smoke_image"],
     "python -m builder.enroot trainbox:smoke-x86_64 out/smoke.sqsh --compression zstd --block-size 1M":
@@ -71,6 +71,13 @@ COVERED_BY = {
         # the README's command renders its job here; the same job in bare mode forms a 2-node cluster for real
         ["tests/test_ray_cluster.py::test_the_readme_ray_job_command_writes_its_script",
          "tests/test_ray_cluster.py::test_two_node_ray_cluster_runs_a_task_on_each_node"],
+    "python -m builder.slurm --tag cu130-hopper-x86_64-verl --entrypoint verl-ppo "
+    "--sqsh /shared/cu130-hopper-x86_64-verl.sqsh --data /shared/rl --nodes 2 --gpus-per-node 8 --partition gpu "
+    "-o ppo.sh -- data.train_files=/data/gsm8k/train.parquet data.val_files=/data/gsm8k/test.parquet "
+    "actor_rollout_ref.model.path=/data/models/Qwen2.5-0.5B-Instruct trainer.save_freq=50 && sbatch ppo.sh":
+        # the README's command renders its job there; the same job in bare mode runs on the 2-node Slurm
+        ["tests/test_verl_slurm.py::test_the_readme_verl_job_command_writes_its_script",
+         "tests/test_verl_slurm.py::test_verl_ppo_job_on_two_nodes_imports_verl_on_each"],
 }
 
 

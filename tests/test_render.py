@@ -203,7 +203,8 @@ def test_attention_layer_only_where_a_flash_wheel_goes():
         if not cell.flash:
             continue
         # one small layer into the shared venv, after the shared layers and before the per-cell record
-        copy = f"COPY --from=attention /tmp/trainbox/attention/ /opt/venv/lib/python{cell.python}/site-packages/"
+        copy = (f"COPY --from=attention --chown=1000:1000 /tmp/trainbox/attention/ "
+                f"/opt/venv/lib/python{cell.python}/site-packages/")
         assert copy in text and text.index("useradd") < text.index(copy) < text.index(f"COPY images/{cell.tag}/")
         if cell.flash["how"] == "index":
             assert f"COPY {cell.attention_lock} /tmp/trainbox/attention.txt" in text
@@ -311,7 +312,8 @@ def test_the_venv_reaches_the_runtime_only_through_the_copy(tag):
     assert "venv /opt/venv" not in base and "/opt/venv" not in base
     deps = text[text.index("AS deps"):]
     assert deps.index("python3 -m venv /opt/venv") < deps.index("pip install")
-    assert "COPY --from=deps /opt/venv /opt/venv" in text
+    # owned by the image's user: a notebook's %pip adds packages (the constraints file keeps the pins)
+    assert "COPY --from=deps --chown=1000:1000 /opt/venv /opt/venv" in text
 
 
 @pytest.mark.parametrize("tag", sorted(BASE_CELLS))
