@@ -59,6 +59,10 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--build-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="extra build arg, passed last (wins over the tool's own)")
     b.add_argument("--no-cache", action="store_true", help="build without the layer cache")
+    b.add_argument("--cache-from", action="append", default=[], metavar="SPEC",
+                   help="BuildKit cache to read, e.g. type=registry,ref=REG/trainbox-cache:VENV (repeatable; buildx only)")
+    b.add_argument("--cache-to", metavar="SPEC",
+                   help="BuildKit cache to write, e.g. type=registry,ref=REG/trainbox-cache:VENV,mode=max (buildx only)")
     b.add_argument("--report", metavar="FILE", help="write the build report (JSON) here")
     b.add_argument("--secret", action="append", default=[], metavar="id=ID,src=PATH", help="BuildKit secret")
     b.add_argument("--sqsh", nargs="?", const="out", metavar="DIR", help="also export .sqsh files (enroot)")
@@ -270,7 +274,8 @@ def build_options(args, config: dict, out: Path) -> BuildOptions:
         index_overrides=MappingProxyType(indexes.parse_overrides(args.index, config.get("index"))),
         registry=check_registry(args.registry, args.push), wheelhouse=args.wheelhouse, builder=args.builder,
         buildx_builder=args.buildx_builder, build_args=MappingProxyType(parse_build_args(args.build_arg)),
-        secrets=parse_secrets(args.secret), no_cache=args.no_cache, frozen=args.frozen, quiet=args.quiet,
+        secrets=parse_secrets(args.secret), no_cache=args.no_cache, cache_from=tuple(args.cache_from),
+        cache_to=args.cache_to, frozen=args.frozen, quiet=args.quiet,
         report=args.report, sqsh=args.sqsh, sqsh_compression=args.sqsh_compression,
         sqsh_block_size=args.sqsh_block_size, use_enroot=args.use_enroot)
 

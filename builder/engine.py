@@ -324,7 +324,8 @@ def _stream(argv: list[str], env: dict, quiet: bool, prefix: str) -> tuple[int, 
 
 def build_image(*, dockerfile: Path, context: Path, platform: str, builder: Builder, label: str,
                 build_args: dict[str, str] | None = None, secrets: list[str] | None = None, no_cache: bool = False,
-                quiet: bool = False, network: str = "host", buildx_builder: str | None = None) -> tuple[str, list[str]]:
+                quiet: bool = False, network: str = "host", buildx_builder: str | None = None,
+                cache_from: tuple[str, ...] = (), cache_to: str | None = None) -> tuple[str, list[str]]:
     """Build and return (image id, log lines); no tag. Raises UserError naming LABEL and the failing step."""
     build_args = build_args or {}
     secrets = secrets or []
@@ -352,6 +353,10 @@ def build_image(*, dockerfile: Path, context: Path, platform: str, builder: Buil
             argv += ["--secret", s]
         if no_cache:
             argv.append("--no-cache")
+        for spec in cache_from:
+            argv += ["--cache-from", spec]
+        if cache_to:
+            argv += ["--cache-to", cache_to]
         argv.append(str(context))
         rc, log = _stream(argv, env, quiet, f"[{label}] ")
         if rc != 0 or not iidfile.exists():
@@ -509,7 +514,8 @@ def build_cell(cell, *, builder: Builder, context: Path = ROOT, registry: str | 
                bases: dict[str, str] | None = None, wheelhouse: str | None = None, secrets: list[str] | None = None,
                no_cache: bool = False, quiet: bool = False, index_overrides: dict[str, str] | None = None,
                extra_args: dict[str, str] | None = None, native_builder: bool = False,
-               buildx_builder: str | None = None, journal: TagJournal | None = None) -> BuildResult:
+               buildx_builder: str | None = None, journal: TagJournal | None = None,
+               cache_from: tuple[str, ...] = (), cache_to: str | None = None) -> BuildResult:
     bases = bases or {}
     dockerfile = Path(cell.dockerfile)
     if not dockerfile.is_absolute():
@@ -525,7 +531,8 @@ def build_cell(cell, *, builder: Builder, context: Path = ROOT, registry: str | 
     with Wheelhouse(wheelhouse, context):
         image_id, lines = build_image(dockerfile=dockerfile, context=context, platform=cell.platform,
                                       builder=builder, label=cell.tag, build_args=build_args, secrets=secrets,
-                                      no_cache=no_cache, quiet=quiet, buildx_builder=buildx_builder)
+                                      no_cache=no_cache, quiet=quiet, buildx_builder=buildx_builder,
+                                      cache_from=cache_from, cache_to=cache_to)
     res.seconds = round(time.monotonic() - t0, 1)
     res.steps, res.cached_steps = _count_cached(lines)
     client = builder.client()
@@ -554,6 +561,9 @@ def build_cells(cells, opts: BuildOptions) -> int:
     builder = choose_builder("buildx" if opts.buildx_builder else opts.builder)
     refuse_emulated_compile(cells, opts.native_builder, opts.output_dir)  # before any lock or build work
     check_engine(builder)
+    if (opts.cache_from or opts.cache_to) and builder.kind != "buildx":
+        raise UserError(f"--cache-from/--cache-to need buildx; the builder here is {builder.kind} ({builder.cli})",
+                        fix="install Docker's buildx plugin (docker/setup-buildx-action in CI), or build without them")
     if not quiet:
         print(f"builder: {builder.kind} ({builder.cli})", flush=True)
     # The lock step: every missing or stale lock of the selection is resolved before the first build.
@@ -570,7 +580,8 @@ def build_cells(cells, opts: BuildOptions) -> int:
                                  wheelhouse=opts.wheelhouse, secrets=list(opts.secrets), no_cache=opts.no_cache,
                                  quiet=quiet, index_overrides=dict(opts.index_overrides),
                                  extra_args=dict(opts.build_args), native_builder=opts.native_builder,
-                                 buildx_builder=opts.buildx_builder, journal=journal)
+                                 buildx_builder=opts.buildx_builder, journal=journal,
+                                 cache_from=opts.cache_from, cache_to=opts.cache_to)
                 results.append(res)
                 if opts.sqsh:
                     from builder import enroot

@@ -110,6 +110,8 @@ class BuildOptions:
     build_args: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     secrets: tuple[str, ...] = ()
     no_cache: bool = False
+    cache_from: tuple[str, ...] = ()          # buildx --cache-from specs (e.g. type=registry,ref=REG/cache:venv)
+    cache_to: str | None = None               # buildx --cache-to spec
     frozen: bool = False
     quiet: bool = False
     report: str | None = None

@@ -201,13 +201,11 @@ def _build_job() -> dict:
         'args=("${cells[@]}" --arch "$ARCH" --frozen --report "report-$VENV.json" --buildx-builder "$BUILDX")',
         'if [ "$PUSH" = "true" ]; then args+=(--push --registry "$REGISTRY/trainbox"); fi',
         # BuildKit's registry cache, one cache image per venv (mode=max: the deps stage's layers too); read on every
-        # run, written only where the job may push. Passed only where build.py has the options.
+        # run, written only where the job may push.
         'cache="$REGISTRY/trainbox-cache:$VENV"',
-        "if python build.py --help | grep -q -- --cache-from; then",
-        '  args+=(--cache-from "type=registry,ref=$cache")',
-        '  if [ "$PUSH" = "true" ]; then',
-        '    args+=(--cache-to "type=registry,ref=$cache,mode=max,image-manifest=true,oci-mediatypes=true")',
-        "  fi",
+        'args+=(--cache-from "type=registry,ref=$cache")',
+        'if [ "$PUSH" = "true" ]; then',
+        '  args+=(--cache-to "type=registry,ref=$cache,mode=max,image-manifest=true,oci-mediatypes=true")',
         "fi",
         'python build.py "${args[@]}"',
     ]) + "\n"

@@ -136,6 +136,19 @@ def test_legacy_builder_is_refused_with_one_line(engine):  # noqa: F811
     assert _image_id("trainbox:smoke-x86_64") == before
 
 
+def test_registry_cache_without_buildx_is_refused_with_one_line(engine):  # noqa: F811
+    # --cache-from/--cache-to are buildx's (the workflow's builder); the engine's built-in BuildKit here has none:
+    # one line before any lock or build work, nothing built
+    before = _image_id("trainbox:smoke-x86_64")
+    r = subprocess.run([sys.executable, "build.py", "--cell", "smoke", "--arch", "x86_64", "--quiet", "--cache-from",
+                        "type=registry,ref=127.0.0.1:5555/trainbox-cache:smoke-x86_64"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    err = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(err) == 1 and "--cache-from/--cache-to need buildx" in err[0] and "Traceback" not in r.stderr, err
+    assert _image_id("trainbox:smoke-x86_64") == before
+
+
 def test_a_step_with_long_output_is_named_by_its_instruction(tmp_path, test_base):  # noqa: F811
     """600 lines of output push BuildKit's `#N [k/n] RUN ...` header out of any tail: the error still names the
     instruction and its Dockerfile line, never a bare `#N`."""
