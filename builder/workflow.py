@@ -342,13 +342,16 @@ def lock_dict(matrix_path: str | Path = DEFAULT_MATRIX) -> dict:
     venv_groups(matrix_path)   # the same matrix checks as build.yml
     return _pr_workflow(
         "re-lock", "17 4 * * 1", "lock",
-        [{"name": "Re-lock every cell through the indexes (the cu129 locks included)",
+        [{"name": "Re-lock every cell through the indexes (the cu129 locks included) and the bases by digest",
           "env": INDEX_ENV,
-          "run": "python build.py --lock --quiet\ngit status --short locks/ images/\n"}],
+          # --lock-bases asks the registry for each base tag's digest (a moved tag shows up here, as a lock change);
+          # the re-render puts the new digests in images/
+          "run": "python build.py --lock-bases --quiet\npython build.py --lock --quiet\n"
+                 "python build.py --dry-run --quiet\ngit status --short locks/ images/\n"}],
         {"branch": "trainbox/relock", "add-paths": "locks/\nimages/\n",
          "commit-message": "Re-lock every cell through the indexes (lock.yml)",
          "title": "Re-lock every cell",
-         "body": "Made by the `re-lock` workflow (`python build.py --lock`). Review the pins and hashes of each "
+         "body": "Made by the `re-lock` workflow (`python build.py --lock-bases`, `--lock`). Review the pins and hashes of each "
                  "changed lock; build.yml's tests and builds run on this pull request with `--frozen`."})
 
 
