@@ -71,7 +71,7 @@ def test_image_has_the_cell_facts(smoke_build, smoke_image):  # noqa: F811
     # uv installed the venv in the deps stage; neither uv nor its download cache (a cache mount) reached a layer
     r = docker("run", "--rm", "-u", "0", "--entrypoint", "sh", smoke_image, "-c",   # root: /root is 0700
                "ls -d /opt/uv /root/.cache/uv 2>/dev/null | wc -l; cat /opt/venv/lib/python3.11/site-packages/"
-               "torch-*.dist-info/INSTALLER; stat -c %u /opt/venv/lib/python3.11/site-packages")
+               "torch-*.dist-info/INSTALLER; echo; stat -c %u /opt/venv/lib/python3.11/site-packages")
     assert r.stdout.split() == ["0", "uv", "1000"], r.stdout
 
 
