@@ -51,8 +51,8 @@ TORCH_INDEX ?= $(shell python3 -c 'import tomllib; print(tomllib.load(open("matr
 	  echo "torch $(TORCH_PIN)+cpu from $(TORCH_INDEX) (about 200 MB; TORCH_INDEX=URL for a mirror)"; \
 	  $(PIP) install -q --index-url $(TORCH_INDEX) torch==$(TORCH_PIN)+cpu; \
 	fi
-	$(PY) -c 'import torch, sys; sys.exit(0 if torch.version.cuda is None else "error: .venv has a CUDA torch build: remove .venv and run make setup again")'
 	$(PIP) install -q -e '.[dev,train]'
+	$(PY) -c 'import torch, sys; sys.exit(0 if torch.version.cuda is None else "error: .venv has a CUDA torch build: remove .venv and run make setup again")'
 	touch $@
 
 test-fast: setup ## no engine, no Slurm
