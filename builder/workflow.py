@@ -14,6 +14,7 @@ a manifest list (`python -m builder.publish manifest`, which refuses when an arc
 (cosign, every platform manifest too) and records SLSA provenance for its digest in the registry; one job joins every
 venv job's report into the whole matrix's registry storage (`python -m builder.report`). No job exports `.sqsh` files
 (they are made on the cluster side from the pushed images), so none is signed here.
+flash-wheels.yml (manual + on attention-pin changes): builder/flashwheels.py.
 lock.yml (manual + weekly): re-locks every cell through the indexes and opens a pull request with the changed locks,
 which then goes through build.yml's tests like any change. pins.yml (manual + weekly): `python -m builder.pins
 --write` and a pull request with the refreshed [facts] and the table of pins that could move.
@@ -33,6 +34,7 @@ from pathlib import Path, PurePosixPath
 import yaml
 
 from entrypoints import atomic
+from builder import flashwheels   # flash-wheels.yml (it imports this module only inside functions)
 from builder.errors import UserError, reports_user_errors
 from builder.matrix import DEFAULT_MATRIX, INDEX_NAMES, load_matrix
 
@@ -53,7 +55,8 @@ REGISTRY_EXPR = "${{ vars.TRAINBOX_REGISTRY }}"
 PUSHING = "github.event_name != 'pull_request'"
 INDEX_ENV = {f"TRAINBOX_INDEX_{n.upper()}": "${{ vars.TRAINBOX_INDEX_" + n.upper() + " }}" for n in INDEX_NAMES}
 # Paths no image is built from: a change to only these builds nothing on a pull request (the tests still run).
-NOT_BUILT = ("tests/", "benchmarks/", "devenv/", ".ci/", ".github/workflows/lock.yml", ".github/workflows/pins.yml")
+NOT_BUILT = ("tests/", "benchmarks/", "devenv/", ".ci/", ".github/workflows/lock.yml", ".github/workflows/pins.yml",
+             ".github/workflows/flash-wheels.yml", "builder/flashwheels.py")
 # Debian/Ubuntu tools the engine tests need beside the runner's own Docker engine (its moby packages conflict with
 # the docker.io that `make system-deps` would install, so not that list).
 ENGINE_TEST_PACKAGES = ("skopeo", "squashfs-tools", "squashfuse", "qemu-user-static", "binfmt-support", "debootstrap",
@@ -368,7 +371,8 @@ def pins_dict(matrix_path: str | Path = DEFAULT_MATRIX) -> dict:
          "title": "Pins: refreshed [facts] and what could move"})
 
 
-GENERATED = {"build.yml": (build_dict, HEADER), "lock.yml": (lock_dict, PR_HEADER), "pins.yml": (pins_dict, PR_HEADER)}
+GENERATED = {"build.yml": (build_dict, HEADER), "lock.yml": (lock_dict, PR_HEADER), "pins.yml": (pins_dict, PR_HEADER),
+             "flash-wheels.yml": (flashwheels.workflow_dict, flashwheels.HEADER)}
 
 
 class _Dumper(yaml.SafeDumper):
