@@ -121,6 +121,12 @@ def read_sums(path: Path) -> dict[str, str]:
     return out
 
 
+def merge_sums(new: Path, old: Path | None) -> str:
+    """A release's SHA256SUMS after an upload: OLD's lines, a rebuilt wheel's (same file name) replaced by NEW's."""
+    sums = {**(read_sums(old) if old and old.is_file() else {}), **read_sums(new)}
+    return "".join(f"{sums[w]}  {w}\n" for w in sorted(sums))
+
+
 def write_index(sums: dict[str, str], base_url: str, out: Path) -> list[Path]:
     """A PEP 503 simple index in OUT: OUT/index.html lists the projects, OUT/<project>/index.html links each wheel at
     BASE_URL/<file>#sha256=<hash> (pip and uv check the hash of what they download against it)."""
@@ -199,9 +205,9 @@ _RELEASE = """for dir in wheels/*/; do
   (cd "$dir" && cat ./*.sha256 > ../new-$variant.sums && sha256sum -c ../new-$variant.sums)
   gh release view "$tag" >/dev/null 2>&1 ||
     gh release create "$tag" --title "FlashAttention wheels ($variant)" --notes "Built by flash-wheels.yml."
-  gh release download "$tag" -p SHA256SUMS -O old.sums --clobber 2>/dev/null || : > old.sums
-  # a rebuilt wheel replaces the old line of the same file name
-  awk 'NR==FNR {seen[$2]=1; print; next} !seen[$2]' "wheels/new-$variant.sums" old.sums | sort -k2 > "$dir/SHA256SUMS"
+  rm -f old.sums
+  gh release download "$tag" -p SHA256SUMS -O old.sums 2>/dev/null || echo "$tag: no SHA256SUMS yet"
+  python -m builder.flashwheels merge-sums "wheels/new-$variant.sums" old.sums > "$dir/SHA256SUMS"
   gh release upload "$tag" --clobber "$dir"/*.whl "$dir/SHA256SUMS"
 done
 """
@@ -308,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--sums", type=Path, required=True, help="`sha256sum *.whl` output")
     i.add_argument("--base-url", required=True, help="where the wheels are downloaded from (a release's assets)")
     i.add_argument("--out", type=Path, required=True, help="the index folder (served as the --index-url)")
+    m = sub.add_parser("merge-sums", help="print OLD's SHA256SUMS with NEW's lines added or replacing")
+    m.add_argument("new", type=Path)
+    m.add_argument("old", type=Path, help="a missing file counts as empty (a new release)")
     r = sub.add_parser("relock", help="print the command that re-locks the served cells through the team index")
     r.add_argument("--pages-url", required=True)
     r.add_argument("--matrix", default=str(DEFAULT_MATRIX))
@@ -327,6 +336,10 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"no file {a.sums}", fix="pass the SHA256SUMS of the wheels")
         for path in write_index(read_sums(a.sums), a.base_url, a.out):
             print(path)
+    elif a.cmd == "merge-sums":
+        if not a.new.is_file():
+            raise UserError(f"no file {a.new}", fix="pass the sha256sum lines of the wheels just built")
+        sys.stdout.write(merge_sums(a.new, a.old))
     elif a.cmd == "relock":
         print(relock_command(wheel_jobs(a.matrix), a.pages_url, a.matrix))
     return 0

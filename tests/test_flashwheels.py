@@ -218,3 +218,34 @@ def test_the_compile_step_extracts_the_stage_wheel_and_its_sha256(tmp_path, engi
     r = subprocess.run(["bash", "-e", "-c", flashwheels.COMPILE], cwd=tmp_path / "ctx", env=env, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode != 0
+
+
+def test_a_push_rebuilds_only_when_a_wheel_input_changes(tmp_path):
+    """The plan job compares `fingerprint` before and after a push: an attention pin moves it, other edits don't."""
+    def fingerprint(text: str) -> str:
+        path = tmp_path / "matrix.toml"
+        path.write_text(text)
+        return subprocess.run([sys.executable, "-m", "builder.flashwheels", "fingerprint", "--matrix", str(path)],
+                              cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    text = (ROOT / "matrix.toml").read_text()
+    fa2 = "060c9188beec3a8b62b33a3bfa6d5d2d44975fab"
+    assert fa2 in text
+    same = fingerprint(text)
+    assert "flash-attn" in same and "8.0;8.6" in same
+    assert fingerprint(text + "\n# a comment\n") == same
+    assert fingerprint(text.replace(fa2, "0" * 40)) != same
+    assert fingerprint(text.replace('FLASH_ATTN_CUDA_ARCHS = "80"', 'FLASH_ATTN_CUDA_ARCHS = "86"')) != same
+
+
+def test_a_rebuilt_wheel_replaces_its_line_in_the_release_sums(tmp_path):
+    old, new = tmp_path / "old.sums", tmp_path / "new.sums"
+    old.write_text(f"{'a' * 64}  flash_attn-2.8.3-cp312-cp312-linux_x86_64.whl\n"
+                   f"{'b' * 64}  flash_attn-2.8.3-cp312-cp312-linux_aarch64.whl\n")
+    new.write_text(f"{'c' * 64} *flash_attn-2.8.3-cp312-cp312-linux_x86_64.whl\n")
+    r = subprocess.run([sys.executable, "-m", "builder.flashwheels", "merge-sums", str(new), str(old)], cwd=ROOT,
+                       capture_output=True, text=True, check=True)
+    assert r.stdout == (f"{'b' * 64}  flash_attn-2.8.3-cp312-cp312-linux_aarch64.whl\n"
+                        f"{'c' * 64}  flash_attn-2.8.3-cp312-cp312-linux_x86_64.whl\n")
+    r = subprocess.run([sys.executable, "-m", "builder.flashwheels", "merge-sums", str(new), str(tmp_path / "none")],
+                       cwd=ROOT, capture_output=True, text=True, check=True)   # a new release has no SHA256SUMS yet
+    assert r.stdout == f"{'c' * 64}  flash_attn-2.8.3-cp312-cp312-linux_x86_64.whl\n"
