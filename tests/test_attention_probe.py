@@ -62,7 +62,9 @@ def test_an_aarch64_wheel_on_the_index_is_locked_by_hash_and_nothing_compiles(tm
     text = (out / GH200.attention_lock).read_text()
     wheel = tmp_path / "wheels" / "flash_attn_3-3.0.0-cp39-abi3-manylinux_2_28_aarch64.whl"
     assert f"{FA3}==3.0.0" in text and f"--hash=sha256:{hashlib.sha256(wheel.read_bytes()).hexdigest()}" in text
-    assert url.split("/")[2] not in text                                     # no URL in a lock
+    # the index's URL only in the "resolved from" comment (issue 20: a lock says where it came from), never an input
+    naming = [ln for ln in text.splitlines() if url.split("/")[2] in ln]
+    assert len(naming) == 1 and naming[0].startswith("# resolved from: "), naming
     assert eng.attention_how(GH200, out) == "index" and lock.is_fresh(GH200, out)
     assert not eng.compiles_under_emulation(GH200, False, out)
     eng.refuse_emulated_compile([GH200], False, out)                          # nothing to refuse
