@@ -47,6 +47,8 @@ def inputs_digest(cell: Cell) -> str:
     routes = indexes.routes(cell)
     if routes:  # which package comes from which index is an input (cells without variant indexes keep their digest)
         parts.append(json.dumps(routes, sort_keys=True))
+    if cell.sdists:  # likewise: cells whose locks take wheels only keep their digest
+        parts.append("sdists=" + ",".join(cell.sdists))
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
@@ -74,6 +76,14 @@ def uv_binary() -> str:
     raise UserError("uv is not installed", fix="pip install uv (it is in the dev extra: pip install -e '.[dev]')")
 
 
+def wheels_only(cell: Cell) -> list[str]:
+    """Wheels for everything but the flavour's `sdists` (packages published as source archives only): uv takes
+    those from their source archive, by hash like any wheel, and the image's install step builds them."""
+    if not cell.sdists:
+        return ["--no-build"]
+    return ["--only-binary", ":all:", *(a for p in cell.sdists for a in ("--no-binary", p))]
+
+
 SOURCE_MARK = "# source: "   # an attention lock with this line and no requirement: no prebuilt wheel, build from source
 
 
@@ -92,7 +102,7 @@ def _uv(cell: Cell, what: str, requirements: str, args: list[str], urls: dict[st
             (Path(tmp) / "pyproject.toml").write_text(project, encoding="utf-8")
             source = "pyproject.toml"   # relative: uv's "# via" comments then name no temporary path
         cmd = [uv_binary(), "pip", "compile", source, "--quiet", "--generate-hashes", "--no-header",
-               "--python-version", cell.python, "--python-platform", cell.uv_platform, "--no-build", *args]
+               "--python-version", cell.python, "--python-platform", cell.uv_platform, *wheels_only(cell), *args]
         proc = subprocess.run(cmd, input=requirements if project is None else None, capture_output=True, text=True,
                               env=env, cwd=tmp)
     if unsatisfiable_ok and proc.returncode == 1 and "No solution found" in proc.stderr:

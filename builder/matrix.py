@@ -39,7 +39,7 @@ _STACK = {"packages": dict, "extends": str}
 _FACTS = {"vllm_torch": dict, "trl_vllm_extra": dict, "vllm_transformers": dict, "unsloth": dict, "verl": dict}
 # [flavour.NAME]: a named stack on top of some cells' stacks, built FROM the cell's image (templates/Flavour.j2).
 _FLAVOUR = {"description": str, "cells": list, "packages": dict, "remove": list, "rules": list, "files": dict,
-            "cmd": list}
+            "cmd": list, "sdists": list}
 _EXPAND = {"arch": list, "cuda": list, "gpu": list, "stack": str}
 _CELL = {"name": str, "arch": (str, list), "cuda": str, "gpu": str, "torch_variant": str, "base_image": str,
          "python": str, "attention": str, "stack": (str, dict), "fabric_plugin": str}
@@ -110,6 +110,7 @@ class Cell:
     base: "Cell | None" = field(default=None, hash=False, compare=False, repr=False)
     files: tuple[tuple[str, str], ...] = ()   # (folder in the repository, path in the image)
     cmd: tuple[str, ...] = ()                 # the image's default CMD ('' = the base's)
+    sdists: tuple[str, ...] = ()              # the only packages its lock may take as source archives (no wheel)
 
     @property
     def dockerfile(self) -> Path:
@@ -689,6 +690,9 @@ def _flavour_cells(f: str, data: dict, ctx, naming: dict, vtags: list, cells: li
                                 fix=f"create {src} (the build copies it from the repository root) or drop it")
             files.append((src, dest))
         cmd = _str_list(f"{w}.cmd", t["cmd"]) if "cmd" in t else []
+        sdists = sorted({p.lower() for p in _str_list(f"{w}.sdists", t["sdists"])}) if "sdists" in t else []
+        for pkg in sdists:   # published as a source archive only: the lock hashes it, the install step builds it
+            _grammar(f"{w}.sdists", "package name", pkg, _PACKAGE, "a package name (PEP 508)")
         for word in cmd:
             _grammar(f"{w}.cmd", "word", word, _CMD_WORD, "one plain word (no spaces or quotes)")
         for base in bases:
@@ -715,7 +719,8 @@ def _flavour_cells(f: str, data: dict, ctx, naming: dict, vtags: list, cells: li
             out.append(dataclasses.replace(
                 base, name=name, tag=tag, stack=f"{base.stack}+{fname}", pins=dict(sorted(pins.items())),
                 version_tags=version_tags, venv=f"{base.venv}-{fname}", base_image=base.image, build_image=None,
-                flash=None, fabric_plugin=None, flavour=fname, base=base, files=tuple(files), cmd=tuple(cmd)))
+                flash=None, fabric_plugin=None, flavour=fname, base=base, files=tuple(files), cmd=tuple(cmd),
+                sdists=tuple(sdists)))
     return out
 
 

@@ -4,6 +4,7 @@ smoke image (every base layer shared, the flavour lock installed)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 
 from builder import engine as eng
 from builder import render
+from builder.errors import UserError
 from builder.lock import state
 from builder.matrix import ROOT, load_matrix
 from enginefix import BUILD_TIMEOUT, docker, engine, smoke_build, smoke_image, torch_wheelhouse  # noqa: F401
@@ -76,7 +78,7 @@ def test_explain_gives_each_flavours_rules_and_reasons():
         assert any(ln.startswith(f"  rule={rule}: fits — ") and M.rules[rule] in ln for ln in block), block
         assert any(ln.startswith("  rule=vllm-transformers: fits — ") for ln in block), block
     assert "pins datasets 4.8.5, trl 1.15.0, unsloth 2026.10.9, unsloth-zoo 2026.10.9" in p.stdout
-    assert "pins hydra-core 1.4.0rc3, transformers 5.10.4, verl 0.9.1" in p.stdout
+    assert "pins hydra-core 1.3.8, transferqueue 0.1.11, transformers 5.10.4, verl 0.9.1" in p.stdout
 
 
 def test_flavour_locks_are_fresh_and_hold_the_pins():
@@ -86,9 +88,25 @@ def test_flavour_locks_are_fresh_and_hold_the_pins():
         for pkg, version in c.pins.items():
             assert pins[norm(pkg)] == c.requirement(pkg).split("==")[1], (c.tag, pkg)
     verl = lock_pins(ROOT / "locks/cu130-gpu-x86_64-verl.txt")
-    assert verl["hydra-core"] == "1.4.0rc3" and verl["ray"] == "2.60.0"
+    assert verl["hydra-core"] == "1.3.8" and verl["ray"] == "2.60.0" and verl["transferqueue"] == "0.1.11"
     assert "xformers" in lock_pins(ROOT / "locks/cu130-gpu-x86_64-unsloth.txt")
     assert "xformers" not in lock_pins(ROOT / "locks/cu130-gpu-aarch64-unsloth.txt")  # unsloth's marker: x86_64
+
+
+@pytest.mark.network
+def test_only_a_flavours_sdists_may_come_from_source_archives():
+    """The verl lock takes antlr4-python3-runtime (published as a source archive only) by its one hash; every other
+    lock stays wheels-only (uv --no-build), and without `sdists` hydra-core 1.3.8 does not resolve at all."""
+    from builder.lock import compile_lock, wheels_only
+    verl = next(c for c in M.cells if c.flavour == "verl" and c.arch == "x86_64")
+    assert verl.sdists == ("antlr4-python3-runtime",)
+    assert wheels_only(verl) == ["--only-binary", ":all:", "--no-binary", "antlr4-python3-runtime"]
+    assert all(wheels_only(c) == ["--no-build"] for c in M.cells if c.flavour != "verl")
+    entry = re.search(r"^antlr4-python3-runtime==4\.9\.3 \\\n((?:\s+--hash=\S+.*\n)+)",
+                      (ROOT / verl.lock).read_text(), re.M)
+    assert entry and entry.group(1).count("--hash=sha256:") == 1, "one source archive, one hash"
+    with pytest.raises(UserError, match="antlr4-python3-runtime"):
+        compile_lock(dataclasses.replace(verl, sdists=()))
 
 
 def test_committed_flavour_files_are_the_render():
@@ -102,7 +120,9 @@ def test_committed_flavour_files_are_the_render():
     assert 'CMD ["jupyter"]' in text and "python -m entrypoints.helpcache" in text
 
 
-FLAVOUR_ANCHOR = 'packages = { verl = "0.9.1", transformers = "5.10.4", hydra-core = "1.4.0rc3" }'
+FLAVOUR_ANCHOR = ('packages = { verl = "0.9.1", transformers = "5.10.4", hydra-core = "1.3.8", '
+                  'transferqueue = "0.1.11" }')
+SDISTS = 'sdists = ["antlr4-python3-runtime"]'
 
 
 @pytest.mark.parametrize("old, new, needles", [
@@ -115,6 +135,9 @@ FLAVOUR_ANCHOR = 'packages = { verl = "0.9.1", transformers = "5.10.4", hydra-co
     (FLAVOUR_ANCHOR, FLAVOUR_ANCHOR.replace('"5.10.4"', '"5.17.0"'), ["rule 'verl-fits'", "transformers 5.17.0"]),
     (FLAVOUR_ANCHOR, FLAVOUR_ANCHOR.replace('"5.10.4"', '"5.9.0"'), ["rule 'vllm-transformers'", "5.9.0"]),
     ('rules = ["verl-fits"]', 'rules = ["verl-fitz"]', ["flavour.verl.rules", "unknown flavour rule"]),
+    (SDISTS, 'sdists = ["antlr4 python3 runtime"]', ["flavour.verl.sdists", "package name"]),
+    (SDISTS, 'sdists = "antlr4-python3-runtime"', ["flavour.verl: sdists must be an array"]),
+    (SDISTS, 'sdists = [3]', ["flavour.verl.sdists"]),
     ('datasets = "4.8.5" }\nfiles = { "images/notebooks/unsloth"',
      'datasets = "4.8.5" }\nfiles = { "images/notebooks/nope"',
      ["flavour.unsloth-stack.files", "not in the repository"]),
