@@ -27,6 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 from . import launch
@@ -170,8 +171,33 @@ class HeadExited(RuntimeError):
     """The head's `ray start` ended before the cluster formed."""
 
 
+HEAD_WATCH_S = 2.0   # how long a dead head may go unnoticed by a wait that is not stuck in Ray's C++ client
+
+
+def _watch_head(proc: subprocess.Popen, done: threading.Event) -> None:
+    """ray.init() and ray.nodes() can block for good once the head's GCS is gone (seen on a loaded node: the head's
+    `ray start` died and the wait never returned). Only a thread can see that; it ends the process: one line, exit 1."""
+    while not done.wait(HEAD_WATCH_S):
+        if proc.poll() is not None and not done.wait(HEAD_WATCH_S):   # the wait itself did not notice in time
+            log(f"error: the head's `ray start` exited {proc.returncode} while this node waited for the cluster "
+                "(its output is above)")
+            _stop(proc, grace=0)   # what it left in its process group
+            sys.stderr.flush()
+            os._exit(1)
+
+
 def wait_for_nodes(addr: str, hosts: list[str], timeout: float, proc: subprocess.Popen) -> list[dict]:
-    """Poll ray.nodes() until len(hosts) nodes are alive; raise RuntimeError naming the missing ones."""
+    """Poll ray.nodes() until len(hosts) nodes are alive; raise RuntimeError naming the missing ones. A head whose
+    `ray start` exits meanwhile ends the wait (HeadExited) or, where Ray's client blocks, this process (exit 1)."""
+    done = threading.Event()
+    threading.Thread(target=_watch_head, args=(proc, done), daemon=True, name="head-watch").start()
+    try:
+        return _wait_for_nodes(addr, hosts, timeout, proc)
+    finally:
+        done.set()
+
+
+def _wait_for_nodes(addr: str, hosts: list[str], timeout: float, proc: subprocess.Popen) -> list[dict]:
     import ray
 
     end = time.monotonic() + timeout

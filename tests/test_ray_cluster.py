@@ -60,6 +60,32 @@ def test_ports_are_one_block_below_the_ephemeral_range_and_skip_torchs():
         ray_cluster.port_base({"SLURM_JOB_ID": "1"}, (10500, 60999))
 
 
+# The head's wait with its `ray start` dead and a GCS port that accepts but never answers (a hung GCS): Ray's own
+# client blocks in ray.init() for good there, so only the head watch ends it.
+HEAD_DIES = """\
+import socket, subprocess
+from entrypoints import ray_cluster
+gcs = socket.socket()
+gcs.bind(("127.0.0.1", 0))
+gcs.listen(16)
+head = subprocess.Popen(["sleep", "2"], start_new_session=True)  # the head's `ray start`, dying on a loaded node
+try:
+    ray_cluster.wait_for_nodes(f"127.0.0.1:{gcs.getsockname()[1]}", ["tbx1", "tbx2"], 300, head)
+except ray_cluster.HeadExited as e:  # the wait's own check saw it: also one line (run_head logs it)
+    print(f"[trainbox] ray error: {e}")
+    raise SystemExit(1)
+print("the wait returned")
+"""
+
+
+def test_a_head_whose_ray_start_dies_while_it_waits_fails_in_one_line():
+    r = subprocess.run([sys.executable, "-c", HEAD_DIES], cwd=ROOT, capture_output=True, text=True, timeout=90,
+                       env=dict(os.environ, RAY_USAGE_STATS_ENABLED="0"))
+    errors = [ln for ln in r.stdout.splitlines() if ln.startswith("[trainbox] ray error:")]
+    assert r.returncode == 1 and len(errors) == 1, (r.stdout, r.stderr[-2000:])
+    assert "the head's `ray start` exited 0" in errors[0] and "the wait returned" not in r.stdout
+
+
 def test_start_commands_head_and_worker():
     a, cmd = ray_cluster.parse(["--gpu-free-head", "--", "python", "d.py", "--", "x"])
     assert cmd == ["python", "d.py", "--", "x"]
