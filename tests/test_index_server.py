@@ -66,7 +66,9 @@ def test_lock_resolves_from_a_local_simple_index_and_fails_cleanly_without_it(wh
     new = (tmp_path / "out" / cell.lock).read_text()
     pins = lambda t: re.findall(r"^([a-z0-9_.\-]+==\S+)", t, re.M)   # noqa: E731
     assert pins(new) == pins((ROOT / cell.lock).read_text())
-    assert url.split(":")[-1].split("/")[0] not in new   # the index URL (its port) never lands in a lock
+    # the index URL (its port) lands only in the "resolved from" comment, never in a pin or the inputs digest
+    port = url.split(":")[-1].split("/")[0]
+    assert [ln for ln in new.splitlines() if port in ln and not ln.startswith("# resolved from: ")] == []
     # The same override reaches the build as INDEX_URL (the Dockerfile's pip then uses it as its index).
     assert eng.cell_build_args(cell, index_overrides={"default": url})["INDEX_URL"] == url
     # The server is gone: one line naming the index, exit 2, nothing written.
