@@ -39,8 +39,8 @@ MARKER_ENV = {**default_environment(), "python_version": "3.12", "python_full_ve
               "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
               "implementation_name": "cpython", "platform_python_implementation": "CPython", "os_name": "posix"}
 # Extras the stacks rely on: TRL's GRPO talks to vLLM through trl[vllm] (rule trl-vllm-extra), so that extra's bounds
-# bind the vLLM pin as much as trl's own requirements do.
-EXTRAS = {"trl": ("vllm",)}
+# bind the vLLM pin as much as trl's own requirements do; the verl flavour installs verl[verl-core]'s transferqueue.
+EXTRAS = {"trl": ("vllm",), "verl": ("verl-core",)}
 # A [facts] table with a `version` key records one package's Requires-Dist (unsloth, verl): the tighter bound of these
 # packages' requirements where several ship together (unsloth and unsloth-zoo).
 TOGETHER = {"unsloth": ("unsloth", "unsloth-zoo")}
@@ -273,7 +273,7 @@ def facts_from(facts: dict, by_version: dict[tuple[str, str], Dist], newest: dic
         entry = {"version": ver}
         for pkg in (k for k in old if k != "version"):
             combined = SpecifierSet()
-            for spec in (d.bounds(pkg) for d in dists):
+            for spec in (d.bounds(pkg, EXTRAS.get(table_name, ())) for d in dists):
                 combined &= spec if spec is not None else SpecifierSet()
             entry[pkg] = keep(old.get(pkg), spec_text(tightest(combined)))
         out[table_name] = entry

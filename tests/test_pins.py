@@ -39,6 +39,8 @@ RELEASES = [
     ("unsloth_zoo", "2026.10.9", ['torch<2.15.0,>=2.1.0; sys_platform != "darwin" or platform_machine != "arm64"',
                                   "trl!=0.19.0,<=1.15.0,>=0.18.2", "datasets>=3.0.0,<5.0.0,!=4.0.*",
                                   'mlx==0.32.4; sys_platform == "darwin"']),
+    # what the verl flavour installs comes partly through an extra (verl[verl-core] brings transferqueue)
+    ("verl", "0.9.1", ["transformers<5.11", 'transferqueue>=0.1.10; extra == "verl-core"']),
 ]
 
 MATRIX = '''# a matrix with only what builder.pins reads; this comment stays
@@ -57,6 +59,7 @@ trl_vllm_extra = { "1.16.0" = ">=0.22.0,<=0.31" }
 vllm_transformers = { "0.31.0" = ">=5.10.4,<5.18" }
 # unsloth and unsloth-zoo, the tighter of the two
 unsloth = { version = "2026.10.9", torch = ">=2.4.0,<2.15.0", trl = ">=0.18.2,<=1.15.0,!=0.19.0", datasets = ">=3.4.1,<5.0.0" }
+verl = { version = "0.9.1", transformers = "<5.11", transferqueue = ">=0.1.10" }
 
 [flavour.uns]
 packages = { trl = "1.15.0", unsloth = "2026.10.9", unsloth-zoo = "2026.10.9" }
@@ -69,7 +72,7 @@ id = "after-facts"
 def _wheel(folder: Path, name: str, version: str, requires: list[str]) -> Path:
     info = f"{name}-{version}.dist-info"
     meta = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
-    extras = sorted({m.group(1) for r in requires if (m := re.search(r'extra == "(\w+)"', r))})
+    extras = sorted({m.group(1) for r in requires if (m := re.search(r'extra == "([\w-]+)"', r))})
     meta += [f"Provides-Extra: {e}" for e in extras] + [f"Requires-Dist: {r}" for r in requires]
     files = {f"{name}/__init__.py": b"", f"{info}/METADATA": ("\n".join(meta) + "\n").encode(),
              f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: trainbox-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
@@ -143,6 +146,8 @@ def test_facts_are_refreshed_from_metadata(pip_env, matrix):
     # unsloth: the tighter bound of unsloth and unsloth-zoo; a darwin-only requirement of the zoo doesn't count
     assert new["unsloth"]["torch"] == ">=2.4.0,<2.15.0"
     assert SpecifierSet(new["unsloth"]["datasets"]) == SpecifierSet(">=3.4.1,<5.0.0,!=4.0.*")
+    # a requirement behind the extra the flavour installs is read with that extra on
+    assert new["verl"] == {"version": "0.9.1", "transformers": "<5.11", "transferqueue": ">=0.1.10"}
     assert pins.differences(rep.facts, new) == [
         "facts.vllm_torch.0.31.0: recorded '2.12.0', the index says '2.13.0'",
         "facts.unsloth.datasets: recorded '>=3.4.1,<5.0.0', the index says '>=3.4.1,<5.0.0,!=4.0.*'"]
