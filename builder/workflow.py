@@ -7,7 +7,8 @@ a pull request only the venvs whose inputs a changed path touches).
 build.yml: `test` (the suite without engine and Slurm: unit, rendered files, hadolint, actionlint, the index facts)
 and `test-engine` (the engine tests on the hosted runner's own Docker) gate everything; `plan` picks the venvs; one
 `build` job per venv (CUDA x arch x stack) on a native runner of that arch (arm64 on GitHub's arm64 runners: nothing
-is emulated), building that venv's cells one after another from the committed locks (`--frozen`), so they share the
+is emulated; a venv with no committed lock is not built: lock.yml makes it), building that venv's cells one after
+another from the committed locks (`--frozen`), so they share the
 venv layer byte for byte, with BuildKit's registry cache; each pushed image gets its SBOM (`python -m builder.sbom`,
 attached as an OCI referrer and as a signed cosign attestation). Then one `publish` job per cell joins its arches into
 a manifest list (`python -m builder.publish manifest`, which refuses when an arch is missing), signs it keylessly
@@ -103,11 +104,21 @@ def venv_groups(matrix_path: str | Path = DEFAULT_MATRIX) -> dict[str, list]:
     return dict(sorted(groups.items()))
 
 
+def unlocked(matrix_path: str | Path = DEFAULT_MATRIX) -> list[str]:
+    """The venvs with no committed lock (locks/<venv>.txt next to the matrix): builds are `--frozen`, so these are
+    not built until lock.yml's pull request brings their reviewed lock (the cu129 venvs, whose indexes the project's
+    own machines can't reach, start that way)."""
+    locks = Path(matrix_path).parent / "locks"
+    return [venv for venv in venv_groups(matrix_path) if not (locks / f"{venv}.txt").is_file()]
+
+
 def plan(changed: list[str] | None = None, matrix_path: str | Path = DEFAULT_MATRIX) -> list[dict]:
     """The build jobs: every venv when CHANGED is None (a push), else only the venvs whose inputs a changed path
     touches: images/<tag>/ and locks/<venv>.txt, locks/<tag>.* select their own venv; tests, benchmarks, devenv, CI
-    scripts and Markdown select none; any other path (builder/, entrypoints/, matrix.toml, build.py...) every venv."""
+    scripts and Markdown select none; any other path (builder/, entrypoints/, matrix.toml, build.py...) every venv.
+    A venv without a committed lock is never planned (unlocked())."""
     groups = venv_groups(matrix_path)
+    waiting = set(unlocked(matrix_path))
     if changed is None:
         wanted = set(groups)
     else:
@@ -132,7 +143,18 @@ def plan(changed: list[str] | None = None, matrix_path: str | Path = DEFAULT_MAT
                 wanted = set(groups)
     # tags, not names: a flavour's tag is not NAME-ARCH
     return [{"venv": venv, "arch": g[0].arch, "cells": " ".join(c.tag for c in g), "runner": RUNNERS[g[0].arch]}
-            for venv, g in groups.items() if venv in wanted]
+            for venv, g in groups.items() if venv in wanted and venv not in waiting]
+
+
+def publish_rows(include: list[dict], matrix_path: str | Path = DEFAULT_MATRIX) -> list[dict]:
+    """The publish jobs for the planned build jobs INCLUDE: one per cell name; `join` where the matrix has that name
+    on several arches (its manifest list; `builder.publish manifest` refuses when an arch was not pushed)."""
+    cells = [c for g in venv_groups(matrix_path).values() for c in g]
+    planned = {t for i in include for t in i["cells"].split()}
+    multi = {c.name for c in cells if sum(1 for d in cells if d.name == c.name) > 1}
+    names = sorted({c.name for c in cells if c.tag in planned})
+    return [{"cell": n, "ref": n if n in multi else next(c.tag for c in cells if c.name == n), "join": n in multi}
+            for n in names]
 
 
 def _test_jobs() -> dict:
@@ -178,7 +200,8 @@ def _plan_job() -> dict:
     return {
         "name": "which venvs to build",
         "runs-on": "ubuntu-24.04",
-        "outputs": {"matrix": "${{ steps.plan.outputs.matrix }}", "any": "${{ steps.plan.outputs.any }}"},
+        "outputs": {"matrix": "${{ steps.plan.outputs.matrix }}", "any": "${{ steps.plan.outputs.any }}",
+                    "publish": "${{ steps.plan.outputs.publish }}"},
         "steps": [
             *_setup_steps(fetch_depth=0),
             {"name": "Every venv on a push; on a pull request those whose inputs changed",
@@ -254,18 +277,15 @@ def _build_job() -> dict:
     }
 
 
-def _publish_job(cells: list) -> dict:
-    names = sorted({c.name for c in cells})
-    multi = sorted({c.name for c in cells if sum(1 for d in cells if d.name == c.name) > 1})
-    include = [{"cell": n, "ref": n if n in multi else next(c.tag for c in cells if c.name == n),
-                "join": n in multi} for n in names]
+def _publish_job() -> dict:
     return {
         "name": "publish ${{ matrix.cell }}: manifest list, signature, provenance",
-        "needs": "build",
-        "if": PUSHING,
+        "needs": ["plan", "build"],
+        "if": f"{PUSHING} && needs.plan.outputs.any == 'true'",
         "runs-on": "ubuntu-24.04",
         "permissions": SIGNING_PERMISSIONS,
-        "strategy": {"fail-fast": False, "matrix": {"include": include}},
+        # the cells of the venvs plan built (publish_rows)
+        "strategy": {"fail-fast": False, "matrix": "${{ fromJSON(needs.plan.outputs.publish) }}"},
         "steps": [
             *_setup_steps(),
             {"uses": "docker/setup-buildx-action@v3"},
@@ -295,10 +315,7 @@ def _publish_job(cells: list) -> dict:
 
 
 def build_dict(matrix_path: str | Path = DEFAULT_MATRIX) -> dict:
-    groups = venv_groups(matrix_path)
-    cells = [c for g in groups.values() for c in g]
-    jobs: dict = {**_test_jobs(), "plan": _plan_job(), "build": _build_job(),
-                  "publish": _publish_job(cells)}
+    jobs: dict = {**_test_jobs(), "plan": _plan_job(), "build": _build_job(), "publish": _publish_job()}
     # The whole matrix's registry storage: every venv job's report together (each blob once vs the images' sum).
     jobs["storage"] = {
         "name": "registry storage of the whole matrix",
@@ -416,14 +433,20 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["plan"]:
         p = argparse.ArgumentParser(prog="python -m builder.workflow plan",
-                                    description="print the build matrix as GitHub step outputs (matrix=..., any=...)")
+                                    description="print the build and publish matrices as GitHub step outputs "
+                                                "(matrix=..., publish=..., any=...)")
         p.add_argument("--matrix", default=str(DEFAULT_MATRIX))
         p.add_argument("--changed", type=Path, help="file listing the changed paths, one a line (a pull request)")
         a = p.parse_args(argv[1:])
         if a.changed and not a.changed.is_file():
             raise UserError(f"no file {a.changed}", fix="pass the output of `git diff --name-only BASE HEAD`")
         include = plan(a.changed.read_text().splitlines() if a.changed else None, a.matrix)
+        for venv in unlocked(a.matrix):
+            # a GitHub notice in the job's log and summary; stdout stays the step outputs
+            print(f"::notice::{venv} not built: locks/{venv}.txt is not committed (run lock.yml and merge its pull "
+                  "request)", file=sys.stderr)
         print("matrix=" + json.dumps({"include": include}, separators=(",", ":")))
+        print("publish=" + json.dumps({"include": publish_rows(include, a.matrix)}, separators=(",", ":")))
         print("any=" + ("true" if include else "false"))
         return 0
     p = argparse.ArgumentParser(prog="python -m builder.workflow", description=__doc__.splitlines()[0])
