@@ -134,8 +134,11 @@ def flavour_lines(m: Matrix) -> list[str]:
         cells = [c for c in m.cells if c.flavour == fname]
         changed = ", ".join(f"{p} {v}" for p, v in sorted(t["packages"].items()))
         removed = f"; removes {', '.join(t['remove'])}" if t.get("remove") else ""
+        sdists = cells[0].sdists if cells else ()
+        built = (f"; builds from a source archive (by its locked hash, no wheel published): {', '.join(sdists)}"
+                 if sdists else "")
         out.append(f"flavour {fname}: {len(cells)} image(s) ({', '.join(c.tag for c in cells)}), built FROM each base "
-                   f"cell's image; pins {changed}{removed}")
+                   f"cell's image; pins {changed}{removed}{built}")
         pins = cells[0].pins if cells else {}
         checked = [r for r in rules_mod.STACK_CHECKS if r in m.rules and "vllm" in pins] + list(t.get("rules", []))
         for r in checked:

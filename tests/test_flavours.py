@@ -78,7 +78,8 @@ def test_explain_gives_each_flavours_rules_and_reasons():
         assert any(ln.startswith(f"  rule={rule}: fits — ") and M.rules[rule] in ln for ln in block), block
         assert any(ln.startswith("  rule=vllm-transformers: fits — ") for ln in block), block
     assert "pins datasets 4.8.5, trl 1.15.0, unsloth 2026.10.9, unsloth-zoo 2026.10.9" in p.stdout
-    assert "pins hydra-core 1.3.8, transferqueue 0.1.11, transformers 5.10.4, verl 0.9.1" in p.stdout
+    assert "pins hydra-core 1.3.8, transferqueue 0.1.11, transformers 5.10.4, verl 0.9.1; builds from a source " \
+        "archive (by its locked hash, no wheel published): antlr4-python3-runtime" in p.stdout
 
 
 def test_flavour_locks_are_fresh_and_hold_the_pins():
