@@ -1,5 +1,6 @@
 """A real PEP 503 simple index on 127.0.0.1 for the tests: http.server over a folder of wheels (what a mirror or an
-air-gapped wheelhouse looks like to pip and uv), and tiny stand-in wheels for packages no index here serves."""
+air-gapped wheelhouse looks like to pip and uv), and tiny stand-in wheels for packages no index here serves
+(stand_in_wheel: the one wheel builder of the tests)."""
 from __future__ import annotations
 
 import base64
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import time
 import zipfile
+from collections.abc import Iterable
 from pathlib import Path
 
 
@@ -68,15 +70,28 @@ def serve(root: Path, log: Path, bind: str = "127.0.0.1"):
         server.wait(timeout=10)
 
 
-def stand_in_wheel(folder: Path, name: str, version: str, tag: str, module: str | None = None) -> Path:
+def stand_in_wheel(folder: Path, name: str, version: str, tag: str = "py3-none-any", module: str | None = None,
+                   requires: Iterable[str] = (), origin: str | None = None) -> Path:
     """A valid wheel (METADATA, WHEEL, RECORD) whose module only records its version: it stands in for a wheel no
-    index reachable from here serves (FlashAttention 3's live on PyTorch's index)."""
+    index reachable from here serves (FlashAttention 3's live on PyTorch's index), or for a package whose
+    dependencies are what a test is about.
+
+    REQUIRES: Requires-Dist lines, as written (markers included); each extra a marker names (`extra == "verl-core"`)
+    is also declared with Provides-Extra, as a real wheel does. ORIGIN: an `ORIGIN = ...` line in the module, so
+    same-named wheels served by two indexes differ in bytes (a lock's hash then says which index it took).
+    Deterministic: the same arguments give the same bytes (fixed zip timestamps), so hashes are stable."""
     dist = re.sub(r"[-.]+", "_", name)
     module = module or dist
     info = f"{dist}-{version}.dist-info"
-    files = {f"{module}/__init__.py": f"__version__ = {version!r}\nSTAND_IN = True\n".encode(),
-             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
-             f"{info}/WHEEL": f"Wheel-Version: 1.0\nGenerator: trainbox-tests\nRoot-Is-Purelib: false\nTag: {tag}\n".encode()}
+    requires = list(requires)
+    extras = sorted({e for r in requires for e in re.findall(r"""\bextra\s*==\s*['"]([^'"]+)['"]""", r)})
+    meta = (f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+            + "".join(f"Provides-Extra: {e}\n" for e in extras) + "".join(f"Requires-Dist: {r}\n" for r in requires))
+    source = f"__version__ = {version!r}\nSTAND_IN = True\n" + (f"ORIGIN = {origin!r}\n" if origin is not None else "")
+    files = {f"{module}/__init__.py": source.encode(),
+             f"{info}/METADATA": meta.encode(),
+             f"{info}/WHEEL": (f"Wheel-Version: 1.0\nGenerator: trainbox-tests\nRoot-Is-Purelib: false\nTag: {tag}\n"
+                               .encode())}
     record = [f"{p},sha256={base64.urlsafe_b64encode(hashlib.sha256(b).digest()).rstrip(b'=').decode()},{len(b)}"
               for p, b in files.items()]
     files[f"{info}/RECORD"] = ("\n".join(record + [f"{info}/RECORD,,"]) + "\n").encode()

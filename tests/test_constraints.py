@@ -8,12 +8,9 @@ one container of the derived image; doctor warns about the overridden package.
 """
 from __future__ import annotations
 
-import base64
-import hashlib
 import re
 import shutil
 import uuid
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -29,24 +26,6 @@ FILE = "/etc/trainbox/constraints.txt"
 
 def _engine(f):  # real-image tests: the engine marker and the build-heavy timeout (the session smoke build)
     return pytest.mark.engine(pytest.mark.timeout(BUILD_TIMEOUT)(f))
-
-
-def wheel_requiring(folder: Path, name: str, version: str, requires: list[str]) -> Path:
-    """A pure-Python wheel that only declares REQUIRES (stand_in_wheel has no Requires-Dist)."""
-    dist = name.replace("-", "_")
-    info = f"{dist}-{version}.dist-info"
-    meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(f"Requires-Dist: {r}\n"
-                                                                                  for r in requires)
-    files = {f"{dist}/__init__.py": b"", f"{info}/METADATA": meta.encode(),
-             f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: trainbox-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
-    record = [f"{p},sha256={base64.urlsafe_b64encode(hashlib.sha256(b).digest()).rstrip(b'=').decode()},{len(b)}"
-              for p, b in files.items()]
-    files[f"{info}/RECORD"] = ("\n".join(record + [f"{info}/RECORD,,"]) + "\n").encode()
-    path = folder / f"{dist}-{version}-py3-none-any.whl"
-    with zipfile.ZipFile(path, "w") as z:
-        for p, b in files.items():
-            z.writestr(p, b)
-    return path
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -114,7 +93,7 @@ def index(tmp_path_factory):
     stand_in_wheel(wheels, "torch", "2.12.0", "py3-none-any")
     stand_in_wheel(wheels, "transformers", "4.57.0", "py3-none-any")
     stand_in_wheel(wheels, "absl-py", "2.4.0", "py3-none-any")
-    wheel_requiring(wheels, "old-tf-user", "1.0", ["transformers<5"])
+    stand_in_wheel(wheels, "old-tf-user", "1.0", requires=["transformers<5"])
     write_index(wheels, d / "root")
     with serve(d / "root", d / "http.log") as url:
         yield url

@@ -5,11 +5,9 @@ lock must take torch and vLLM from their indexes and numpy (a dependency of torc
 listing the variant indexes, as the lock did before, picks the impostor."""
 from __future__ import annotations
 
-import base64
 import hashlib
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -19,27 +17,6 @@ from builder import lock
 from builder.matrix import ROOT, load_matrix
 
 CELL = {c.tag: c for c in load_matrix(ROOT / "matrix.toml").cells}["cu129-blackwell-x86_64"]
-TAG = "py3-none-any"
-
-
-def _wheel(folder: Path, name: str, version: str, requires: tuple[str, ...] = (), marker: str = "") -> Path:
-    """A valid wheel with Requires-Dist (simpleindex.stand_in_wheel has none); MARKER makes same-named wheels of two
-    indexes differ in bytes, so a hash says which index a lock took."""
-    dist = name.replace("-", "_")
-    info = f"{dist}-{version}.dist-info"
-    meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(f"Requires-Dist: {r}\n"
-                                                                             for r in requires)
-    files = {f"{dist}/__init__.py": f"ORIGIN = {marker!r}\n".encode(), f"{info}/METADATA": meta.encode(),
-             f"{info}/WHEEL": f"Wheel-Version: 1.0\nGenerator: t\nRoot-Is-Purelib: true\nTag: {TAG}\n".encode()}
-    record = [f"{p},sha256={base64.urlsafe_b64encode(hashlib.sha256(b).digest()).rstrip(b'=').decode()},{len(b)}"
-              for p, b in files.items()]
-    files[f"{info}/RECORD"] = ("\n".join(record + [f"{info}/RECORD,,"]) + "\n").encode()
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{dist}-{version}-{TAG}.whl"
-    with zipfile.ZipFile(path, "w") as z:
-        for p, b in files.items():
-            z.writestr(zipfile.ZipInfo(p, date_time=(2026, 1, 1, 0, 0, 0)), b)
-    return path
 
 
 def _sha(path: Path) -> str:
@@ -60,7 +37,8 @@ def three_indexes(tmp_path_factory):
     }
     built: dict[str, dict[str, Path]] = {}
     for name, wheels in plan.items():
-        built[name] = {w[0]: _wheel(tmp / f"wheels-{name}", *w) for w in wheels}
+        built[name] = {n: simpleindex.stand_in_wheel(tmp / f"wheels-{name}", n, v, requires=r, origin=o)
+                       for n, v, r, o in wheels}
         simpleindex.write_index(tmp / f"wheels-{name}", tmp / "www" / name)
     with simpleindex.serve(tmp / "www", tmp / "server.log") as url:
         base = url.removesuffix("simple/")

@@ -5,12 +5,9 @@ live index."""
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import re
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -69,30 +66,13 @@ id = "after-facts"
 '''
 
 
-def _wheel(folder: Path, name: str, version: str, requires: list[str]) -> Path:
-    info = f"{name}-{version}.dist-info"
-    meta = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
-    extras = sorted({m.group(1) for r in requires if (m := re.search(r'extra == "([\w-]+)"', r))})
-    meta += [f"Provides-Extra: {e}" for e in extras] + [f"Requires-Dist: {r}" for r in requires]
-    files = {f"{name}/__init__.py": b"", f"{info}/METADATA": ("\n".join(meta) + "\n").encode(),
-             f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: trainbox-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
-    record = [f"{p},sha256={base64.urlsafe_b64encode(hashlib.sha256(b).digest()).rstrip(b'=').decode()},{len(b)}"
-              for p, b in files.items()]
-    files[f"{info}/RECORD"] = ("\n".join(record + [f"{info}/RECORD,,"]) + "\n").encode()
-    path = folder / f"{name}-{version}-py3-none-any.whl"
-    with zipfile.ZipFile(path, "w") as z:
-        for p, b in files.items():
-            z.writestr(p, b)
-    return path
-
-
 @pytest.fixture(scope="module")
 def index(tmp_path_factory):
     """A PEP 503 index of RELEASES on 127.0.0.1; yields its URL."""
     tmp = tmp_path_factory.mktemp("pins-index")
     (tmp / "wheels").mkdir()
     for name, version, requires in RELEASES:
-        _wheel(tmp / "wheels", name, version, requires)
+        simpleindex.stand_in_wheel(tmp / "wheels", name, version, requires=requires)
     simpleindex.write_index(tmp / "wheels", tmp / "root")
     with simpleindex.serve(tmp / "root", tmp / "http.log") as url:
         yield url
