@@ -74,14 +74,18 @@ def drop_own_venvs(cli: str, before: dict[str, int], refs: list[str], min_bytes:
             subprocess.run([cli, "builder", "prune", "-f", "--filter", f"id={rid}"], capture_output=True)
 
 
-def with_old_deps_stage(dockerfile: Path, rev: str, tag: str) -> None:
+def with_old_deps_stage(dockerfile: Path, rev: str, cell) -> None:
     """Put the deps stage of images/TAG/Dockerfile as committed at REV into DOCKERFILE (the rest stays as rendered
-    now): the 'before' of a change to the venv install, everything else equal."""
-    old = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:images/{tag}/Dockerfile"], capture_output=True,
-                         text=True, check=True).stdout
+    now): the 'before' of a change to the venv install, everything else equal. The committed file was rendered for
+    matrix.toml's python; a cell whose python differs (--gpu-test-cell: 3.11) gets its own in the stage's check."""
+    old = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:images/{cell.tag}/Dockerfile"],
+                         capture_output=True, text=True, check=True).stdout
     stage = lambda t: t[t.index("FROM base AS deps"):t.index("\n# ---- ", t.index("FROM base AS deps"))]  # noqa: E731
+    committed = load_matrix(ROOT / "matrix.toml").select([cell.tag])[0].python
+    old_stage = stage(old).replace(f"'{committed}'", f"'{cell.python}'").replace(f"for {committed}'",
+                                                                                f"for {cell.python}'")
     new = dockerfile.read_text()
-    dockerfile.write_text(new.replace(stage(new), stage(old), 1))
+    dockerfile.write_text(new.replace(stage(new), old_stage, 1))
 
 
 def run(cell, ctx: Path, repo: str, label: str, *, no_cache: bool, push: bool, bases, wheelhouse, secrets) -> dict:
@@ -127,7 +131,7 @@ def main(argv=None) -> int:
         cell = cells[0]
         render.write_cells(cells, root=ctx)
         if a.deps_stage_from:
-            with_old_deps_stage(ctx / cell.dockerfile, a.deps_stage_from, cell.tag)
+            with_old_deps_stage(ctx / cell.dockerfile, a.deps_stage_from, cell)
         lock.ensure(cells, root=ctx, quiet=True)    # not timed: a stale lock (python 3.11 here) is resolved first
         if a.gpu_test_cell:
             bases, wheelhouse, secrets = {cell.base_image: enginefix.base_ref()}, None, []
