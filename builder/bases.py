@@ -43,7 +43,7 @@ def read(root: Path | str = ROOT) -> dict[str, dict]:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return {}
-    except (OSError, tomllib.TOMLDecodeError) as e:
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError) as e:
         raise UserError(f"cannot read the bases lock: {e}", where=str(path),
                         fix="restore it from git or run `python build.py --lock-bases`") from None
     for tag, entry in data.items():
@@ -52,6 +52,14 @@ def read(root: Path | str = ROOT) -> dict[str, dict]:
         if not any(digests) or not all(isinstance(d, str) and DIGEST.fullmatch(d) for d in digests if d):
             raise UserError(f"bases lock entry {tag!r} has no valid sha256 digest", where=str(path),
                             fix="run `python build.py --lock-bases` where the registry is reachable")
+        # what --lock-bases writes back (render_lock) must be what it read: known keys, strings only
+        unknown = sorted(set(entry) - {"digest", "platforms", "locked", "source"})
+        odd = [k for k in ("digest", "locked", "source") if not isinstance(entry.get(k, ""), str)]
+        if unknown or odd:
+            raise UserError(f"bases lock entry {tag!r}: " + (f"unknown key {unknown[0]!r}" if unknown else
+                                                             f"{odd[0]} must be a string"), where=str(path),
+                            fix="keys: digest, platforms, locked, source (strings); restore it from git or run "
+                                "`python build.py --lock-bases`")
     return data
 
 
@@ -125,20 +133,25 @@ def inspect(image: str) -> dict:
     return out
 
 
+def _toml(s: str) -> str:
+    """S as a TOML basic string: JSON's escapes are TOML's, but JSON leaves DEL raw, which TOML refuses."""
+    return json.dumps(s).replace("\x7f", "\\u007f")
+
+
 def render_lock(entries: dict[str, dict]) -> str:
-    """The TOML text (keys sorted; nothing a TOML reader could misparse: tags and digests are checked strings)."""
+    """The TOML text (keys sorted; every string escaped for TOML, so what read() accepted reads back the same)."""
     lines = ["# trainbox bases lock: image tag -> digest it named when locked (the tag's manifest or manifest list;",
              "# `platforms`: each platform's manifest). Written by `python build.py --lock-bases`; a moved tag is a",
              "# change of this file. `source`: where the digest came from.", ""]
     for tag in sorted(entries):
         e = entries[tag]
-        lines.append(f"[{json.dumps(tag)}]")
+        lines.append(f"[{_toml(tag)}]")
         if e.get("digest"):
-            lines.append(f"digest = {json.dumps(e['digest'])}")
+            lines.append(f"digest = {_toml(e['digest'])}")
         if e.get("platforms"):
-            inner = ", ".join(f"{json.dumps(k)} = {json.dumps(v)}" for k, v in sorted(e["platforms"].items()))
+            inner = ", ".join(f"{_toml(k)} = {_toml(v)}" for k, v in sorted(e["platforms"].items()))
             lines.append(f"platforms = {{ {inner} }}")
-        lines += [f"locked = {json.dumps(e['locked'])}", f"source = {json.dumps(e['source'])}", ""]
+        lines += [f"{k} = {_toml(e[k])}" for k in ("locked", "source") if k in e] + [""]
     return "\n".join(lines)
 
 

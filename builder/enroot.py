@@ -246,6 +246,8 @@ def _run(argv: list[str], what: str, **kw) -> subprocess.CompletedProcess:
 
 
 def inspect_image(image_ref: str, docker: str | None = None) -> dict:
+    from builder import reference
+    reference.check_image(image_ref, "image")   # '--help' would be an option of `docker image inspect`
     docker = docker or docker_cli()
     r = subprocess.run([docker, "image", "inspect", image_ref], capture_output=True, text=True)
     if r.returncode != 0:
@@ -361,14 +363,22 @@ def export_image(image_ref: str, dest_path, *, compression: str | None = None, b
     dest = Path(dest_path).absolute()
     if dest.suffix != ".sqsh":
         raise UserError(f"destination {str(dest)!r} must end in .sqsh (pyxis and enroot look for that suffix)")
+    if not dest.name.isprintable():   # the .sha256 sidecar names it on one line (`sha256sum -c` format)
+        raise UserError(f"destination {str(dest)!r} has a control character in its name",
+                        fix="name the .sqsh with printable characters, e.g. the image's tag")
+    if not all(atomic.name_fits(p, "work") for p in (dest, *sidecars(dest))):   # staged under temporary names
+        raise UserError(f"destination {str(dest)!r}: the file name is too long for the file system once its "
+                        "sidecars' temporary names are made from it", fix="give the .sqsh a shorter name")
+    from builder import reference
+    reference.check_image(image_ref, "image")   # every input checked before a folder is made
+    opts = squash_options(compression, block_size)
+    sde = _source_date_epoch()
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"cannot create the destination directory {str(dest.parent)!r}: {e.strerror}") from e
     if not os.access(dest.parent, os.W_OK):
         raise UserError(f"destination directory {str(dest.parent)!r} is not writable")
-    opts = squash_options(compression, block_size)
-    sde = _source_date_epoch()
     docker = docker or docker_cli()
     _clean_stale_temps(dest, tmp_dir)
 

@@ -685,7 +685,11 @@ def _flavour_cells(f: str, data: dict, ctx, naming: dict, vtags: list, cells: li
         for src, dest in _str_table(f"{w}.files", t.get("files", {})).items():
             _grammar(f"{w}.files", "source", src, _REL_PATH, "a folder of the repository like images/notebooks/x")
             _grammar(f"{w}.files", "destination", dest, _PREFIX, "an absolute path like /workspace/notebooks")
-            if ".." in src.split("/") or not (ROOT / src).exists():
+            try:
+                present = (ROOT / src).exists()
+            except OSError:   # a name longer than the file system allows (ENAMETOOLONG): not in the repository
+                present = False
+            if ".." in src.split("/") or not present:
                 raise UserError(f"files: {src!r} is not in the repository", where=f"{w}.files",
                                 fix=f"create {src} (the build copies it from the repository root) or drop it")
             files.append((src, dest))

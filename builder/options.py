@@ -69,6 +69,9 @@ def check_file_target(path: str | Path, flag: str) -> Path:
     """A file the build will write at the end (e.g. --report): its folder checked now, not after an hour's build."""
     p = Path(path)
     check_dir(p.parent if str(p.parent) else ".", flag)
+    if not atomic.name_fits(p):
+        raise UserError(f"{flag} {shorten(str(path), 120)}: the file name is too long for the file system",
+                        fix=f"pass a shorter name (under {atomic.NAME_MAX - 40} bytes)")
     if p.is_dir():
         raise UserError(f"{flag} {shorten(str(path), 120)} is a folder", fix="pass a file path, e.g. report.json")
     return p
@@ -97,6 +100,58 @@ def check_registry(registry: str | None, push: bool) -> str | None:
     return registry
 
 
+# BuildKit's cache backends (buildx --cache-from/--cache-to: `type=TYPE,KEY=VALUE,...`, or a bare image reference for
+# type=registry); inline only writes (it goes into the image).
+CACHE_TYPES = ("registry", "local", "inline", "gha", "s3", "azblob")
+CACHE_EXAMPLE = f"type=registry,ref={reference.EXAMPLE}-cache:smoke"
+
+
+def _shown_spec(spec: str) -> str:
+    """SPEC as an error may echo it: secret fields' values (s3's secret_access_key, session_token...) masked."""
+    from entrypoints import redact
+
+    fields = []
+    for item in spec.split(","):
+        key, sep, _ = item.partition("=")
+        fields.append(f"{key}={redact.MASK}" if sep and re.fullmatch(redact.SECRET_NAME, key, re.I) else item)
+    return shorten(",".join(fields), 160)
+
+
+def check_cache(spec: str, flag: str) -> str:
+    """A buildx cache spec (--cache-from/--cache-to), checked before any work: buildx would refuse a bad one only
+    after the lock step, in a build log line that does not name the flag. Errors never echo a secret field."""
+    writes = flag == "--cache-to"
+
+    def bad(why: str) -> UserError:
+        return UserError(f"{flag} {_shown_spec(spec)!r}: {why}",
+                         fix=f"e.g. {flag} {CACHE_EXAMPLE}{',mode=max' if writes else ''} (BuildKit's cache syntax)")
+
+    if not spec or not spec.isascii() or not spec.isprintable() or any(ch.isspace() or ch in "\"'\\" for ch in spec):
+        raise bad("empty, or has white space, quotes, backslashes or characters outside printable ASCII")
+    if "=" not in spec:   # a bare image reference: buildx reads it as type=registry,ref=SPEC
+        if not reference.REFERENCE.fullmatch(spec):
+            raise bad("not an image reference (Docker's reference grammar) and no type=TYPE")
+        return spec
+    fields: dict[str, str] = {}
+    for item in spec.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or not re.fullmatch(r"[a-z][a-z0-9_-]*", key, re.ASCII) or not value:
+            raise bad(f"field {shorten(key, 40)!r} is not KEY=VALUE (lower-case key, non-empty value)")
+        if key in fields:
+            raise bad(f"field {key!r} given twice")
+        fields[key] = value
+    kind = fields.get("type")
+    if kind not in CACHE_TYPES or (kind == "inline" and not writes):
+        raise bad(f"type must be one of {', '.join(t for t in CACHE_TYPES if writes or t != 'inline')}")
+    if kind == "registry" and not reference.REFERENCE.fullmatch(fields.get("ref", "")):
+        raise bad("type=registry needs ref=IMAGE (Docker's reference grammar: lower-case repository path, no scheme)")
+    if kind == "local" and not fields.get("dest" if writes else "src"):
+        raise bad(f"type=local needs {'dest' if writes else 'src'}=FOLDER")
+    if "mode" in fields and fields["mode"] not in ("min", "max"):
+        raise bad("mode must be min or max")
+    return spec
+
+
 @dataclass(frozen=True)
 class BuildOptions:
     """What `build.py` hands the engine. Every field is already checked."""
@@ -119,6 +174,12 @@ class BuildOptions:
     sqsh_compression: str | None = None
     sqsh_block_size: str | None = None
     use_enroot: bool = False
+
+    def __post_init__(self):   # made in one place (cli.build_options); the cache specs are checked here
+        for spec in self.cache_from:
+            check_cache(spec, "--cache-from")
+        if self.cache_to is not None:
+            check_cache(self.cache_to, "--cache-to")
 
     @property
     def push(self) -> bool:

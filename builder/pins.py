@@ -353,9 +353,46 @@ def _releases(requirements: list[str], known: dict[tuple[str, str], Dist]) -> No
                    batch[canonicalize_name(n)] != (n, v)]
 
 
+def read_matrix(path: Path) -> dict:
+    """The parts of PATH this tool reads ([stack.*] and [flavour.*] packages, [facts]), each checked as builder.matrix
+    checks it, before pip is asked anything: a bad value is one error naming its key, never a traceback, and no
+    name reaches pip's command line unless it is a package name (one starting with '-' would be read as an option)."""
+    from builder import matrix as m
+
+    where = str(path)
+    try:
+        data = tomllib.loads(path.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise UserError(f"cannot read the matrix: {e.strerror or e}", where=where, fix="pass --matrix FILE") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"not UTF-8 text at byte {e.start}", where=where, fix="save the file as UTF-8") from None
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"TOML syntax error: {e}", where=where, fix="fix the syntax at that line") from None
+    except RecursionError:
+        raise UserError("nested more than Python can parse", where=where, fix="see matrix.toml") from None
+    m._check_tree(where, data)
+    for section in ("stack", "flavour"):
+        tables = data.get(section, {})
+        if not isinstance(tables, dict):
+            raise UserError("must be a table", where=f"{where}: {section}")
+        for name, t in tables.items():
+            if not isinstance(t, dict):
+                raise UserError("must be a table", where=f"{where}: {section}.{name}")
+            w = f"{where}: {section}.{name}.packages"
+            for pkg, ver in m._str_table(w, t.get("packages", {})).items():
+                m._grammar(w, "package name", pkg, m._PACKAGE, "a package name (PEP 508)")
+                m._pin(f"{w}.{pkg}", ver)
+    facts = data.get("facts", {})
+    m._check_table(f"{where}: facts", facts, m._FACTS)
+    for k, v in facts.items():
+        m._str_table(f"{where}: facts.{k}", v)
+    m._check_facts(where, facts)
+    return data
+
+
 def check(matrix: Path, pins_too: bool = True) -> Report:
     """The pins table (unless not PINS_TOO: then only the recorded [facts] are re-read) and [facts] refreshed."""
-    data = tomllib.loads(matrix.read_text())
+    data = read_matrix(matrix)
     pins = stack_pins(data)
     flavours = flavour_pins(data)
     facts = data.get("facts", {})

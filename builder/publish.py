@@ -201,10 +201,10 @@ def join_pushed(cell_names: list[str], registry: str, matrix_path: str | None = 
     from builder.matrix import load_matrix
 
     matrix = load_matrix(matrix_path) if matrix_path else load_matrix()
+    selected = {name: matrix.select([name]) for name in cell_names}   # every name checked before the registry
     builder = choose_builder("auto")
     out = {}
-    for name in cell_names:
-        cells = matrix.select([name])
+    for name, cells in selected.items():
         results = []
         for c in cells:
             ref = cell_refs(c, registry)[0]

@@ -510,8 +510,12 @@ def main(argv: list[str] | None = None) -> int:
     why = atomic.why_not_a_folder(Path(a.output).absolute().parent)
     if why:
         raise UserError(f"--output {a.output}: cannot write there: {why}", fix="give a writable path")
+    from builder.options import check_file_target
+    from builder.reference import check_image
+    check_file_target(a.output, "--output")   # not a folder, a name the file system holds
+    check_image(a.image, "image")   # bad input before any work
     if a.attach:
-        _split_ref(a.attach)  # bad input before any work
+        _split_ref(a.attach)
     sbom = generate(a.image)
     attached = attach(sbom, a.attach) if a.attach else None  # first: a failed attach leaves no file behind
     atomic.write_text(a.output, dumps(sbom))

@@ -36,6 +36,15 @@ def temp_path(path: str | Path, kind: str = "") -> Path:
     return path.parent / f".{path.name}{TMP_MARK}{host()}.{os.getpid()}.{tag}"
 
 
+NAME_MAX = 255   # bytes in one file name (Linux file systems)
+
+
+def name_fits(path: str | Path, kind: str = "") -> bool:
+    """Whether PATH's temporary sibling (written first, then renamed) has a name the file system can hold: checked
+    before long work, since a name that fits may still be too long once .tmp.HOST.PID.RANDOM is added."""
+    return len(os.fsencode(temp_path(path, kind).name)) <= NAME_MAX
+
+
 def _temp_owner(path: Path, name: str) -> tuple[str, int] | None:
     m = re.fullmatch(re.escape(f".{name}{TMP_MARK}") + r"(?P<host>.+)\.(?P<pid>\d+)\.[0-9a-f]+(?:_\w+)?", path.name)
     return (m["host"], int(m["pid"])) if m else None
@@ -135,6 +144,8 @@ def why_not_a_folder(path: str | Path) -> str | None:
             return f"{probe} is a file, not a folder"
     except PermissionError:
         return "a folder on the way is not writable or readable by this user"
+    except OSError as e:   # e.g. a name longer than the file system allows (ENAMETOOLONG)
+        return f"{e.strerror or e}"
     if not os.access(probe, os.W_OK | os.X_OK):
         return f"{probe} is not writable by this user (uid {os.getuid()})"
     return None
