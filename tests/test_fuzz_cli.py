@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from packaging.requirements import Requirement
 
+from test_fuzz_matrix import mutate, paths   # the matrix fuzzer's document mutations
 from builder import bases, cli, enroot, matrix, pins, publish, reference, sbom
 from builder.errors import UserError
 from builder.matrix import ROOT, load_matrix
@@ -94,35 +95,6 @@ def toml_doc(doc: dict, sections: tuple = ()) -> str:
         if isinstance(doc.get(k), dict):
             lines += ["", f"[{toml_str(k)}]"] + [f"{toml_str(n)} = {toml_value(v)}" for n, v in doc[k].items()]
     return "\n".join(lines) + "\n"
-
-
-def paths(node, prefix=()):
-    """Every key path in a nested dict/list document."""
-    out = []
-    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
-    for k, v in items:
-        out.append(prefix + (k,))
-        out.extend(paths(v, prefix + (k,)))
-    return out
-
-
-def mutate(doc, mutations):
-    """DOC with each (path, op, value, new key) applied where the path still exists."""
-    doc = copy.deepcopy(doc)
-    for path, op, value, new_key in mutations:
-        parent = doc
-        try:
-            for k in path[:-1]:
-                parent = parent[k]
-            if op == "set":
-                parent[path[-1]] = value
-            elif op == "delete":
-                del parent[path[-1]]
-            elif isinstance(parent, dict):
-                parent[new_key] = value
-        except (KeyError, IndexError, TypeError):
-            continue   # an earlier mutation removed or retyped this path
-    return doc
 
 
 HOSTILE = ["../../etc", "/etc/passwd", "images/../../etc", "a\nb", "a\rb", "x\u2028y", "$(id)", "`id`", "a;rm -rf /",

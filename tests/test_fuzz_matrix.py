@@ -39,6 +39,25 @@ def paths(node, prefix=()):
     return out
 
 
+def mutate(doc, mutations):
+    """DOC with each (path, op, value, new key) applied where the path still exists (op: set, delete, add)."""
+    doc = copy.deepcopy(doc)
+    for path, op, value, new_key in mutations:
+        parent = doc
+        try:
+            for k in path[:-1]:
+                parent = parent[k]
+            if op == "set":
+                parent[path[-1]] = value
+            elif op == "delete":
+                del parent[path[-1]]
+            elif isinstance(parent, dict):
+                parent[new_key] = value
+        except (KeyError, IndexError, TypeError):
+            continue   # an earlier mutation removed or retyped this path
+    return doc
+
+
 ALL_PATHS = paths(BASE)
 
 
@@ -57,21 +76,7 @@ def check(doc):
 @given(st.lists(st.tuples(st.sampled_from(ALL_PATHS), st.sampled_from(["set", "delete", "add"]), values,
                           st.text(min_size=1, max_size=8)), min_size=1, max_size=4))
 def test_mutated_documents(mutations):
-    doc = copy.deepcopy(BASE)
-    for path, op, value, new_key in mutations:
-        parent = doc
-        try:
-            for k in path[:-1]:
-                parent = parent[k]
-            if op == "set":
-                parent[path[-1]] = value
-            elif op == "delete":
-                del parent[path[-1]]
-            elif isinstance(parent, dict):
-                parent[new_key] = value
-        except (KeyError, IndexError, TypeError):
-            continue   # an earlier mutation removed or retyped this path
-    check(doc)
+    check(mutate(BASE, mutations))
 
 
 @SETTINGS
