@@ -178,22 +178,56 @@ def test_browser_login_refused_then_lab_loads(lab):
     assert "jp-LabShell" in ok and "<title>JupyterLab</title>" in ok, ok[-2000:]
 
 
+def _recv(ws, deadline: float) -> dict | None:
+    """The next kernel message on WS, or None at DEADLINE. Frame by frame: the server pings every 30 s, and
+    websocket-client's recv() answers pings and keeps waiting, so a socket timeout alone never ends the wait."""
+    from websocket import ABNF, WebSocketTimeoutException
+
+    while (left := deadline - time.monotonic()) > 0:
+        ws.settimeout(min(left, 5))
+        try:
+            opcode, frame = ws.recv_data_frame(control_frame=True)
+        except WebSocketTimeoutException:
+            continue
+        if opcode == ABNF.OPCODE_TEXT:
+            return json.loads(frame.data)
+        if opcode == ABNF.OPCODE_CLOSE:
+            raise AssertionError("the server closed the kernel's websocket")
+    return None
+
+
+def _request(ws, msg_type: str, content: dict) -> str:
+    msg_id = uuid.uuid4().hex
+    ws.send(json.dumps({"header": {"msg_id": msg_id, "username": "test", "session": uuid.uuid4().hex,
+                                   "msg_type": msg_type, "version": "5.3"},
+                        "parent_header": {}, "metadata": {}, "channel": "shell", "content": content}))
+    return msg_id
+
+
+def _wait_iopub(ws, deadline: float) -> None:
+    """kernel_info requests until one's status comes back on iopub: a fresh kernel's iopub subscription can miss
+    what is published before it is connected (zmq's slow joiner), so outputs sent earlier would never arrive."""
+    while time.monotonic() < deadline:
+        msg_id, until = _request(ws, "kernel_info_request", {}), min(deadline, time.monotonic() + 2)
+        while (m := _recv(ws, until)) is not None:
+            if m.get("channel") == "iopub" and m.get("parent_header", {}).get("msg_id") == msg_id:
+                return
+    raise AssertionError("the kernel's iopub channel never answered")
+
+
 def _execute(base: str, token: str, kernel_id: str, code: str, timeout: float = 120) -> list[dict]:
     """Run CODE on the kernel over the server's websocket (the channel the Lab UI uses); the iopub outputs."""
     import websocket
 
+    deadline = time.monotonic() + timeout
     ws = websocket.create_connection(f"{base.replace('http', 'ws')}/api/kernels/{kernel_id}/channels",
                                      header=[f"Authorization: token {token}"], timeout=timeout)
     try:
-        msg_id = uuid.uuid4().hex
-        ws.send(json.dumps({"header": {"msg_id": msg_id, "username": "test", "session": uuid.uuid4().hex,
-                                       "msg_type": "execute_request", "version": "5.3"},
-                            "parent_header": {}, "metadata": {}, "channel": "shell",
-                            "content": {"code": code, "silent": False, "store_history": True,
-                                        "user_expressions": {}, "allow_stdin": False}}))
-        outputs, status, deadline = [], None, time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            m = json.loads(ws.recv())
+        _wait_iopub(ws, deadline)
+        msg_id = _request(ws, "execute_request", {"code": code, "silent": False, "store_history": True,
+                                                  "user_expressions": {}, "allow_stdin": False})
+        outputs, status = [], None
+        while (m := _recv(ws, deadline)) is not None:
             if m.get("parent_header", {}).get("msg_id") != msg_id:
                 continue
             kind = m["msg_type"]
