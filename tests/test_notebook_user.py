@@ -226,7 +226,8 @@ def _execute(base: str, token: str, kernel_id: str, code: str, timeout: float = 
         _wait_iopub(ws, deadline)
         msg_id = _request(ws, "execute_request", {"code": code, "silent": False, "store_history": True,
                                                   "user_expressions": {}, "allow_stdin": False})
-        outputs, status = [], None
+        # done when both the shell reply and iopub's idle came: two channels, so either may come first
+        outputs, status, idle = [], None, False
         while (m := _recv(ws, deadline)) is not None:
             if m.get("parent_header", {}).get("msg_id") != msg_id:
                 continue
@@ -241,7 +242,9 @@ def _execute(base: str, token: str, kernel_id: str, code: str, timeout: float = 
                 raise AssertionError("\n".join(m["content"]["traceback"]))
             elif kind == "execute_reply":
                 status = m["content"]["status"]
-            elif kind == "status" and m["content"]["execution_state"] == "idle" and status:
+            elif kind == "status" and m["content"]["execution_state"] == "idle":
+                idle = True
+            if status and idle:
                 return outputs
         raise AssertionError(f"no reply from the kernel in {timeout}s")
     finally:
