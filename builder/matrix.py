@@ -197,7 +197,8 @@ class Matrix:
 
 
 # ------------------------------------------------------------------------------------------------------ loading
-def load_matrix(path: str | Path = DEFAULT_MATRIX) -> Matrix:
+def read_document(path: str | Path) -> dict:
+    """PATH's TOML as a checked tree (read, UTF-8, syntax, depth): one UserError naming the file, else the dict."""
     path = Path(path)
     where = str(path)
     try:
@@ -215,6 +216,13 @@ def load_matrix(path: str | Path = DEFAULT_MATRIX) -> Matrix:
         raise UserError(f"nested more than Python can parse (over {MAX_DEPTH} levels is never meant)", where=where,
                         fix="a matrix is a few tables deep; see matrix.toml") from None
     _check_tree(where, data)
+    return data
+
+
+def load_matrix(path: str | Path = DEFAULT_MATRIX) -> Matrix:
+    path = Path(path)
+    where = str(path)
+    data = read_document(path)
     matrix = _build(path, data)
     for cell in matrix.cells:
         _check_cell_values(where, cell)

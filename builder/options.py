@@ -69,6 +69,12 @@ def check_file_target(path: str | Path, flag: str) -> Path:
     """A file the build will write at the end (e.g. --report): its folder checked now, not after an hour's build."""
     p = Path(path)
     check_dir(p.parent if str(p.parent) else ".", flag)
+    return check_file_name(p, flag)
+
+
+def check_file_name(path: str | Path, flag: str) -> Path:
+    """A file path whose folder is already checked: not a folder itself, a name the file system can hold."""
+    p = Path(path)
     if not atomic.name_fits(p):
         raise UserError(f"{flag} {shorten(str(path), 120)}: the file name is too long for the file system",
                         fix=f"pass a shorter name (under {atomic.NAME_MAX - 40} bytes)")

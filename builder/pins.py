@@ -360,17 +360,7 @@ def read_matrix(path: Path) -> dict:
     from builder import matrix as m
 
     where = str(path)
-    try:
-        data = tomllib.loads(path.read_bytes().decode("utf-8"))
-    except OSError as e:
-        raise UserError(f"cannot read the matrix: {e.strerror or e}", where=where, fix="pass --matrix FILE") from None
-    except UnicodeDecodeError as e:
-        raise UserError(f"not UTF-8 text at byte {e.start}", where=where, fix="save the file as UTF-8") from None
-    except tomllib.TOMLDecodeError as e:
-        raise UserError(f"TOML syntax error: {e}", where=where, fix="fix the syntax at that line") from None
-    except RecursionError:
-        raise UserError("nested more than Python can parse", where=where, fix="see matrix.toml") from None
-    m._check_tree(where, data)
+    data = m.read_document(path)
     for section in ("stack", "flavour"):
         tables = data.get(section, {})
         if not isinstance(tables, dict):

@@ -510,9 +510,9 @@ def main(argv: list[str] | None = None) -> int:
     why = atomic.why_not_a_folder(Path(a.output).absolute().parent)
     if why:
         raise UserError(f"--output {a.output}: cannot write there: {why}", fix="give a writable path")
-    from builder.options import check_file_target
+    from builder.options import check_file_name
     from builder.reference import check_image
-    check_file_target(a.output, "--output")   # not a folder, a name the file system holds
+    check_file_name(a.output, "--output")   # not a folder, a name the file system holds
     check_image(a.image, "image")   # bad input before any work
     if a.attach:
         _split_ref(a.attach)
