@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from packaging.requirements import Requirement
 
+from test_fuzz_inputs import toml_str
 from test_fuzz_matrix import mutate, paths   # the matrix fuzzer's document mutations
 from builder import bases, cli, enroot, matrix, pins, publish, reference, sbom
 from builder.errors import UserError
@@ -64,12 +65,6 @@ def one_error(stderr: str, start: str = "error: ") -> str:
 def run(*argv: str, env: dict | None = None, timeout: int = 120) -> subprocess.CompletedProcess:
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("PIP_")}, **NOWHERE, **(env or {})}
     return subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
-
-
-def toml_str(value: str) -> str:
-    """VALUE as a TOML basic string: quotes, backslashes and control characters escaped, everything else as is."""
-    return '"' + "".join(f"\\u{ord(ch):04x}" if ch in '"\\' or ord(ch) < 0x20 or ord(ch) == 0x7F else ch
-                         for ch in value) + '"'
 
 
 def toml_value(v) -> str:
