@@ -76,12 +76,12 @@ def drop_own_venvs(cli: str, before: dict[str, int], refs: list[str], min_bytes:
 
 def with_old_deps_stage(dockerfile: Path, rev: str, cell) -> None:
     """Put the deps stage of images/TAG/Dockerfile as committed at REV into DOCKERFILE (the rest stays as rendered
-    now): the 'before' of a change to the venv install, everything else equal. The committed file was rendered for
-    matrix.toml's python; a cell whose python differs (--gpu-test-cell: 3.11) gets its own in the stage's check."""
+    now): the 'before' of a change to the venv install, everything else equal. The committed stage checks the python
+    it was rendered for; a cell whose python differs (--gpu-test-cell: 3.11) gets its own in that check."""
     old = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:images/{cell.tag}/Dockerfile"],
                          capture_output=True, text=True, check=True).stdout
     stage = lambda t: t[t.index("FROM base AS deps"):t.index("\n# ---- ", t.index("FROM base AS deps"))]  # noqa: E731
-    committed = load_matrix(ROOT / "matrix.toml").select([cell.tag])[0].python
+    committed = re.search(r"assert v == '([0-9.]+)'", stage(old)).group(1)   # the python it was rendered for
     old_stage = stage(old).replace(f"'{committed}'", f"'{cell.python}'").replace(f"for {committed}'",
                                                                                 f"for {cell.python}'")
     new = dockerfile.read_text()
