@@ -143,7 +143,8 @@ if _out:
             secs = a[1].elapsed_time(b[1]) / 1000
             tok = int((b[2] - a[2]).item())
             json.dump({"steps": b[0] - a[0], "seconds": secs, "real_tokens": tok,
-                       "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "losses": self.losses,
+                       "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+                       "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30, "losses": self.losses,
                        "num_tokens": self.num_tokens,
                        "gradient_checkpointing": bool(args.gradient_checkpointing),
                        "packing": bool(getattr(args, "packing", False)),

@@ -5,17 +5,11 @@ What is decided here, each only when the user did not set it (`--option` or YAML
   spent on padding; each example keeps its own positions, and the attention kernel keeps examples apart (varlen
   kernels take the sequence boundaries). With SDPA or eager batches stay padded (attention.UNPACKED_WHY).
 - Liger kernels (RMSNorm, RoPE, SwiGLU; TRL keeps its own fused LM head + loss) where liger-kernel supports the model.
-- memory (choose_memory): gradient checkpointing off and float32 master weights when the estimate below fits in
-  85 % of the GPU's free memory; else the float32 path (TRL's), then checkpointing; an error when nothing fits.
+- memory (choose_memory): the job's memory plan (memplan.py: its ladder, its estimate and how it was checked),
+  decided once for every rank from the smallest free memory among them; an error naming what fits when nothing does.
 - precision: bf16 weights with float32 master weights in the optimizer (precision.py says why) for one process per
   model copy; FSDP2 keeps float32 shards and computes in bf16.
 
-The estimate (bytes, per GPU): AdamW's moments (8 per parameter; 8-bit optimizers 2) + the model: float32
-weights and grads (8; FSDP2 divides both by the shards) or, with master weights, bf16 weights + float32 masters +
-float32 gradient sums (10), so 16 vs 18; plus bf16 all-gathered layers under FSDP2 (every layer, 2 per parameter,
-when it does not reshard after forward); plus activations: per token and layer about 16*hidden + 10*intermediate
-bytes (bf16 inputs of every matmul, norm outputs, the SwiGLU gate/up/product, attention output and its
-log-sum-exp) without checkpointing; with it, each layer's input (2*hidden) plus one layer's worth.
 Measured on one H200, 8B Llama shape, batch 2 x 1024, checkpointing: `trl sft` and `trainbox sft` (float32
 path) both peaked at 119.75 GiB allocated, estimate 120.6 GiB.
 """
@@ -24,9 +18,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from . import attention
+from . import attention, memplan
 from . import config as cfg
 from .errors import UsageError
 
@@ -44,6 +38,7 @@ class ModelFacts:
     attn_width: int  # heads x head dim: the width of QK^T and AV
     attention: "attention.Needs" = None  # windows, softcaps, sinks: what the attention kernel must honour
     experts: int = 0  # routed experts per MoE layer (0: dense)
+    vocab: int = 0  # rows of the LM head (the loss head's width)
 
     @property
     def matmul_params(self) -> int:
@@ -75,80 +70,99 @@ def model_facts(model_path: str, revision: str | None = None) -> ModelFacts:
         attn_width=heads * head_dim,
         attention=attention.needs(conf, model),
         experts=int(getattr(text, "num_local_experts", 0) or getattr(text, "num_experts", 0) or 0),
+        vocab=int(getattr(text, "vocab_size", 0) or 0),
     )
 
 
 def estimate_bytes(f: ModelFacts, tokens: int, optim: str, *, shards: int = 1, masters: bool = False,
                    checkpointing: bool = False, unsharded: bool = False, extra: int = 0) -> dict[str, int]:
-    """Peak bytes on one GPU (module docstring). `unsharded`: FSDP2 keeps every all-gathered bf16 layer from
-    forward to backward (no reshard after forward). `extra`: bytes beside the trained model (GRPO's reference)."""
-    n, k = f.params, max(1, shards)
-    states = n * (2 if "8bit" in optim else 8) // k  # AdamW's two moments (8-bit: one byte each)
-    if masters:  # bf16 weights + float32 masters and float32 gradient sums (precision.py): 2 + 4 + 4
-        model = 10 * n
-    else:  # float32 weights and grads (FSDP2: sharded); bf16 casts of the weights under autocast or all-gather
-        model = 8 * n // k
-        if k > 1:
-            model += 2 * n if unsharded else 4 * n // max(1, f.layers)
-    per_token = 16 * f.hidden + 10 * f.intermediate  # one layer's saved activations per token (bf16)
-    acts = tokens * (f.layers * 2 * f.hidden + per_token if checkpointing else f.layers * per_token)
-    return {"states": states, "model": model, "activations": acts, "extra": extra,
-            "total": states + model + acts + extra, "per_param": (states + model) / n if n else 0.0}
+    """Peak bytes on one GPU for one micro-batch of `tokens` (memplan.estimate: the one formula).
+    `unsharded`: FSDP2 keeps every all-gathered bf16 layer from forward to backward (no reshard after forward)."""
+    job = memplan.Job(f, batch=1, max_length=tokens, optim=optim, shards=shards, extra=extra, fsdp=shards > 1)
+    t = memplan.estimate(job, memplan.Settings(checkpointing, masters=masters, reshard=not unsharded))
+    n = f.params
+    model = t["weights+grads"] + t.get("gathered", 0)
+    return {"states": t["optimizer"], "model": model, "activations": t["activations"], "extra": extra,
+            "total": t["total"], "per_param": (t["optimizer"] + t["weights+grads"]) / n if n else 0.0}
 
 
 def free_gpu_bytes() -> int | None:
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    free, _total = torch.cuda.mem_get_info()
-    return free
+    return memplan.free_memory()
 
 
 def _optim_name(args) -> str:
     return str(getattr(args.optim, "value", args.optim))
 
 
+def job_for(args, f: ModelFacts, shards: int, *, tokens: int | None = None, masters_ok: bool = False,
+            extra: int = 0) -> memplan.Job:
+    """The memory plan's view of this run (memplan.Job): shape, batch, accumulation, optimizer, layout, and the
+    settings the user fixed (kept by every rung)."""
+    explicit = cfg.explicit(args)
+    fixed: dict = {}
+    if "gradient_checkpointing" in explicit:
+        fixed["checkpointing"] = bool(args.gradient_checkpointing)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    nodes = max(1, world // max(1, local))
+    fsdp_config = getattr(args, "fsdp_config", None) or {}
+    if shards > 1 and "fsdp_config" in explicit and "reshard_after_forward" in fsdp_config:
+        fixed["reshard"] = bool(fsdp_config["reshard_after_forward"])  # the user's own FSDP setting
+    elif shards > 1 and reshards_after_forward(memory_first=False):
+        fixed["reshard"] = True  # across nodes memory wins (reshards_after_forward)
+    if tokens is not None:
+        fixed["batch"] = True  # GRPO's micro-batch is its generation batch: not ours to split
+    return memplan.Job(f, batch=int(args.per_device_train_batch_size),
+                       max_length=int(getattr(args, "max_length", None) or 1024),
+                       grad_accum=int(getattr(args, "gradient_accumulation_steps", 1) or 1), optim=_optim_name(args),
+                       shards=shards, nodes=nodes, masters_ok=masters_ok, extra=extra, tokens=tokens, fixed=fixed,
+                       fsdp=shards > 1)
+
+
 def choose_memory(args, f: ModelFacts, shards: int, free: int | None, *, tokens: int | None = None,
                   masters_ok: bool = False, extra: int = 0) -> tuple[str, str | None]:
-    """Gradient checkpointing and whether float32 master weights fit: the first of (no checkpointing, masters),
-    (no checkpointing, float32 path), (checkpointing, masters), (checkpointing, float32 path) whose estimate fits
-    in 85 % of `free`; a user's --gradient_checkpointing is kept. When even the last exceeds all of `free`, one
-    error names what would fit. Sets args.gradient_checkpointing; returns (its line, why masters are off or None).
-    `tokens`: of one micro-batch (default batch x max_length, SFT's worst case)."""
-    tokens = tokens or args.per_device_train_batch_size * (getattr(args, "max_length", None) or 1024)
+    """The memory plan (memplan.py) for this run, agreed by every rank of the job: `free` is this rank's free GPU
+    memory (None: CPU); the group plans with the smallest. Sets args.gradient_checkpointing, the FSDP2 settings
+    (args.trainbox_reshard, trainbox_offload, sync_each_batch) and the micro-batch split; returns (the plan's line,
+    why master weights are off or None). `tokens`: of one micro-batch (default batch x max_length, SFT's worst case)."""
     explicit = "gradient_checkpointing" in cfg.explicit(args)
-    if free is None:
+    job = job_for(args, f, shards, tokens=tokens, masters_ok=masters_ok, extra=extra)
+
+    def decide(smallest, seen):
+        if smallest is None:
+            return None
+        plan = memplan.decide(job, smallest)
+        lo, hi, ranks = seen
+        note = (f"the smallest of {ranks} ranks' free memory, largest {hi / GiB:.1f} GiB" if ranks > 1 else "")
+        if os.environ.get(memplan.FREE_ENV):
+            note = (note + "; " if note else "") + f"capped by {memplan.FREE_ENV}"
+        return plan, plan.line(note)
+
+    agreed = memplan.agree(free, decide)
+    if agreed is None:
         if not explicit:
             args.gradient_checkpointing = False
         return (f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'} "
                 + ("(set by you)" if explicit else "(CPU: memory is not the limit)"), None)
-    optim = _optim_name(args)
-    unsharded = shards > 1 and not reshards_after_forward(memory_first=False)
-    ckpts = [bool(args.gradient_checkpointing)] if explicit else [False, True]
-    plans = [(c, m) for c in ckpts for m in ([True, False] if masters_ok else [False])]
-    est = {p: estimate_bytes(f, tokens, optim, shards=shards, masters=p[1], checkpointing=p[0],
-                             unsharded=unsharded, extra=extra) for p in plans}
-    chosen = next((p for p in plans if est[p]["total"] <= 0.85 * free), plans[-1])
-    e = est[chosen]
-    if e["total"] > free:
-        raise UsageError(
-            f"{f.params / 1e9:.1f} B parameters need about {e['total'] / GiB:.1f} GiB per GPU to train in full even "
-            f"with gradient checkpointing and without master weights, and {free / GiB:.1f} GiB are free: use more "
-            "GPUs (FSDP2 shards the states), an 8-bit optimizer (--optim adamw_bnb_8bit), `trainbox qlora`, or a "
-            "smaller --per_device_train_batch_size with --gradient_accumulation_steps")
-    args.gradient_checkpointing = chosen[0]
-    detail = (f"estimate {e['total'] / GiB:.1f} GiB = {e['per_param']:.0f} B/param "
-              f"({'bf16 weights + float32 masters' if chosen[1] else 'float32 weights'}, {optim}"
-              + (f", {shards} shards" if shards > 1 else "") + f") + activations {e['activations'] / GiB:.1f} GiB "
-              f"for {tokens} tokens/micro-batch" + (f" + {e['extra'] / GiB:.1f} GiB reference model" if extra else "")
-              + f", {'within' if e['total'] <= 0.85 * free else 'over'} 85 % of {free / GiB:.1f} GiB free")
-    line = (f"gradient checkpointing {'on' if chosen[0] else 'off'}"
-            + (f" (set by you; {detail})" if explicit else f": {detail}"))
+    plan, line = agreed
+    s = plan.settings
+    args.gradient_checkpointing = s.checkpointing
+    args.trainbox_reshard = s.reshard
+    args.trainbox_offload = s.offload
+    if s.batch != args.per_device_train_batch_size:
+        args.per_device_train_batch_size, args.gradient_accumulation_steps = s.batch, s.grad_accum
+    if s.sync_each_batch:
+        acc = args.accelerator_config
+        kwargs = dict(getattr(acc, "gradient_accumulation_kwargs", None) or {}, sync_each_batch=True)
+        if isinstance(acc, dict):
+            acc["gradient_accumulation_kwargs"] = kwargs
+        else:
+            acc.gradient_accumulation_kwargs = kwargs
     masters_off = None
-    if masters_ok and not chosen[1]:
-        masters_off = (f"master weights would need {est[(chosen[0], True)]['total'] / GiB:.1f} GiB, "
-                       f"over 85 % of {free / GiB:.1f} GiB free")
+    if masters_ok and not s.masters:
+        with_masters = memplan.estimate(job, replace(s, masters=True))["total"]
+        masters_off = (f"master weights would need {with_masters / GiB:.1f} GiB, over the "
+                       f"{memplan.usable(plan.free) / GiB:.1f} GiB usable")
     return line, masters_off
 
 
@@ -279,12 +293,19 @@ def tune_fsdp(trainer, activation_checkpointing: bool, memory_first: bool = Fals
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     plugin = trainer.accelerator.state.fsdp_plugin
-    plugin.reshard_after_forward = reshards_after_forward(memory_first)
+    planned = getattr(trainer.args, "trainbox_reshard", None)  # the memory plan's choice (memplan.py)
+    plugin.reshard_after_forward = reshards_after_forward(memory_first) if planned is None or memory_first else planned
+    offload = bool(getattr(trainer.args, "trainbox_offload", False))
+    if offload:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        plugin.cpu_offload = CPUOffloadPolicy(pin_memory=True)
     plugin.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                                          output_dtype=torch.bfloat16)
     if activation_checkpointing:
         plugin.activation_checkpointing = True
         trainer.args.gradient_checkpointing = False
-    reshard = ("on (memory first)" if memory_first else "on") if plugin.reshard_after_forward else "off (one node)"
+    reshard = ("on (memory first)" if memory_first else "on") if plugin.reshard_after_forward else "off"
     return (f"FSDP2: bf16 compute, fp32 reduce, reshard after forward {reshard}"
-            + (", activation checkpointing by FSDP" if activation_checkpointing else ""))
+            + (", activation checkpointing by FSDP" if activation_checkpointing else "")
+            + (", float32 shards and optimizer states on CPU" if offload else ""))

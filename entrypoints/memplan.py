@@ -1,0 +1,328 @@
+"""The memory plan of a training job: which settings fit on every GPU, decided once for the whole job.
+
+One home for the figures: `trainbox sft/qlora/grpo` use it before the model loads (every rank reads its own GPU's
+free memory, the group takes the smallest, rank 0 decides and broadcasts, so no rank can take a path the others
+don't), and `trainbox plan` prints the same plan for any model config and cluster shape on a machine without a GPU.
+
+The estimate is a hand formula over the model's shape (ModelFacts: read from the config on the meta device), per GPU
+and in bytes, term by term:
+- weights, gradients, optimizer states. One process: float32 weights + float32 gradients (8/param; TRL's path) or
+  bf16 weights + float32 masters + float32 gradient sums (10: precision.py); FSDP2 over k ranks: float32 shards of
+  weights and gradients (8/k). AdamW's two moments: 8/param (8-bit optimizers: 2), divided by k under FSDP2.
+- FSDP2's all-gathered bf16 layers: every layer kept from forward to backward when it does not reshard after
+  forward (2/param), else the layer at work and the one prefetched; the LM head and final norm (accelerate's tail
+  group, never resharded) always; and in backward a layer's unsharded bf16 gradient plus its float32 copy for the
+  reduce-scatter (6/param of two layers).
+- float32 gradient accumulation buffers: under gradient accumulation FSDP2 skips the reduce-scatter of the micro-
+  batches before the last and accumulates *unsharded* float32 gradients (4/param, the whole model), unless
+  gradients are synchronised on every micro-batch (accelerate's `sync_each_batch`: no buffer, one reduce-scatter per
+  micro-batch).
+- activations of one micro-batch: per token and layer about 16*hidden + 10*intermediate bytes (the bf16 inputs of
+  every matmul, norm outputs, the SwiGLU gate/up/product, attention output and log-sum-exp); with gradient
+  checkpointing each layer's input (2*hidden) plus one layer recomputed.
+- the loss head: TRL's fused LM head computes the loss in chunks and never holds the full logits; its float32
+  working set is taken as 4 chunks of 4,096 tokens x vocabulary (small beside the rest; calibrated on the device).
+- slack: what the caching allocator and NCCL hold beyond the tensors (fragmentation, communication buffers):
+  the plan only takes settings whose estimate stays under FIT x free - RESERVE.
+
+torch ships estimators for this under `torch.distributed._tools` (FSDPMemTracker, MemTracker: per-module peaks of a
+real FSDP2 step, also under FakeTensorMode). They are not used: they are private API that changed in each recent
+release, running them means building and stepping the model (fake tensors still trace every op: minutes for an 8B
+shape on a laptop CPU, and the FSDP2 tracker needs an initialised process group of the target size), while the
+plan must answer in well under a second before anything loads, for a 70B config on 16 GPUs from a laptop. The
+formula's terms are checked against measured peaks on the device instead (benchmarks/memory_plan.py).
+
+The ladder (fastest first; a setting the user chose is kept): no checkpointing before checkpointing; keeping the
+gathered layers before resharding them; accumulating unsharded gradients before synchronising each micro-batch;
+then the micro-batch split in halves with gradient accumulation doubled (the same tokens per optimizer step); then
+(FSDP2) the float32 shards and optimizer states offloaded to CPU memory. When nothing fits, one error names the
+smallest change that does: more GPUs, or an 8-bit optimizer on one GPU, each checked with this same plan.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+
+from .errors import UsageError
+
+GiB = 2**30
+FIT = 0.92  # of the free memory: the allocator's fragmentation (expandable segments keep it small)
+RESERVE = int(1.5 * GiB)  # NCCL's buffers, cuBLAS workspaces, the loss head's transient spikes
+LOSS_CHUNK_TOKENS = 4 * 4096
+FREE_ENV = "TRAINBOX_GPU_FREE_GIB"  # plan as if only this much memory per GPU were free (room for something else)
+# "report": print the plan, but run the fastest rung the user's own options allow, fitting or not (for measuring
+# the estimate against a real peak, or for a user who knows better); "auto" (default): the plan decides.
+MODE_ENV = "TRAINBOX_MEMORY_PLAN"
+
+
+@dataclass(frozen=True)
+class Job:
+    """What the plan is for: the model's shape and the run's settings that weigh on memory."""
+
+    facts: object  # speed.ModelFacts
+    batch: int  # per-device micro-batch (rows)
+    max_length: int  # tokens per row (packed rows are this long)
+    grad_accum: int = 1
+    optim: str = "adamw_torch_fused"
+    shards: int = 1  # ranks FSDP2 shards over (1: one process per model copy)
+    nodes: int = 1
+    masters_ok: bool = False  # bf16 weights + float32 masters are possible (one process, a wrapped optimizer)
+    extra: int = 0  # bytes beside the trained model (GRPO's reference model)
+    tokens: int | None = None  # tokens of one micro-batch when not batch x max_length (GRPO)
+    fixed: dict = field(default_factory=dict)  # settings the user chose: checkpointing, reshard, batch
+    fsdp: bool = False  # FSDP2 (GPUs, more than one process)
+
+    @property
+    def micro_tokens(self) -> int:
+        return self.tokens or self.batch * self.max_length
+
+
+@dataclass(frozen=True)
+class Settings:
+    checkpointing: bool
+    masters: bool = False
+    reshard: bool = True  # FSDP2: reshard after forward
+    sync_each_batch: bool = False
+    offload: bool = False
+    batch: int = 1
+    grad_accum: int = 1
+
+    def describe(self, job: Job) -> str:
+        parts = [f"gradient checkpointing {'on' if self.checkpointing else 'off'}"]
+        if job.fsdp:
+            parts.append(f"reshard after forward {'on' if self.reshard else 'off'}")
+            if self.grad_accum > 1:
+                parts.append("gradients synchronised every micro-batch" if self.sync_each_batch
+                             else "unsharded float32 gradient accumulation")
+            if self.offload:
+                host = (8 + (2 if "8bit" in job.optim else 8)) * job.facts.params // max(1, job.nodes)
+                parts.append(f"float32 shards and optimizer states offloaded to CPU memory ({host / GiB:.0f} GiB "
+                             "per node)")
+        elif job.masters_ok or self.masters:
+            parts.append("bf16 weights + float32 masters" if self.masters else "float32 weights")
+        if self.batch != job.batch:
+            parts.append(f"micro-batch {self.batch} x {self.grad_accum} accumulation steps "
+                         f"(was {job.batch} x {job.grad_accum}: the same tokens per step)")
+        return ", ".join(parts)
+
+
+def _layer_params(f) -> int:
+    head = getattr(f, "vocab", 0) * f.hidden
+    untied = f.embedding_params > 0
+    body = f.params - head * (2 if untied else 1)
+    return max(1, body // max(1, f.layers))
+
+
+def estimate(job: Job, s: Settings) -> dict[str, int]:
+    """Peak bytes per GPU, term by term (module docstring), and their total."""
+    f, n, k = job.facts, job.facts.params, max(1, job.shards)
+    head = getattr(f, "vocab", 0) * f.hidden
+    layer = _layer_params(f)
+    tokens = s.batch * job.max_length if job.tokens is None else job.tokens * s.batch // max(1, job.batch)
+    t: dict[str, int] = {}
+    state_bytes = 2 if "8bit" in job.optim else 8
+    if job.fsdp:
+        on_gpu = 0 if s.offload else 1
+        t["weights+grads"] = on_gpu * 8 * n // k
+        t["optimizer"] = on_gpu * state_bytes * n // k
+        if s.reshard:
+            gathered = 2 * 2 * layer + 2 * head
+        else:
+            gathered = 2 * (n - (head if f.embedding_params > 0 else 0)) + 2 * head
+        if s.offload:  # the float32 shard is copied to the GPU for the all-gather
+            gathered += 2 * 4 * layer // k
+        t["gathered"] = gathered
+        t["reduce"] = 2 * 6 * layer
+        t["accumulation"] = 4 * n if s.grad_accum > 1 and not s.sync_each_batch else 0
+    else:
+        t["weights+grads"] = 10 * n if s.masters else 8 * n
+        t["optimizer"] = state_bytes * n
+    per_token = 16 * f.hidden + 10 * f.intermediate
+    layers = max(1, f.layers)
+    t["activations"] = tokens * (layers * 2 * f.hidden + per_token if s.checkpointing else layers * per_token)
+    t["loss head"] = 4 * min(tokens, LOSS_CHUNK_TOKENS) * getattr(f, "vocab", 0) if head else 0
+    if job.extra:
+        t["reference model"] = job.extra
+    t["total"] = sum(t.values())
+    return t
+
+
+def usable(free: int) -> int:
+    return int(FIT * free) - RESERVE
+
+
+def ladder(job: Job, offload_ok: bool = True) -> list[Settings]:
+    """Candidate settings, fastest first, honouring what the user fixed; `offload_ok` False: on the GPUs only."""
+    fx = job.fixed
+    ckpts = [fx["checkpointing"]] if "checkpointing" in fx else [False, True]
+    out: list[Settings] = []
+    splits = [(job.batch, job.grad_accum)]
+    if "batch" not in fx:
+        b, g = job.batch, job.grad_accum
+        while b > 1 and b % 2 == 0:
+            b, g = b // 2, g * 2
+            splits.append((b, g))
+    for b, g in splits:
+        for c in ckpts:
+            if job.fsdp:
+                for reshard in ([fx["reshard"]] if "reshard" in fx else [False, True]):
+                    for sync in ([False, True] if g > 1 else [False]):
+                        out.append(Settings(c, reshard=reshard, sync_each_batch=sync, batch=b, grad_accum=g))
+            else:
+                for m in ([True, False] if job.masters_ok else [False]):
+                    out.append(Settings(c, masters=m, batch=b, grad_accum=g))
+    if job.fsdp and offload_ok:
+        out += [Settings(ckpts[-1], reshard=True, sync_each_batch=g > 1, offload=True, batch=b, grad_accum=g)
+                for b, g in splits]
+    return sorted(out, key=_cost)
+
+
+def _cost(s: Settings) -> tuple:
+    """Fast first: offloading last, then smaller micro-batches (less work per kernel, more collectives), then
+    checkpointing (recomputes every layer: a third of a step), resharding (one more all-gather per layer in
+    backward), one reduce-scatter per micro-batch, and the float32 weights without masters (TRL's path)."""
+    return (s.offload, -s.batch, s.checkpointing, s.reshard, s.sync_each_batch, not s.masters)
+
+
+@dataclass(frozen=True)
+class Plan:
+    settings: Settings
+    terms: dict
+    free: int
+    job: Job
+    rung: int  # index in the ladder (0: the fastest)
+
+    def line(self, free_note: str = "") -> str:
+        t = self.terms
+        shown = ", ".join(f"{k} {v / GiB:.1f}" for k, v in t.items() if k != "total" and v)
+        fits = t["total"] <= usable(self.free)
+        return (f"memory plan: {self.settings.describe(self.job)}; estimate {t['total'] / GiB:.1f} GiB per GPU "
+                f"({shown}) {'within' if fits else 'OVER'} {usable(self.free) / GiB:.1f} GiB usable of "
+                f"{self.free / GiB:.1f} GiB free" + (f" ({free_note})" if free_note else "")
+                + ("" if self.rung >= 0 else f"; {MODE_ENV}=report: taken as is"))
+
+
+def mode() -> str:
+    m = os.environ.get(MODE_ENV, "auto") or "auto"
+    if m not in ("auto", "report"):
+        raise UsageError(f"{MODE_ENV}={m!r}: expected auto (the plan decides) or report (print it, run the fastest "
+                         "settings your options allow)")
+    return m
+
+
+def decide(job: Job, free: int) -> Plan:
+    """The first rung of the ladder that fits in `free` bytes per GPU; UsageError naming what fits when none does."""
+    rungs = ladder(job)
+    if mode() == "report":
+        return Plan(rungs[0], estimate(job, rungs[0]), free, job, -1)
+    for i, s in enumerate(rungs):
+        t = estimate(job, s)
+        if t["total"] <= usable(free):
+            return Plan(s, t, free, job, i)
+    last = estimate(job, rungs[-1])
+    raise UsageError(refusal(job, free, last["total"]))
+
+
+def fits(job: Job, free: int, offload_ok: bool = True) -> bool:
+    return any(estimate(job, s)["total"] <= usable(free) for s in ladder(job, offload_ok))
+
+
+def refusal(job: Job, free: int, least: int) -> str:
+    f = job.facts
+    head = (f"{f.params / 1e9:.1f} B parameters need at least {least / GiB:.1f} GiB per GPU "
+            f"({describe_layout(job)}, {job.optim}) with every memory saving on, and {usable(free) / GiB:.1f} "
+            f"GiB of {free / GiB:.1f} GiB free are usable")
+    return head + ": " + advice(job, free)
+
+
+def describe_layout(job: Job) -> str:
+    if job.shards <= 1:
+        return "one GPU"
+    return f"FSDP2 over {job.shards} GPUs" + (f" on {job.nodes} nodes" if job.nodes > 1 else "")
+
+
+def more_gpus(job: Job, free: int, limit: int = 4096) -> int | None:
+    """The smallest GPU count (whole nodes when the job spans nodes) on which it fits without CPU offload."""
+    per_node = max(1, job.shards // max(1, job.nodes)) if job.shards > 1 else 1
+    g = max(2, job.shards + 1)
+    while g <= limit:
+        if job.nodes > 1 and g % per_node:
+            g += 1
+            continue
+        if fits(replace(job, shards=g, fsdp=True, masters_ok=False, nodes=max(1, g // per_node) if job.nodes > 1
+                        else 1), free, offload_ok=False):
+            return g
+        g = g + 1 if g < 8 else g + (per_node if job.nodes > 1 else 8)
+    return None
+
+
+def advice(job: Job, free: int) -> str:
+    """The smallest changes that fit, each checked with decide(): an 8-bit optimizer, more GPUs, or QLoRA."""
+    options = []
+    if "8bit" not in job.optim and not job.fsdp:  # bitsandbytes' 8-bit optimizers don't step FSDP2's DTensors
+        if fits(replace(job, optim="adamw_bnb_8bit", masters_ok=False), free):
+            options.append("--optim adamw_bnb_8bit (8-bit optimizer states)")
+    g = more_gpus(job, free)
+    if g:
+        options.append(f"{g} GPUs like these (FSDP2 shards the weights, gradients and optimizer states: "
+                       + ("--nnodes/--nproc-per-node" if job.shards <= 1 else "more nodes or GPUs per node") + ")")
+    options.append("`trainbox qlora` (a 4-bit base with LoRA adapters)")
+    return "it fits with " + ", or ".join(options)
+
+
+def free_memory(device=None) -> int | None:
+    """This process's GPU's free bytes (the device it trains on), or None without a GPU. TRAINBOX_GPU_FREE_GIB caps it."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    if device is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    free, _total = torch.cuda.mem_get_info(device)
+    return cap(free)
+
+
+def cap(free: int) -> int:
+    raw = os.environ.get(FREE_ENV)
+    if not raw:
+        return free
+    try:
+        gib = float(raw)
+    except ValueError:
+        raise UsageError(f"{FREE_ENV}={raw!r}: not a number (GiB of free memory per GPU to plan for)") from None
+    if not gib > 0 or gib != gib or gib == float("inf"):
+        raise UsageError(f"{FREE_ENV}={raw!r}: must be a positive number of GiB")
+    return min(free, int(gib * GiB))
+
+
+def agree(local_free: int | None, decide_fn, device=None):
+    """One decision for the whole process group: every rank's free memory is reduced to the smallest, rank 0 runs
+    `decide_fn(smallest, (smallest, largest, ranks))` and broadcasts its result (or its refusal) to every rank.
+    Without a process group of more than one rank, decides locally. Returns decide_fn's result; raises the same
+    UsageError on every rank when rank 0's decision was a refusal."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+        return decide_fn(local_free, (local_free, local_free, 1))
+    backend = dist.get_backend()
+    dev = device if device is not None else (torch.device("cuda", torch.cuda.current_device())
+                                             if backend == "nccl" else torch.device("cpu"))
+    known = -1 if local_free is None else int(local_free)
+    lo = torch.tensor([known], dtype=torch.int64, device=dev)
+    hi = lo.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    smallest = None if int(lo.item()) < 0 else int(lo.item())
+    box: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", decide_fn(smallest, (smallest, int(hi.item()), dist.get_world_size())))
+        except UsageError as e:
+            box[0] = ("refused", str(e))
+    dist.broadcast_object_list(box, src=0, device=dev)
+    kind, value = box[0]
+    if kind == "refused":
+        raise UsageError(value)
+    return value
