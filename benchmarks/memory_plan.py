@@ -92,18 +92,19 @@ def main() -> None:
                 continue
             for accum in a.accum:
                 label = f"{shape}-{gpus}gpu-ga{accum}"
+                one_gpu = {"CUDA_VISIBLE_DEVICES": "0"} if gpus == 1 else {}  # else sft uses every visible GPU
                 rows[label] = one(label, sft_argv(model, data, work / f"o-{label}", gpus, accum, a.steps), work, log,
-                                  {"BENCH_SKIP": "1"})
+                                  {"BENCH_SKIP": "1", **one_gpu})
         if a.report_runs:
-            cfgf = work / "reshard.yaml"
-            cfgf.write_text("fsdp: full_shard auto_wrap\nfsdp_config:\n  version: 2\n  auto_wrap_policy: "
-                            "TRANSFORMER_BASED_WRAP\n  reshard_after_forward: true\n  state_dict_type: SHARDED_STATE_DICT\n")
-            keep = work / "keep.yaml"
-            keep.write_text(cfgf.read_text().replace("reshard_after_forward: true", "reshard_after_forward: false"))
-            fixed = [("ckpt-reshard", ["--gradient_checkpointing", "true", "--config", str(cfgf)])]
+            # transformers reads a string --fsdp_config as the path of a JSON file
+            conf = {"version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "state_dict_type": "SHARDED_STATE_DICT"}
+            cfgf, keep = work / "reshard.json", work / "keep.json"
+            cfgf.write_text(json.dumps({**conf, "reshard_after_forward": True}))
+            keep.write_text(json.dumps({**conf, "reshard_after_forward": False}))
+            fixed = [("ckpt-reshard", ["--gradient_checkpointing", "true", "--fsdp_config", str(cfgf)])]
             if shape == "llama-1b":  # (the 8B shape's kept layers can't fit: 2 bytes x 8 B parameters more)
-                fixed += [("ckpt-keep", ["--gradient_checkpointing", "true", "--config", str(keep)]),
-                          ("nockpt-reshard", ["--gradient_checkpointing", "false", "--config", str(cfgf)])]
+                fixed += [("ckpt-keep", ["--gradient_checkpointing", "true", "--fsdp_config", str(keep)]),
+                          ("nockpt-reshard", ["--gradient_checkpointing", "false", "--fsdp_config", str(cfgf)])]
             for name, extra in fixed:
                 label = f"{shape}-2gpu-report-{name}"
                 rows[label] = one(label, sft_argv(model, data, work / f"o-{label}", 2, 1, a.steps, *extra), work, log,

@@ -18,10 +18,11 @@ and in bytes, term by term:
   gradients are synchronised on every micro-batch (accelerate's `sync_each_batch`: no buffer, one reduce-scatter per
   micro-batch).
 - activations of one micro-batch: per token and layer about 16*hidden + 10*intermediate bytes (the bf16 inputs of
-  every matmul, norm outputs, the SwiGLU gate/up/product, attention output and log-sum-exp); with gradient
-  checkpointing each layer's input (2*hidden) plus one layer recomputed.
-- the loss head: TRL's fused LM head computes the loss in chunks and never holds the full logits; its float32
-  working set is taken as 4 chunks of 4,096 tokens x vocabulary (small beside the rest; calibrated on the device).
+  every matmul, norm outputs, the SwiGLU gate/up/product, attention output and log-sum-exp; 5*intermediate with
+  Liger's SwiGLU, which recomputes the product in backward); with gradient checkpointing each layer's input
+  (2*hidden) plus one layer recomputed.
+- the loss head: TRL's fused LM head computes the loss in tiles and never holds the full logits; its float32
+  working set is taken as 2,048 tokens x vocabulary (small beside the rest; calibrated on the device).
 - slack: what the caching allocator and NCCL hold beyond the tensors (fragmentation, communication buffers):
   the plan only takes settings whose estimate stays under FIT x free - RESERVE.
 
@@ -49,7 +50,7 @@ from .errors import UsageError
 GiB = 2**30
 FIT = 0.92  # of the free memory: the allocator's fragmentation (expandable segments keep it small)
 RESERVE = int(1.5 * GiB)  # NCCL's buffers, cuBLAS workspaces, the loss head's transient spikes
-LOSS_CHUNK_TOKENS = 4 * 4096
+LOSS_CHUNK_TOKENS = 2048
 FREE_ENV = "TRAINBOX_GPU_FREE_GIB"  # plan as if only this much memory per GPU were free (room for something else)
 # "report": print the plan, but run the fastest rung the user's own options allow, fitting or not (for measuring
 # the estimate against a real peak, or for a user who knows better); "auto" (default): the plan decides.
@@ -72,6 +73,7 @@ class Job:
     tokens: int | None = None  # tokens of one micro-batch when not batch x max_length (GRPO)
     fixed: dict = field(default_factory=dict)  # settings the user chose: checkpointing, reshard, batch
     fsdp: bool = False  # FSDP2 (GPUs, more than one process)
+    liger: bool = False  # Liger's fused RMSNorm/RoPE/SwiGLU: the MLP keeps half its activations
 
     @property
     def micro_tokens(self) -> int:
@@ -138,7 +140,7 @@ def estimate(job: Job, s: Settings) -> dict[str, int]:
     else:
         t["weights+grads"] = 10 * n if s.masters else 8 * n
         t["optimizer"] = state_bytes * n
-    per_token = 16 * f.hidden + 10 * f.intermediate
+    per_token = 16 * f.hidden + (5 if job.liger else 10) * f.intermediate
     layers = max(1, f.layers)
     t["activations"] = tokens * (layers * 2 * f.hidden + per_token if s.checkpointing else layers * per_token)
     t["loss head"] = 4 * min(tokens, LOSS_CHUNK_TOKENS) * getattr(f, "vocab", 0) if head else 0

@@ -116,7 +116,8 @@ def job_for(args, f: ModelFacts, shards: int, *, tokens: int | None = None, mast
                        max_length=int(getattr(args, "max_length", None) or 1024),
                        grad_accum=int(getattr(args, "gradient_accumulation_steps", 1) or 1), optim=_optim_name(args),
                        shards=shards, nodes=nodes, masters_ok=masters_ok, extra=extra, tokens=tokens, fixed=fixed,
-                       fsdp=shards > 1)
+                       fsdp=shards > 1, liger=bool(getattr(args, "trainbox_liger", False)
+                                                   or getattr(args, "use_liger_kernel", False)))
 
 
 def choose_memory(args, f: ModelFacts, shards: int, free: int | None, *, tokens: int | None = None,
