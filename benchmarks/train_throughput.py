@@ -264,10 +264,10 @@ def sft(a) -> None:
             results[label] = show(run(label, ours(data, work / f"o-{label}", a.steps, "--packing", "false"), work,
                                       log), fpt, peak)
             break
-        if not results:  # warm-up process on a fresh GPU: not reported
+        if not results and a.warmup:  # warm-up process on a fresh GPU: not reported
             run("warmup", ours(data, work / "o-warm", 8), work, log)
-        order = [("trl", trl), ("ours", ours), ("ours", ours), ("trl", trl)] if kind == "mix" else \
-            [("ours", ours), ("trl", trl)]
+        order = ([("trl", trl), ("ours", ours), ("ours", ours), ("trl", trl)] if kind == "mix" else
+                 [("ours", ours), ("trl", trl)])[: a.runs]
         for i, (who, fn) in enumerate(order):
             label = f"{kind}-{who}-{i}"
             results[label] = show(run(label, fn(data, work / f"o-{label}", a.steps), work, log), fpt, peak)
@@ -513,8 +513,10 @@ def main() -> None:
     ap.add_argument("--plain", choices=["vllm", "defaults"], default=None,
                     help="grpo: the plain run is TRL's GRPOTrainer with vLLM colocate (what TRL's docs show; the "
                          "default where vllm imports) or with its defaults (transformers generate)")
-    ap.add_argument("--runs", type=int, default=4, help="qlora, grpo: how many of plain, ours, ours, plain")
+    ap.add_argument("--runs", type=int, default=4, help="how many of plain, ours, ours, plain")
     ap.add_argument("--no-loss-check", dest="loss_check", action="store_false")
+    ap.add_argument("--no-warmup", dest="warmup", action="store_false",
+                    help="sft: no warm-up process first (the first --skip steps of every run are not timed anyway)")
     ap.add_argument("--loss-only", action="store_true", help="sft: only plain TRL vs ours on the same padded batches")
     ap.add_argument("--work", default=tempfile.mkdtemp(prefix="bench-"))
     a = ap.parse_args()

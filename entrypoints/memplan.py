@@ -116,37 +116,47 @@ def _layer_params(f) -> int:
     return max(1, body // max(1, f.layers))
 
 
-def estimate(job: Job, s: Settings) -> dict[str, int]:
-    """Peak bytes per GPU, term by term (module docstring), and their total."""
+def estimate(job: Job, s: Settings) -> dict:
+    """Peak bytes per GPU, term by term (module docstring), their total, and (FSDP2) the phase of the step where
+    the peak falls ("phase": "backward start" or "backward end")."""
     f, n, k = job.facts, job.facts.params, max(1, job.shards)
     head = getattr(f, "vocab", 0) * f.hidden
     layer = _layer_params(f)
     tokens = s.batch * job.max_length if job.tokens is None else job.tokens * s.batch // max(1, job.batch)
-    t: dict[str, int] = {}
     state_bytes = 2 if "8bit" in job.optim else 8
-    if job.fsdp:
-        on_gpu = 0 if s.offload else 1
-        t["weights+grads"] = on_gpu * 8 * n // k
-        t["optimizer"] = on_gpu * state_bytes * n // k
-        if s.reshard:
-            gathered = 2 * 2 * layer + 2 * head
-        else:
-            gathered = 2 * (n - (head if f.embedding_params > 0 else 0)) + 2 * head
-        if s.offload:  # the float32 shard is copied to the GPU for the all-gather
-            gathered += 2 * 4 * layer // k
-        t["gathered"] = gathered
-        t["reduce"] = 2 * 6 * layer
-        t["accumulation"] = 4 * n if s.grad_accum > 1 and not s.sync_each_batch else 0
-    else:
-        t["weights+grads"] = 10 * n if s.masters else 8 * n
-        t["optimizer"] = state_bytes * n
     per_token = 16 * f.hidden + (5 if job.liger else 10) * f.intermediate
     layers = max(1, f.layers)
-    t["activations"] = tokens * (layers * 2 * f.hidden + per_token if s.checkpointing else layers * per_token)
-    t["loss head"] = 4 * min(tokens, LOSS_CHUNK_TOKENS) * getattr(f, "vocab", 0) if head else 0
-    if job.extra:
-        t["reference model"] = job.extra
+    acts = tokens * (layers * 2 * f.hidden + per_token if s.checkpointing else layers * per_token)
+    loss = 4 * min(tokens, LOSS_CHUNK_TOKENS) * getattr(f, "vocab", 0) if head else 0
+    extra = {"reference model": job.extra} if job.extra else {}
+    if not job.fsdp:
+        t = {"weights+grads": 10 * n if s.masters else 8 * n, "optimizer": state_bytes * n,
+             # bf16 gradients kept between micro-batches beside the float32 sums (precision.py): measured +4N
+             "accumulation": 4 * n if s.masters and s.grad_accum > 1 else 0,
+             "activations": acts, "loss head": loss, **extra}
+        t["total"] = sum(t.values())
+        return t
+    on_gpu = 0 if s.offload else 1
+    shard = on_gpu * 4 * n // k
+    optim = on_gpu * state_bytes * n // k
+    accum = 4 * n if s.grad_accum > 1 and not s.sync_each_batch else 0
+    # Gradients are freed after each optimizer step (set to None): they exist at the start of backward only when
+    # an earlier micro-batch of the same step made them.
+    grads_early = shard if s.grad_accum > 1 else 0
+    gathered = 2 * n if not s.reshard else 2 * 2 * layer + 2 * head
+    if s.offload:  # the float32 shard is copied to the GPU for the all-gather
+        gathered += 2 * 4 * layer // k
+    unit = max(layer, f.embedding_params, head)  # the largest FSDP unit (an untied embedding is its own)
+    start = {"weights": shard, "grads": grads_early, "optimizer": optim, "accumulation": accum,
+             "gathered": gathered, "reduce": 2 * 6 * layer, "activations": acts, "loss head": loss, **extra}
+    # At the end of backward every sharded gradient exists, and the last unit (the embedding) is gathered with its
+    # bf16 gradient and the float32 copy the reduce-scatter sends: 8 bytes per parameter of it.
+    end = {"weights": shard, "grads": shard, "optimizer": optim, "accumulation": accum,
+           "gathered": 2 * head, "reduce": 8 * unit, **extra}
+    at_start = sum(start.values()) >= sum(end.values())
+    t: dict = dict(start if at_start else end)
     t["total"] = sum(t.values())
+    t["phase"] = "backward start" if at_start else "backward end"
     return t
 
 
@@ -197,7 +207,8 @@ class Plan:
 
     def line(self, free_note: str = "") -> str:
         t = self.terms
-        shown = ", ".join(f"{k} {v / GiB:.1f}" for k, v in t.items() if k != "total" and v)
+        shown = ", ".join(f"{k} {v / GiB:.1f}" for k, v in t.items() if k not in ("total", "phase") and v)
+        shown += f"; peak at {t['phase']}" if "phase" in t else ""
         fits = t["total"] <= usable(self.free)
         return (f"memory plan: {self.settings.describe(self.job)}; estimate {t['total'] / GiB:.1f} GiB per GPU "
                 f"({shown}) {'within' if fits else 'OVER'} {usable(self.free) / GiB:.1f} GiB usable of "

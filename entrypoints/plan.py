@@ -91,7 +91,7 @@ def main(argv: list[str]) -> int:
         return 1
     print(f"[trainbox] {plan.line()}")
     for k, v in plan.terms.items():
-        if k != "total":
+        if k not in ("total", "phase"):
             print(f"    {k:<18} {v / memplan.GiB:8.2f} GiB")
     print(f"    {'total':<18} {plan.terms['total'] / memplan.GiB:8.2f} GiB of {memplan.usable(plan.free) / memplan.GiB:.2f} "
           "usable")

@@ -229,6 +229,10 @@ def train(data_args, model_args, training_args, name: str = "sft") -> int:
 
 
 def main(argv: list[str]) -> int:
+    # Before CUDA starts (torchrun's workers inherit it): freed blocks are remapped, not left as holes, so what the
+    # memory plan counts is close to what the allocator reserves (measured on 2 x H100, 8B shape, without it:
+    # 63.7 GiB allocated, 74.9 GiB reserved).
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     try:
         lifecycle.install_signal_handlers()
         data_args, launch_args, model_args, training_args = parse(argv)

@@ -81,9 +81,9 @@ def estimate_bytes(f: ModelFacts, tokens: int, optim: str, *, shards: int = 1, m
     job = memplan.Job(f, batch=1, max_length=tokens, optim=optim, shards=shards, extra=extra, fsdp=shards > 1)
     t = memplan.estimate(job, memplan.Settings(checkpointing, masters=masters, reshard=not unsharded))
     n = f.params
-    model = t["weights+grads"] + t.get("gathered", 0)
-    return {"states": t["optimizer"], "model": model, "activations": t["activations"], "extra": extra,
-            "total": t["total"], "per_param": (t["optimizer"] + t["weights+grads"]) / n if n else 0.0}
+    weights = t.get("weights+grads", t.get("weights", 0) + t.get("grads", 0))
+    return {"states": t["optimizer"], "model": weights + t.get("gathered", 0), "activations": t.get("activations", 0),
+            "extra": extra, "total": t["total"], "per_param": (t["optimizer"] + weights) / n if n else 0.0}
 
 
 def free_gpu_bytes() -> int | None:
