@@ -39,6 +39,7 @@ import time
 import uuid
 from pathlib import Path
 
+from builder import options
 from builder.errors import UserError, reports_user_errors
 from entrypoints import atomic
 
@@ -363,6 +364,11 @@ def export_image(image_ref: str, dest_path, *, compression: str | None = None, b
     dest = Path(dest_path).absolute()
     if dest.suffix != ".sqsh":
         raise UserError(f"destination {str(dest)!r} must end in .sqsh (pyxis and enroot look for that suffix)")
+    # /proc and /sys hold no files and /dev/x.sqsh would fill RAM (/dev/shm, a tmpfs, is a folder like any other)
+    why = atomic.why_not_a_folder(dest.parent)
+    if why:
+        raise UserError(f"destination {str(dest)!r}: {why}", fix="write the .sqsh to a folder on a real disk")
+    options.check_file_target(dest, "destination")   # the output-target check every writer shares
     if not dest.name.isprintable():   # the .sha256 sidecar names it on one line (`sha256sum -c` format)
         raise UserError(f"destination {str(dest)!r} has a control character in its name",
                         fix="name the .sqsh with printable characters, e.g. the image's tag")
