@@ -45,7 +45,7 @@ def parser() -> argparse.ArgumentParser:
                      help="where images/<tag>/Dockerfile and locks/ are written (default: the repository for its own "
                           "matrix.toml; a new temporary folder for another --matrix, never the repository)")
     p.add_argument("--quiet", "-q", action="store_true", help="print only what was asked for")
-    b = p.add_argument_group("build (builder/engine.py)")
+    b = p.add_argument_group("build (builder/pipeline.py)")
     b.add_argument("--push", action="store_true",
                    help="push the images and per-cell manifest lists to --registry (a failed push leaves no tag)")
     b.add_argument("--registry", metavar="HOST:PORT/REPO",
@@ -346,11 +346,11 @@ def run(argv: list[str] | None = None) -> int:
                                         opts.native_builder, opts.registry)))
         return 0
     try:
-        from builder import engine
+        from builder import pipeline   # python-on-whales and requests: only a real build needs them
     except ImportError as e:
-        print(f"error: the build engine (builder/engine.py) is not available: {e}", file=sys.stderr)
+        print(f"error: the build pipeline (builder/pipeline.py) is not available: {e}", file=sys.stderr)
         return 1
-    return engine.build_cells(cells, opts)
+    return pipeline.build_cells(cells, opts)
 
 
 @reports_user_errors
