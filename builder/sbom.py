@@ -428,10 +428,10 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError(f"--output {a.output}: cannot write there: {why}", fix="give a writable path")
     options.check_file_name(a.output, "--output")   # not a folder, a name the file system holds
     reference.check_image(a.image, "image")   # bad input before any work
-    if a.attach:
+    if a.attach is not None:   # `--attach ''` too: an option given is honoured or refused, never ignored
         split_ref(a.attach)
     sbom = generate(a.image)
-    attached = attach(sbom, a.attach) if a.attach else None  # first: a failed attach leaves no file behind
+    attached = attach(sbom, a.attach) if a.attach is not None else None  # first: a failed attach leaves no file behind
     atomic.write_text(a.output, dumps(sbom))
     if attached:
         print(f"attached {attached} to {a.attach}")
