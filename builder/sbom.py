@@ -5,8 +5,8 @@ distribution /opt/venv's python sees (importlib.metadata, as `pip list` does) an
 (dpkg-query, status `ii`), then adds what the host knows: the sha256 hashes of the cell's lock (locks/<venv>.txt,
 and locks/<tag>.attention.txt for the attention wheel) for the packages installed at the locked version, the base
 image (org.opencontainers.image.base.name/.digest labels) and the image labels. The document is written by hand
-(a flat list of components with purls, hashes and properties): cyclonedx-python-lib would add five packages to the
-host for the same mapping code. Same image -> same bytes (serial number and timestamp come from the image).
+(a flat list of components with purls, hashes and properties; why not cyclonedx-python-lib, measured: CONTRIBUTING).
+Same image -> same bytes (serial number and timestamp come from the image).
 
 `attach(SBOM, REGISTRY_REF)` pushes it as an OCI 1.1 artifact (artifactType application/vnd.cyclonedx+json) whose
 `subject` is the image manifest REGISTRY_REF names (for an index: the manifest of the SBOM's platform, since an SBOM
