@@ -45,7 +45,7 @@ def parser() -> argparse.ArgumentParser:
                      help="where images/<tag>/Dockerfile and locks/ are written (default: the repository for its own "
                           "matrix.toml; a new temporary folder for another --matrix, never the repository)")
     p.add_argument("--quiet", "-q", action="store_true", help="print only what was asked for")
-    b = p.add_argument_group("build (builder/engine.py)")
+    b = p.add_argument_group("build (builder/pipeline.py)")
     b.add_argument("--push", action="store_true",
                    help="push the images and per-cell manifest lists to --registry (a failed push leaves no tag)")
     b.add_argument("--registry", metavar="HOST:PORT/REPO",
@@ -283,8 +283,30 @@ def build_options(args, config: dict, out: Path) -> BuildOptions:
         sqsh_block_size=args.sqsh_block_size, use_enroot=args.use_enroot)
 
 
+# The modes that each do one whole job: two of them at once would leave one silently ignored (`--lock --dry-run`
+# rewrote the committed lock). --frozen is a build rule: with --dry-run the plan shows it; --lock/--lock-bases write
+# locks, which --frozen forbids.
+EXCLUSIVE_MODES = ("list", "explain", "dry_run", "lock", "lock_bases")
+FROZEN_CONFLICTS = ("lock", "lock_bases")
+
+
+def check_modes(args) -> None:
+    """One error for modes that exclude each other, before any work."""
+    flag = lambda name: "--" + name.replace("_", "-")   # noqa: E731
+    given = [m for m in EXCLUSIVE_MODES if getattr(args, m)]
+    if len(given) > 1:
+        raise UserError(f"{' and '.join(flag(m) for m in given)} exclude each other: each is a whole mode",
+                        fix=f"run one at a time, e.g. `python build.py {flag(given[0])} ...`, then "
+                            f"`python build.py {flag(given[1])} ...`")
+    if args.frozen and given and given[0] in FROZEN_CONFLICTS:
+        raise UserError(f"--frozen with {flag(given[0])}: --frozen forbids writing locks, {flag(given[0])} writes "
+                        "them", fix=f"drop --frozen to re-lock, or drop {flag(given[0])} to build from the committed "
+                                    "locks")
+
+
 def run(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    check_modes(args)
     m = load_matrix(args.matrix)
     config = read_config(args.config)
     opts = build_options(args, config, ROOT)   # checked before anything is written; output_dir set below
@@ -324,11 +346,11 @@ def run(argv: list[str] | None = None) -> int:
                                         opts.native_builder, opts.registry)))
         return 0
     try:
-        from builder import engine
+        from builder import pipeline   # python-on-whales and requests: only a real build needs them
     except ImportError as e:
-        print(f"error: the build engine (builder/engine.py) is not available: {e}", file=sys.stderr)
+        print(f"error: the build pipeline (builder/pipeline.py) is not available: {e}", file=sys.stderr)
         return 1
-    return engine.build_cells(cells, opts)
+    return pipeline.build_cells(cells, opts)
 
 
 @reports_user_errors

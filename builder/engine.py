@@ -1,7 +1,6 @@
-"""Build and tag cell images on a Docker engine (publishing them: builder/publish.py).
+"""Build and tag cell images on a Docker engine (the builder and CLI: builder/docker.py; the whole run, lock ->
+build -> export -> push -> report: builder/pipeline.py; publishing: builder/publish.py).
 
-Builder choice (`--builder auto`): buildx when the CLI has it (through python-on-whales); otherwise the engine's own
-BuildKit through a classic CLI that still accepts DOCKER_BUILDKIT=1 (Docker < 23, e.g. Debian's /usr/bin/docker).
 The rendered Dockerfiles need BuildKit (the venv install uses a cache mount): `--builder legacy` is refused at the
 build with one error. Every build runs with host networking (RUN steps reach the package index and the local
 registry) and without a tag: only a finished image gets the cell's tags, so a failed build never leaves a final tag
@@ -12,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import platform
 import re
 import shutil
 import subprocess
@@ -25,91 +23,13 @@ from pathlib import Path
 from python_on_whales import DockerClient
 from python_on_whales.exceptions import DockerException
 
+from builder import indexes, lock
+from builder.docker import Builder, choose_builder, host_arch, platform_arch  # noqa: F401 (choose_builder: engine.X)
 from builder.errors import UserError
-from builder.options import BuildOptions
+from builder.options import BuildOptions  # noqa: F401 (engine.BuildOptions, as callers knew it)
 
 ROOT = Path(__file__).resolve().parents[1]
 WHEELHOUSE = "wheelhouse"
-
-
-# ----------------------------------------------------------------------------------------------------------- builders
-@dataclass(frozen=True)
-class Builder:
-    kind: str  # buildx | buildkit | legacy
-    cli: str
-
-    def client(self) -> DockerClient:
-        return DockerClient(client_call=[self.cli])
-
-
-def _cli_version(cli: str) -> tuple[int, ...] | None:
-    try:
-        r = subprocess.run([cli, "version", "--format", "{{.Client.Version}}"], capture_output=True, text=True,
-                           timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    m = re.match(r"(\d+)\.(\d+)", r.stdout.strip())
-    return tuple(int(x) for x in m.groups()) if m else None
-
-
-def _has_buildx(cli: str) -> bool:
-    try:
-        return subprocess.run([cli, "buildx", "version"], capture_output=True, timeout=20).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
-def _candidate_clis() -> list[str]:
-    seen, out = set(), []
-    for c in [os.environ.get("TRAINBOX_DOCKER"), shutil.which("docker"), "/usr/bin/docker", "/usr/local/bin/docker"]:
-        if c and Path(c).exists() and os.path.realpath(c) not in seen:
-            seen.add(os.path.realpath(c))
-            out.append(c)
-    return out
-
-
-def choose_builder(requested: str = "auto") -> Builder:
-    clis = _candidate_clis()
-    if not clis:
-        raise UserError("no docker CLI found: run `make engine` (installs Debian's docker.io) or install Docker")
-    if requested in ("auto", "buildx"):
-        for cli in clis:
-            if _has_buildx(cli):
-                return Builder("buildx", cli)
-        if requested == "buildx":
-            raise UserError("--builder buildx: no docker CLI here has the buildx plugin; install docker-buildx or "
-                            "use --builder auto")
-    if requested in ("auto", "buildkit"):
-        for cli in clis:
-            v = _cli_version(cli)
-            # Docker 23+ CLIs hand DOCKER_BUILDKIT=1 to buildx and refuse without it.
-            if v and v < (23,):
-                return Builder("buildkit", cli)
-        if requested == "buildkit":
-            raise UserError("--builder buildkit needs a classic docker CLI older than 23 (e.g. Debian's "
-                            "/usr/bin/docker from docker.io) or buildx; set TRAINBOX_DOCKER to its path")
-    if requested == "legacy":
-        return Builder("legacy", clis[0])
-    # Never fall back to the legacy builder: the Dockerfiles use a BuildKit cache mount and BuildKit secrets.
-    raise UserError(f"no BuildKit builder here (no buildx plugin, no classic docker CLI older than 23 among "
-                    f"{', '.join(clis)})", fix="run `make engine` (Debian's docker.io CLI has BuildKit) or install "
-                    "docker-buildx")
-
-
-def check_engine(builder: Builder) -> str:
-    """The engine's version; a UserError naming the next step when no engine answers (before any lock or build)."""
-    try:
-        r = subprocess.run([builder.cli, "version", "--format", "{{.Server.Version}}"], capture_output=True,
-                           text=True, timeout=30)
-    except subprocess.TimeoutExpired:
-        r = subprocess.CompletedProcess([], 1, "", "no answer in 30 s")
-    if r.returncode == 0 and r.stdout.strip():
-        return r.stdout.strip()
-    where = os.environ.get("DOCKER_HOST") or "the default socket (unix:///var/run/docker.sock)"
-    said = next((ln.strip() for ln in r.stderr.splitlines() if ln.strip()), "no answer")
-    raise UserError(f"no Docker engine answers at {where} ({said[:200]})",
-                    fix="start one with `make engine` (engine + local registry for this repository), or install and "
-                        "start Docker; set DOCKER_HOST if yours listens elsewhere")
 
 
 # ----------------------------------------------------------------------------------------------------- cells, names
@@ -377,14 +297,6 @@ def _count_cached(lines: list[str]) -> tuple[int, int]:
     return len(steps), len(cached & steps)
 
 
-def _platform_arch(platform: str) -> str:
-    return platform.split("/")[1]
-
-
-def host_arch() -> str:
-    return {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower(), platform.machine().lower())
-
-
 def vcs_ref(context: Path = ROOT) -> str:
     """The checkout's commit for the revision label; a snapshot context (not a git checkout) uses the repository's."""
     for d in (context, ROOT):
@@ -398,7 +310,6 @@ def attention_how(cell, root: Path = ROOT) -> str | None:
     """lock.attention_how for a matrix cell; None for a cell without an attention wheel (or not from the matrix)."""
     if not getattr(cell, "flash", None):
         return None
-    from builder import lock
     return lock.attention_how(cell, root)
 
 
@@ -445,7 +356,6 @@ def cell_build_args(cell, *, bases: dict[str, str] | None = None, index_override
     """Every build arg the cell's Dockerfile reads: substituted bases, the index URLs (matrix defaults or overrides),
     ATTENTION_FROM (a probed arch: what its lock in CONTEXT found), VCS_REF; then the --build-arg passthrough, which
     wins."""
-    from builder import indexes
     bases = bases or {}
     out: dict[str, str] = {}
     base = getattr(cell, "base_image", None)
@@ -537,7 +447,7 @@ def build_cell(cell, *, builder: Builder, context: Path = ROOT, registry: str | 
     res.steps, res.cached_steps = _count_cached(lines)
     client = builder.client()
     img = client.image.inspect(image_id)
-    want = _platform_arch(cell.platform)
+    want = platform_arch(cell.platform)
     if img.architecture != want:
         raise UserError(f"cell {cell.tag}: the built image says architecture {img.architecture}, expected {want} "
                         f"(is the base {build_args.get('BASE_IMAGE', base)} multi-arch?)")
@@ -549,53 +459,3 @@ def build_cell(cell, *, builder: Builder, context: Path = ROOT, registry: str | 
         else:
             client.image.tag(image_id, ref)
     return res
-
-
-# --------------------------------------------------------------------------------------------------- entry point
-def build_cells(cells, opts: BuildOptions) -> int:
-    """The CLI's real build: build every cell, optionally push and join arches into manifest lists, report. With
-    --push every tag the run moved is put back when any of its builds, pushes or manifest lists fails."""
-    from builder import lock, report
-
-    quiet = opts.quiet
-    builder = choose_builder("buildx" if opts.buildx_builder else opts.builder)
-    refuse_emulated_compile(cells, opts.native_builder, opts.output_dir)  # before any lock or build work
-    check_engine(builder)
-    if (opts.cache_from or opts.cache_to) and builder.kind != "buildx":
-        raise UserError(f"--cache-from/--cache-to need buildx; the builder here is {builder.kind} ({builder.cli})",
-                        fix="install Docker's buildx plugin (docker/setup-buildx-action in CI), or build without them")
-    if not quiet:
-        print(f"builder: {builder.kind} ({builder.cli})", flush=True)
-    # The lock step: every missing or stale lock of the selection is resolved before the first build.
-    lock.ensure([c for c in cells if hasattr(c, "venv")], root=opts.output_dir, overrides=dict(opts.index_overrides),
-                frozen=opts.frozen, quiet=quiet, bases=dict(opts.bases))
-    refuse_emulated_compile(cells, opts.native_builder, opts.output_dir)  # a probed arch's lock may say "source"
-    results: list[BuildResult] = []
-    lists: dict[str, str] = {}
-    journal = TagJournal(builder.client()) if opts.push else None
-    try:
-        with build_context(opts.output_dir, cells) as context:
-            for cell in cells:
-                res = build_cell(cell, builder=builder, context=context, registry=opts.registry, bases=dict(opts.bases),
-                                 wheelhouse=opts.wheelhouse, secrets=list(opts.secrets), no_cache=opts.no_cache,
-                                 quiet=quiet, index_overrides=dict(opts.index_overrides),
-                                 extra_args=dict(opts.build_args), native_builder=opts.native_builder,
-                                 buildx_builder=opts.buildx_builder, journal=journal,
-                                 cache_from=opts.cache_from, cache_to=opts.cache_to)
-                results.append(res)
-                if opts.sqsh:
-                    from builder import enroot
-                    enroot.export_image(res.refs[0], Path(opts.sqsh) / f"{cell.tag}.sqsh",
-                                        compression=opts.sqsh_compression, block_size=opts.sqsh_block_size,
-                                        use_enroot=opts.use_enroot, progress=not quiet,
-                                        arch=_platform_arch(cell.platform))
-        if opts.push:
-            from builder import publish   # publish imports this module
-            publish.push_all(cells, results, lists, opts.registry, builder, quiet, lock_root=opts.output_dir)
-    except BaseException as e:
-        stuck = journal.rollback() if journal else []
-        if stuck and isinstance(e, UserError):
-            raise UserError(f"{e}; these tags could not be removed: {', '.join(stuck)}") from None
-        raise
-    report.emit(results, lists, opts.report, quiet=quiet)
-    return 0

@@ -28,17 +28,20 @@ CLI: `python -m builder.enroot IMAGE DEST.sqsh [--compression zstd|lzo|...] [--b
 from __future__ import annotations
 
 import argparse
-import json
+import hashlib
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
 
+from builder import options, reference, sbom
+from builder.docker import check_arch, docker_cli, inspect_image
 from builder.errors import UserError, reports_user_errors
 from entrypoints import atomic
 
@@ -60,11 +63,6 @@ _ENROOT_REF_RE = re.compile(r"^[A-Za-z0-9/._:-]+$")
 
 def _log(msg: str) -> None:
     print(f"[enroot] {msg}", file=sys.stderr, flush=True)
-
-
-def docker_cli() -> str:
-    """The CLI that talks to the engine: $TRAINBOX_DOCKER, else the first `docker` on PATH."""
-    return os.environ.get("TRAINBOX_DOCKER") or shutil.which("docker") or "/usr/bin/docker"
 
 
 # ---------------------------------------------------------------- bash ${var@Q}, as enroot's /etc/rc uses it
@@ -245,21 +243,10 @@ def _run(argv: list[str], what: str, **kw) -> subprocess.CompletedProcess:
     return r
 
 
-def inspect_image(image_ref: str, docker: str | None = None) -> dict:
-    from builder import reference
-    reference.check_image(image_ref, "image")   # '--help' would be an option of `docker image inspect`
-    docker = docker or docker_cli()
-    r = subprocess.run([docker, "image", "inspect", image_ref], capture_output=True, text=True)
-    if r.returncode != 0:
-        raise UserError(f"image {image_ref!r} is not in the local engine ({r.stderr.strip()}); build it first "
-                        f"(python build.py ...) or `docker pull`/`docker load` it")
-    return json.loads(r.stdout)[0]
-
-
 def _export_ours(image_ref: str, tmp_file: Path, workdir: Path, opts: list[str], sde: int | None,
                  progress: bool, docker: str, arch: str | None) -> None:
     config = inspect_image(image_ref, docker)
-    _check_arch(image_ref, config, arch)
+    check_arch(image_ref, config, arch)
     cfg = config.get("Config") or {}
     if not cfg.get("Entrypoint") and not cfg.get("Cmd"):
         # `docker create` refuses it, and so does enroot.
@@ -306,14 +293,6 @@ def _export_ours(image_ref: str, tmp_file: Path, workdir: Path, opts: list[str],
          stderr=subprocess.PIPE)
 
 
-def _check_arch(image_ref: str, config: dict, arch: str | None) -> None:
-    # enroot only warns (docker::configure); a build host exporting the wrong arch is a bug worth stopping for.
-    have = config.get("Architecture") or config.get("architecture")
-    if arch and have != arch:
-        raise UserError(f"image {image_ref!r} is {have}, not {arch}; build it with --platform linux/{arch} "
-                        "or export the matching tag")
-
-
 def _export_enroot(image_ref: str, tmp_file: Path, workdir: Path, opts: list[str], sde: int | None,
                    progress: bool, docker: str, arch: str | None) -> None:
     if not shutil.which("enroot"):
@@ -322,7 +301,7 @@ def _export_enroot(image_ref: str, tmp_file: Path, workdir: Path, opts: list[str
     if not _ENROOT_REF_RE.match(image_ref):
         raise UserError(f"enroot accepts only [A-Za-z0-9/._:-] in a dockerd:// reference, not {image_ref!r}; "
                         "tag the image (docker tag ID name:tag) and export the tag")
-    _check_arch(image_ref, inspect_image(image_ref, docker), arch)
+    check_arch(image_ref, inspect_image(image_ref, docker), arch)
     if sde is not None:  # enroot's dockerd:// path ignores SOURCE_DATE_EPOCH; hand mksquashfs the times ourselves
         opts = [*opts, "-mkfs-time", str(sde), "-all-time", str(sde)]
     env = dict(os.environ, ENROOT_SQUASH_OPTIONS=" ".join(opts), ENROOT_TEMP_PATH=str(workdir))
@@ -334,8 +313,6 @@ def _export_enroot(image_ref: str, tmp_file: Path, workdir: Path, opts: list[str
 
 
 def _sha256(path: Path) -> str:
-    import hashlib
-
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -363,13 +340,19 @@ def export_image(image_ref: str, dest_path, *, compression: str | None = None, b
     dest = Path(dest_path).absolute()
     if dest.suffix != ".sqsh":
         raise UserError(f"destination {str(dest)!r} must end in .sqsh (pyxis and enroot look for that suffix)")
+    # /proc and /sys hold no files and /dev/x.sqsh would fill RAM (/dev/shm, a tmpfs, is a folder like any other)
+    why = atomic.why_not_a_folder(dest.parent)
+    if why and why.startswith("it is under"):
+        raise UserError(f"destination {str(dest)!r}: {why}", fix="write the .sqsh to a folder on a real disk")
+    if why:
+        raise UserError(f"cannot create the destination directory {str(dest.parent)!r}: {why}")
+    options.check_file_name(dest, "destination")   # the output-target check sbom --output shares
     if not dest.name.isprintable():   # the .sha256 sidecar names it on one line (`sha256sum -c` format)
         raise UserError(f"destination {str(dest)!r} has a control character in its name",
                         fix="name the .sqsh with printable characters, e.g. the image's tag")
     if not all(atomic.name_fits(p, "work") for p in (dest, *sidecars(dest))):   # staged under temporary names
         raise UserError(f"destination {str(dest)!r}: the file name is too long for the file system once its "
                         "sidecars' temporary names are made from it", fix="give the .sqsh a shorter name")
-    from builder import reference
     reference.check_image(image_ref, "image")   # every input checked before a folder is made
     opts = squash_options(compression, block_size)
     sde = _source_date_epoch()
@@ -397,8 +380,6 @@ def export_image(image_ref: str, dest_path, *, compression: str | None = None, b
             _export_enroot(image_ref, tmp_file, work, opts, sde, progress, docker, arch)
         else:
             _export_ours(image_ref, tmp_file, work, opts, sde, progress, docker, arch)
-        from builder import sbom
-
         if progress:
             _log(f"Reading the contents of {image_ref} for its SBOM")
         sbom_text = sbom.dumps(sbom.generate(image_ref, docker=docker))
@@ -424,8 +405,6 @@ def export_image(image_ref: str, dest_path, *, compression: str | None = None, b
 
 
 def threading_main() -> bool:
-    import threading
-
     return threading.current_thread() is threading.main_thread()
 
 

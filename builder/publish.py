@@ -1,17 +1,15 @@
 """Publish built cell images: push, read back what the registry stores, join a cell's arches into a manifest list.
 
-Digests are sha256 of the bytes the registry serves (`skopeo inspect --raw`), never of re-encoded JSON. Manifest lists
-are made by `docker buildx imagetools create` where the CLI has buildx, else by `docker manifest create/push`. CLI:
-`python -m builder.publish manifest --registry HOST:PORT/REPO CELL...` (one CI job per arch pushed; this joins them).
+Digests are sha256 of the bytes the registry serves (builder.registry's client), never of re-encoded JSON. Manifest
+lists are made by `docker buildx imagetools create` where the CLI has buildx, else by `docker manifest create/push`.
+CLI: `python -m builder.publish manifest --registry HOST:PORT/REPO CELL...` (one CI job per arch pushed; this joins
+them). A list always joins every arch the matrix gives the cell: naming one arch's tag joins the whole cell's list.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
+import argparse
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -21,37 +19,27 @@ from pathlib import Path
 from python_on_whales import DockerClient
 from python_on_whales.exceptions import DockerException
 
-from builder.engine import Builder, BuildResult, _platform_arch, cell_refs, choose_builder
-from builder.matrix import ROOT
+from builder import reference, registry as reg, sbom
+from builder.docker import Builder, choose_builder, platform_arch
+from builder.engine import BuildResult, cell_refs
 from builder.errors import UserError, reports_user_errors
+from builder.matrix import ROOT, load_matrix
 
-MANIFEST_LIST_TYPES = ("application/vnd.docker.distribution.manifest.list.v2+json",
-                       "application/vnd.oci.image.index.v1+json")
+MANIFEST_LIST_TYPES = reg.INDEX_TYPES
 
 
 def manifest_list_ref(cell, registry: str) -> str:
     return f"{registry}:{cell.name}"
 
 
-def _registry_host(ref: str) -> str:
-    return ref.split("/", 1)[0]
-
-
 def insecure_registry(ref: str) -> bool:
-    host = _registry_host(ref).split(":")[0]
-    return host in ("localhost",) or host.startswith("127.") or os.environ.get("TRAINBOX_INSECURE_REGISTRY") == "1"
+    return reg.insecure(ref.split("/", 1)[0])
 
 
 def registry_manifest(ref: str) -> tuple[dict, str] | None:
-    """(manifest JSON, digest) as the registry serves REF, or None if it has no such tag. The digest is sha256 of the
-    served bytes, as the registry computes it (a re-encoding of the JSON would not match)."""
-    if not shutil.which("skopeo"):
-        raise UserError("skopeo is missing: run `make engine` (installs it) or apt-get install skopeo")
-    tls = ["--tls-verify=false"] if insecure_registry(ref) else []
-    r = subprocess.run(["skopeo", "inspect", *tls, "--raw", f"docker://{ref}"], capture_output=True)
-    if r.returncode != 0:
-        return None
-    return json.loads(r.stdout), "sha256:" + hashlib.sha256(r.stdout).hexdigest()
+    """(manifest JSON, digest) as the registry serves REF, or None if it has no such tag (a UserError if the registry
+    does not answer). The digest is sha256 of the served bytes, as the registry computes it."""
+    return reg.manifest(ref)
 
 
 def _push(client: DockerClient, ref: str, label: str, quiet: bool) -> set[str]:
@@ -143,7 +131,7 @@ def publish_manifest_list(list_ref: str, results: list[BuildResult], expected_ar
                           builder: Builder) -> str:
     """Join the pushed per-arch images into LIST_REF; refuses unless every expected arch is in the registry.
     Returns the list's digest as read back."""
-    by_arch = {_platform_arch(r.platform): r for r in results if r.digest}
+    by_arch = {platform_arch(r.platform): r for r in results if r.digest}
     missing = [a for a in expected_arches if a not in by_arch]
     if missing:
         raise UserError(f"manifest list {list_ref}: no pushed image for {', '.join(missing)}; build and push every "
@@ -163,7 +151,7 @@ def publish_manifest_list(list_ref: str, results: list[BuildResult], expected_ar
     if not got or got[0].get("mediaType") not in MANIFEST_LIST_TYPES:
         raise UserError(f"manifest list {list_ref}: the registry does not serve a list after the push")
     listed = {m["digest"] for m in got[0]["manifests"]}
-    want = {r.digest for r in by_arch.values() if _platform_arch(r.platform) in expected_arches}
+    want = {r.digest for r in by_arch.values() if platform_arch(r.platform) in expected_arches}
     if listed != want:
         raise UserError(f"manifest list {list_ref} lists {sorted(listed)}, expected {sorted(want)}")
     return got[1]
@@ -173,8 +161,6 @@ def push_all(cells, results: list[BuildResult], lists: dict[str, str], registry:
              quiet: bool, lock_root: Path | None = None) -> None:
     """Push every result with its SBOM (read from the image, attached as an OCI referrer of the pushed manifest); join
     each cell whose arches were all built in this run into its manifest list. LOCK_ROOT: where the cells' locks are."""
-    from builder import sbom
-
     for res in results:
         push_result(res, builder, quiet)
         cell = next(c for c in cells if c.tag == res.tag)
@@ -186,7 +172,7 @@ def push_all(cells, results: list[BuildResult], lists: dict[str, str], registry:
         by_name.setdefault(res.cell, []).append(res)
     for name, group in by_name.items():
         cell = next(c for c in cells if c.name == name)
-        expected = [_platform_arch(c.platform) for c in cells if c.name == name]
+        expected = [platform_arch(c.platform) for c in cells if c.name == name]
         if len(expected) < 2:
             continue  # a single-arch run: nothing to join
         ref = manifest_list_ref(cell, registry)
@@ -195,13 +181,21 @@ def push_all(cells, results: list[BuildResult], lists: dict[str, str], registry:
             print(f"manifest list {ref} {lists[ref]}")
 
 
+def whole_cells(matrix, names: list[str]) -> dict[str, list]:
+    """{cell name: every cell of that name (one per arch)} for NAMES (cell names or tags): a list joins all the
+    arches the matrix gives a cell, so a tag of one arch never makes a one-arch list over a two-arch one."""
+    out: dict[str, list] = {}
+    for n in names:   # every name checked (select's error) before the registry is asked anything
+        for c in matrix.select([n]):
+            out.setdefault(c.name, [x for x in matrix.cells if x.name == c.name])
+    return out
+
+
 def join_pushed(cell_names: list[str], registry: str, matrix_path: str | None = None) -> dict[str, str]:
     """Manifest lists for cells whose arches were pushed by separate runs (one CI job per arch): each arch's image
     is read back from REGISTRY; a missing arch refuses the list. Returns {list ref: digest}."""
-    from builder.matrix import load_matrix
-
     matrix = load_matrix(matrix_path) if matrix_path else load_matrix()
-    selected = {name: matrix.select([name]) for name in cell_names}   # every name checked before the registry
+    selected = whole_cells(matrix, cell_names)
     builder = choose_builder("auto")
     out = {}
     for name, cells in selected.items():
@@ -214,15 +208,13 @@ def join_pushed(cell_names: list[str], registry: str, matrix_path: str | None = 
             results.append(BuildResult(cell=c.name, tag=c.tag, arch=c.arch, platform=c.platform, builder="-",
                                        digest=got[1], pushed_ref=f"{registry}@{got[1]}"))
         ref = manifest_list_ref(cells[0], registry)
-        out[ref] = publish_manifest_list(ref, results, [_platform_arch(c.platform) for c in cells], builder)
+        out[ref] = publish_manifest_list(ref, results, [platform_arch(c.platform) for c in cells], builder)
         print(f"{ref}@{out[ref]}")
     return out
 
 
 @reports_user_errors
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
     p = argparse.ArgumentParser(prog="python -m builder.publish")
     sub = p.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("manifest", aliases=["join"], help="join the pushed arches of cells into manifest lists")
@@ -230,7 +222,6 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--matrix", default=None)
     m.add_argument("cells", nargs="+", help="cell names, e.g. smoke")
     a = p.parse_args(argv)
-    from builder import reference
     join_pushed(a.cells, reference.check_repository(a.registry), a.matrix)
     return 0
 

@@ -29,6 +29,10 @@ NAME_MAX = 255
 EXAMPLE = "127.0.0.1:5555/trainbox"
 
 
+USERINFO = ("it has user-info (a user name and password, then @) before the host; credentials never go in a "
+            "reference: `docker login HOST` stores them")
+
+
 def _why_not_a_name(text: str) -> str:
     """The likeliest reason TEXT is no repository name, in the user's terms."""
     if not text:
@@ -37,6 +41,8 @@ def _why_not_a_name(text: str) -> str:
         return f"it has a scheme ({text.split('://', 1)[0]}://); give HOST[:PORT]/PATH without it"
     if any(ch.isspace() for ch in text):
         return "it contains white space"
+    if "@" in text.split("/", 1)[0]:
+        return USERINFO
     if "@" in text:
         return "it names a digest; give the repository only"
     head, sep, last = text.rpartition("/")
@@ -70,7 +76,16 @@ def check_repository(text: str, flag: str = "--registry") -> str:
     if is_name(text) and len(text) <= NAME_MAX:
         return text
     why = f"longer than {NAME_MAX} characters" if is_name(text) else _why_not_a_name(text)
-    raise UserError(f"{flag} {text!r} is not a repository reference: {why}", fix=f"e.g. {flag} {EXAMPLE}")
+    raise UserError(f"{flag} {shown(text)!r} is not a repository reference: {why}", fix=f"e.g. {flag} {EXAMPLE}")
+
+
+def shown(text: str) -> str:
+    """TEXT as an error may echo it: user-info before the host (`user:password@host/x`) masked here, whole, so the
+    message stays readable (the errors' own redaction would take the quote before it too)."""
+    head, sep, rest = text.partition("/")
+    if "@" in head:
+        head = "***@" + head.rsplit("@", 1)[1]
+    return head + sep + rest
 
 
 def check_image(text: str, flag: str) -> str:

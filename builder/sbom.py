@@ -5,8 +5,8 @@ distribution /opt/venv's python sees (importlib.metadata, as `pip list` does) an
 (dpkg-query, status `ii`), then adds what the host knows: the sha256 hashes of the cell's lock (locks/<venv>.txt,
 and locks/<tag>.attention.txt for the attention wheel) for the packages installed at the locked version, the base
 image (org.opencontainers.image.base.name/.digest labels) and the image labels. The document is written by hand
-(a flat list of components with purls, hashes and properties): cyclonedx-python-lib would add five packages to the
-host for the same mapping code. Same image -> same bytes (serial number and timestamp come from the image).
+(a flat list of components with purls, hashes and properties; why not cyclonedx-python-lib, measured: CONTRIBUTING).
+Same image -> same bytes (serial number and timestamp come from the image).
 
 `attach(SBOM, REGISTRY_REF)` pushes it as an OCI 1.1 artifact (artifactType application/vnd.cyclonedx+json) whose
 `subject` is the image manifest REGISTRY_REF names (for an index: the manifest of the SBOM's platform, since an SBOM
@@ -19,11 +19,9 @@ CLI: `python -m builder.sbom IMAGE_REF --output FILE [--attach REGISTRY_REF]`.
 from __future__ import annotations
 
 import argparse
-import base64
 import datetime
 import hashlib
 import json
-import os
 import re
 import subprocess
 import sys
@@ -33,17 +31,16 @@ from urllib.parse import quote
 
 from packaging.utils import canonicalize_name
 
+from builder import options, reference
+from builder.docker import docker_cli, inspect_image
 from builder.errors import UserError, reports_user_errors
+from builder.matrix import load_matrix
+from builder.registry import (INDEX_TYPES, OCI_EMPTY, OCI_INDEX, OCI_MANIFEST, Registry, shown,  # noqa: F401
+                              split_ref)
 from entrypoints import atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 MEDIA_TYPE = "application/vnd.cyclonedx+json"
-OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
-OCI_INDEX = "application/vnd.oci.image.index.v1+json"
-OCI_EMPTY = "application/vnd.oci.empty.v1+json"
-MANIFEST_TYPES = [OCI_MANIFEST, OCI_INDEX, "application/vnd.docker.distribution.manifest.v2+json",
-                  "application/vnd.docker.distribution.manifest.list.v2+json"]
-INDEX_TYPES = (OCI_INDEX, "application/vnd.docker.distribution.manifest.list.v2+json")
 VENV_PYTHON = "/opt/venv/bin/python"
 
 # Inside the image: sections for os-release, installed Debian packages, the venv's distributions.
@@ -74,15 +71,9 @@ if [ -x {VENV_PYTHON} ]; then {VENV_PYTHON} -c "$0"; fi
 """
 
 
-def _docker() -> str:
-    from builder.enroot import docker_cli  # one home for "which CLI talks to the engine"
-
-    return docker_cli()
-
-
 def probe(image_ref: str, docker: str | None = None) -> dict:
     """What is installed in IMAGE: {"os": {...}, "deb": [(name, version, arch, source)], "py": {...} or None}."""
-    docker = docker or _docker()
+    docker = docker or docker_cli()
     # The image's own environment (PYTHONPATH included), as `pip list` inside it sees the venv.
     r = subprocess.run([docker, "run", "--rm", "--network", "none", "--entrypoint", "/bin/sh", image_ref, "-c",
                         _PROBE, _PY_PROBE], capture_output=True, text=True)
@@ -137,8 +128,6 @@ def find_cell(tag: str | None, root: Path = ROOT):
     """The matrix cell with this tag (io.trainbox.tag), or None (no matrix here, or an image from elsewhere)."""
     if not tag or not (root / "matrix.toml").is_file():
         return None
-    from builder.matrix import load_matrix
-
     try:
         return next((c for c in load_matrix(root / "matrix.toml").cells if c.tag == tag), None)
     except UserError:
@@ -188,8 +177,6 @@ def _base_component(labels: dict) -> dict | None:
 def generate(image_ref: str, cell=None, docker: str | None = None, root: Path = ROOT) -> dict:
     """The CycloneDX 1.6 SBOM of IMAGE_REF (a local image) as a dict. CELL (a matrix Cell) names the locks; None
     finds it by the image's io.trainbox.tag label."""
-    from builder.enroot import inspect_image
-
     inspect = inspect_image(image_ref, docker)
     cfg = inspect.get("Config") or {}
     labels = cfg.get("Labels") or {}
@@ -303,130 +290,58 @@ def platform_of(sbom: dict) -> tuple[str, str] | None:
     return None
 
 
-# ---------------------------------------------------------------- registry (OCI distribution API)
+# ---------------------------------------------------------------- in a registry (builder.registry's client)
 
-class Registry:
-    """The few distribution-API calls an artifact push needs, with Docker's credentials (~/.docker/config.json)
-    for basic or bearer-token auth; plain HTTP where the engine pushes without TLS (local registries)."""
-
-    def __init__(self, host: str, repo: str):
-        import requests
-
-        from builder.publish import insecure_registry as _insecure  # which registries speak plain HTTP
-
-        self.host, self.repo = host, repo
-        self.base = f"{'http' if _insecure(host + '/x') else 'https'}://{host}/v2/{repo}"
-        self.session = requests.Session()
-        self._auth_header: str | None = None
-
-    def _creds(self) -> tuple[str, str] | None:
-        cfg = Path(os.environ.get("DOCKER_CONFIG", Path.home() / ".docker")) / "config.json"
-        try:
-            auth = json.loads(cfg.read_text()).get("auths", {}).get(self.host, {}).get("auth")
-        except (OSError, ValueError):
-            return None
-        if not auth:
-            return None
-        user, _, pw = base64.b64decode(auth).decode().partition(":")
-        return user, pw
-
-    def request(self, method: str, url: str, **kw):
-        import requests
-
-        headers = dict(kw.pop("headers", {}))
-        for _ in range(2):
-            if self._auth_header:
-                headers["Authorization"] = self._auth_header
-            try:
-                r = self.session.request(method, url, headers=headers, timeout=120, **kw)
-            except requests.RequestException as e:
-                raise UserError(f"registry {self.host} did not answer {method} {url}: {e}",
-                                fix="is the registry up (make engine) and the reference right?") from None
-            if r.status_code != 401 or self._auth_header:
-                return r
-            self._authenticate(r.headers.get("WWW-Authenticate", ""))
-        return r
-
-    def _authenticate(self, challenge: str) -> None:
-        creds = self._creds()
-        scheme, _, params = challenge.partition(" ")
-        if scheme.lower() == "basic" and creds:
-            self._auth_header = "Basic " + base64.b64encode(":".join(creds).encode()).decode()
-        elif scheme.lower() == "bearer":
-            p = dict(re.findall(r'(\w+)="([^"]*)"', params))
-            q = {"service": p.get("service", ""), "scope": f"repository:{self.repo}:pull,push"}
-            tok = self.session.get(p["realm"], params=q, auth=creds, timeout=60)
-            if tok.ok:
-                body = tok.json()
-                self._auth_header = "Bearer " + (body.get("token") or body.get("access_token", ""))
-        if not self._auth_header:
-            raise UserError(f"registry {self.host} wants credentials for {self.repo}",
-                            fix=f"docker login {self.host}")
-
-    def check(self, r, what: str):
-        if not r.ok:
-            raise UserError(f"{what} at {self.host}/{self.repo} failed: HTTP {r.status_code} {r.text.strip()[:300]}")
-        return r
-
-    def manifest(self, ref: str) -> tuple[bytes, str, str] | None:
-        """(bytes, media type, digest) the registry serves for tag or digest REF, None if it has none."""
-        r = self.request("GET", f"{self.base}/manifests/{ref}", headers={"Accept": ", ".join(MANIFEST_TYPES)})
-        if r.status_code == 404:
-            return None
-        self.check(r, f"reading manifest {ref}")
-        body = r.content
-        mt = r.headers.get("Content-Type", "").split(";")[0] or json.loads(body).get("mediaType", "")
-        return body, mt, "sha256:" + hashlib.sha256(body).hexdigest()
-
-    def put_blob(self, data: bytes) -> dict:
-        digest = "sha256:" + hashlib.sha256(data).hexdigest()
-        if self.request("HEAD", f"{self.base}/blobs/{digest}").status_code != 200:
-            r = self.check(self.request("POST", f"{self.base}/blobs/uploads/"), "starting a blob upload")
-            loc = r.headers["Location"]
-            loc = loc if loc.startswith("http") else f"{self.base.split('/v2/')[0]}{loc}"
-            self.check(self.request("PUT", loc, params={"digest": digest}, data=data,
-                                    headers={"Content-Type": "application/octet-stream"}), "uploading a blob")
-        return {"digest": digest, "size": len(data)}
-
-    def blob(self, digest: str) -> bytes:
-        r = self.check(self.request("GET", f"{self.base}/blobs/{digest}"), f"reading blob {digest}")
-        if "sha256:" + hashlib.sha256(r.content).hexdigest() != digest:
-            raise UserError(f"blob {digest} from {self.host}/{self.repo} does not match its digest")
-        return r.content
-
-    def put_manifest(self, ref: str, body: bytes, media_type: str):
-        return self.check(self.request("PUT", f"{self.base}/manifests/{ref}", data=body,
-                                       headers={"Content-Type": media_type}), f"pushing manifest {ref}")
-
-
-def _split_ref(ref: str) -> tuple[str, str, str]:
-    """HOST/REPO[:TAG][@DIGEST] -> (host, repo, tag or digest)."""
-    from builder.reference import REFERENCE
-
-    m = REFERENCE.fullmatch(ref)
-    if not m or "/" not in m["name"] or not any(c in m["name"].split("/")[0] for c in ".:") and \
-            m["name"].split("/")[0] != "localhost":
-        raise UserError(f"{ref!r} is not a registry image reference", fix="give HOST[:PORT]/REPO:TAG or "
-                        "HOST[:PORT]/REPO@sha256:..., e.g. 127.0.0.1:5555/trainbox:smoke-x86_64")
-    host, _, repo = m["name"].partition("/")
-    return host, repo, m["digest"] or m["tag"] or "latest"
+_split_ref = split_ref   # the name tests and callers used before the client moved to builder.registry
 
 
 def subject_of(reg: Registry, ref: str, platform: tuple[str, str] | None) -> dict:
     """The descriptor of the image manifest REF names; for an index, its manifest for PLATFORM."""
     got = reg.manifest(ref)
     if got is None:
-        raise UserError(f"{reg.host}/{reg.repo}:{ref} is not in the registry", fix="push the image first")
+        raise UserError(f"{shown(reg.host, reg.repo, ref)} is not in the registry", fix="push the image first")
     body, mt, digest = got
     if mt in INDEX_TYPES:
         doc = json.loads(body)
         want = [m for m in doc.get("manifests", []) if platform and
                 (m.get("platform", {}).get("os"), m.get("platform", {}).get("architecture")) == platform]
         if len(want) != 1:
-            raise UserError(f"{reg.host}/{reg.repo}:{ref} is an index with no single {platform} manifest",
-                            fix="attach to the platform's own tag or digest")
+            raise UserError(f"{shown(reg.host, reg.repo, ref)} is an index with no single "
+                            f"{'/'.join(platform or ('?', '?'))} manifest", fix="attach to the platform's own tag or "
+                                                                              "digest")
         return {"mediaType": want[0]["mediaType"], "digest": want[0]["digest"], "size": want[0]["size"]}
     return {"mediaType": mt, "digest": digest, "size": len(body)}
+
+
+def image_id_of(sbom: dict) -> str | None:
+    for p in sbom.get("metadata", {}).get("component", {}).get("properties", []):
+        if p["name"] == "trainbox:image-id":
+            return p["value"]
+    return None
+
+
+def check_subject(reg: Registry, ref: str, subject: dict, sbom: dict) -> None:
+    """The image in the registry must be the one the SBOM was read from: the same platform (an amd64 SBOM on an
+    arm64 manifest is wrong), and the same image (its config is the local image's id) where the SBOM names one."""
+    platform, image_id = platform_of(sbom), image_id_of(sbom)
+    if not platform and not image_id:
+        return
+    got = reg.manifest(subject["digest"])
+    config = json.loads(got[0]).get("config", {}).get("digest") if got else None
+    if not config:
+        return   # not an image manifest: nothing to compare
+    where = shown(reg.host, reg.repo, ref)
+    if platform:
+        cfg = json.loads(reg.blob(config))
+        have = (cfg.get("os"), cfg.get("architecture"))
+        if have != tuple(platform):
+            raise UserError(f"--attach {where} is a {'/'.join(map(str, have))} image, the SBOM describes a "
+                            f"{'/'.join(platform)} one (an SBOM lists one platform's files)",
+                            fix=f"attach it to the {platform[1]} image's own tag or digest")
+    if image_id and image_id not in (config, subject["digest"]):
+        raise UserError(f"--attach {where} is another image (config {config[:19]}...) than the one the SBOM was read "
+                        f"from ({image_id[:19]}...)", fix="push the local image to that tag first, or attach to the "
+                                                          "tag it was pushed as")
 
 
 def _fallback_tag(digest: str) -> str:
@@ -436,9 +351,10 @@ def _fallback_tag(digest: str) -> str:
 
 def attach(sbom: dict, image_ref_in_registry: str) -> str:
     """Push SBOM as an OCI referrer of the image IMAGE_REF_IN_REGISTRY names; returns the referrer's digest."""
-    host, repo, ref = _split_ref(image_ref_in_registry)
+    host, repo, ref = split_ref(image_ref_in_registry)
     reg = Registry(host, repo)
     subject = subject_of(reg, ref, platform_of(sbom))
+    check_subject(reg, ref, subject, sbom)
     config = reg.put_blob(b"{}")
     layer = reg.put_blob(dumps(sbom).encode())
     created = sbom.get("metadata", {}).get("timestamp", "")
@@ -469,7 +385,7 @@ def attach(sbom: dict, image_ref_in_registry: str) -> str:
 
 def referrers(image_ref_in_registry: str, artifact_type: str = MEDIA_TYPE, platform=None) -> list[dict]:
     """Descriptors of the referrers of the image (Referrers API, else the tag schema), of ARTIFACT_TYPE."""
-    host, repo, ref = _split_ref(image_ref_in_registry)
+    host, repo, ref = split_ref(image_ref_in_registry)
     reg = Registry(host, repo)
     subject = subject_of(reg, ref, platform)
     r = reg.request("GET", f"{reg.base}/referrers/{subject['digest']}", headers={"Accept": OCI_INDEX})
@@ -483,7 +399,7 @@ def referrers(image_ref_in_registry: str, artifact_type: str = MEDIA_TYPE, platf
 
 def read_back(image_ref_in_registry: str, platform=None) -> list[dict]:
     """Every SBOM attached to the image, as dicts, oldest first (each checked against its digests)."""
-    host, repo, _ = _split_ref(image_ref_in_registry)
+    host, repo, _ = split_ref(image_ref_in_registry)
     reg = Registry(host, repo)
     out = []
     for desc in referrers(image_ref_in_registry, MEDIA_TYPE, platform):
@@ -510,14 +426,12 @@ def main(argv: list[str] | None = None) -> int:
     why = atomic.why_not_a_folder(Path(a.output).absolute().parent)
     if why:
         raise UserError(f"--output {a.output}: cannot write there: {why}", fix="give a writable path")
-    from builder.options import check_file_name
-    from builder.reference import check_image
-    check_file_name(a.output, "--output")   # not a folder, a name the file system holds
-    check_image(a.image, "image")   # bad input before any work
-    if a.attach:
-        _split_ref(a.attach)
+    options.check_file_name(a.output, "--output")   # not a folder, a name the file system holds
+    reference.check_image(a.image, "image")   # bad input before any work
+    if a.attach is not None:   # `--attach ''` too: an option given is honoured or refused, never ignored
+        split_ref(a.attach)
     sbom = generate(a.image)
-    attached = attach(sbom, a.attach) if a.attach else None  # first: a failed attach leaves no file behind
+    attached = attach(sbom, a.attach) if a.attach is not None else None  # first: a failed attach leaves no file behind
     atomic.write_text(a.output, dumps(sbom))
     if attached:
         print(f"attached {attached} to {a.attach}")

@@ -16,8 +16,10 @@ MASK = "***"
 SECRET_NAME = r"[A-Za-z0-9_.-]*(?:token|password|passwd|secret|api[_-]?key|credential|signature)[A-Za-z0-9_.-]*"
 # ASCII whitespace ends a URL (re.ASCII): Unicode spaces inside one are hidden with it rather than splitting it.
 _URL = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>`]*", re.ASCII)
-# user:password@ outside a URL we recognised (a scheme-less mirror, or text that broke the URL at a quote or space)
-_LOOSE_USERINFO = re.compile(r"[^\s/@]*:(?!//)[^\s@]+@", re.ASCII)
+# user:password@ outside a URL we recognised (a scheme-less mirror, or text that broke the URL at a quote or space);
+# not an image digest (`HOST:PORT/REPO@sha256:HEX`: an algorithm name, then hex with a letter, which no port is)
+_LOOSE_USERINFO = re.compile(r"[^\s/@]*:(?!//)[^\s@]+@(?![A-Za-z]+[0-9]+:[0-9a-fA-F]*[a-fA-F][0-9a-fA-F]*(?![\w.-]))",
+                             re.ASCII)
 _QUERY_SECRET = re.compile(rf"(?i)([?&;]{SECRET_NAME}=)[^&#;\s]*")
 _OPTION = re.compile(rf"(?i)^--?{SECRET_NAME}$")
 _OPTION_EQ = re.compile(rf"(?i)^(--?{SECRET_NAME}=)(.*)$", re.S)

@@ -135,15 +135,15 @@ def test_help_lists_every_contract_flag():
 
 
 def _fake_engine(monkeypatch, module):
-    """Stand in for builder.engine whether or not another test imported the real one already:
-    `from builder import engine` reads the package attribute first, sys.modules second."""
+    """Stand in for builder.pipeline (the build run) whether or not another test imported the real one already:
+    `from builder import pipeline` reads the package attribute first, sys.modules second."""
     import builder
 
-    monkeypatch.setitem(sys.modules, "builder.engine", module)
+    monkeypatch.setitem(sys.modules, "builder.pipeline", module)
     if module is None:
-        monkeypatch.delattr(builder, "engine", raising=False)
+        monkeypatch.delattr(builder, "pipeline", raising=False)
     else:
-        monkeypatch.setattr(builder, "engine", module, raising=False)
+        monkeypatch.setattr(builder, "pipeline", module, raising=False)
 
 
 def test_build_mode_renders_then_calls_the_engine_with_typed_options(tmp_path, monkeypatch):
@@ -177,7 +177,7 @@ def test_build_mode_renders_then_calls_the_engine_with_typed_options(tmp_path, m
 def test_build_mode_without_engine_exits_1(tmp_path, monkeypatch, capsys):
     _fake_engine(monkeypatch, None)   # import raises ImportError
     assert cli.main(["smoke-x86_64", "--output-dir", str(tmp_path)]) == 1
-    assert "build engine (builder/engine.py) is not available" in capsys.readouterr().err
+    assert "build pipeline (builder/pipeline.py) is not available" in capsys.readouterr().err
 
 
 def test_user_error_from_the_engine_is_one_line(tmp_path, monkeypatch, capsys):

@@ -1,0 +1,59 @@
+"""The build run on top of the floor: lock -> build -> export -> push -> report, for the cells build.py selected.
+
+Below it: engine.py (build and tag one cell), enroot.py (.sqsh), publish.py (push, SBOM, manifest lists), report.py,
+and the outside world's two doors, docker.py (the engine) and registry.py. Nothing below imports this module.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from builder import enroot, lock, publish, report
+from builder.docker import check_engine, choose_builder, platform_arch
+from builder.engine import BuildResult, TagJournal, build_cell, build_context, refuse_emulated_compile
+from builder.errors import UserError
+from builder.options import BuildOptions
+
+
+def build_cells(cells, opts: BuildOptions) -> int:
+    """The CLI's real build: build every cell, optionally push and join arches into manifest lists, report. With
+    --push every tag the run moved is put back when any of its builds, pushes or manifest lists fails."""
+    quiet = opts.quiet
+    builder = choose_builder("buildx" if opts.buildx_builder else opts.builder)
+    refuse_emulated_compile(cells, opts.native_builder, opts.output_dir)  # before any lock or build work
+    check_engine(builder)
+    if (opts.cache_from or opts.cache_to) and builder.kind != "buildx":
+        raise UserError(f"--cache-from/--cache-to need buildx; the builder here is {builder.kind} ({builder.cli})",
+                        fix="install Docker's buildx plugin (docker/setup-buildx-action in CI), or build without them")
+    if not quiet:
+        print(f"builder: {builder.kind} ({builder.cli})", flush=True)
+    # The lock step: every missing or stale lock of the selection is resolved before the first build.
+    lock.ensure([c for c in cells if hasattr(c, "venv")], root=opts.output_dir, overrides=dict(opts.index_overrides),
+                frozen=opts.frozen, quiet=quiet, bases=dict(opts.bases))
+    refuse_emulated_compile(cells, opts.native_builder, opts.output_dir)  # a probed arch's lock may say "source"
+    results: list[BuildResult] = []
+    lists: dict[str, str] = {}
+    journal = TagJournal(builder.client()) if opts.push else None
+    try:
+        with build_context(opts.output_dir, cells) as context:
+            for cell in cells:
+                res = build_cell(cell, builder=builder, context=context, registry=opts.registry, bases=dict(opts.bases),
+                                 wheelhouse=opts.wheelhouse, secrets=list(opts.secrets), no_cache=opts.no_cache,
+                                 quiet=quiet, index_overrides=dict(opts.index_overrides),
+                                 extra_args=dict(opts.build_args), native_builder=opts.native_builder,
+                                 buildx_builder=opts.buildx_builder, journal=journal,
+                                 cache_from=opts.cache_from, cache_to=opts.cache_to)
+                results.append(res)
+                if opts.sqsh:
+                    enroot.export_image(res.refs[0], Path(opts.sqsh) / f"{cell.tag}.sqsh",
+                                        compression=opts.sqsh_compression, block_size=opts.sqsh_block_size,
+                                        use_enroot=opts.use_enroot, progress=not quiet,
+                                        arch=platform_arch(cell.platform))
+        if opts.push:
+            publish.push_all(cells, results, lists, opts.registry, builder, quiet, lock_root=opts.output_dir)
+    except BaseException as e:
+        stuck = journal.rollback() if journal else []
+        if stuck and isinstance(e, UserError):
+            raise UserError(f"{e}; these tags could not be removed: {', '.join(stuck)}") from None
+        raise
+    report.emit(results, lists, opts.report, quiet=quiet)
+    return 0
