@@ -24,6 +24,7 @@ from pathlib import Path
 import jinja2
 
 from builder.errors import UserError, reports_user_errors
+from builder.options import check_file_target
 from entrypoints import atomic, launch
 
 TEMPLATES = Path(__file__).resolve().parent / "templates" / "slurm"
@@ -239,9 +240,10 @@ def _ray_args(spec: JobSpec) -> tuple[str, ...]:
 
 
 def write(spec: JobSpec, dest) -> Path:
-    """Render and write through the one atomic writer (temp sibling, fsync, rename), executable."""
+    """Render and write through the one atomic writer (temp sibling, fsync, rename), executable; DEST checked first
+    by the writers' one rule (options.check_file_target: no folder, device, fifo, broken link, /proc /sys /dev)."""
     text = render(spec)
-    dest = Path(dest)
+    dest = check_file_target(dest, "-o")
     if not dest.parent.is_dir():
         raise UserError(f"output directory {str(dest.parent)!r} does not exist; create it first")
     atomic.write_text(dest, text, mode=0o755)

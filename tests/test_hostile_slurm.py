@@ -1,0 +1,134 @@
+"""Issue 29's hostile cases on `python -m builder.slurm` and the output targets every host writer shares
+(#1 injection through --log-dir, #2 and #7 output targets, #16 Slurm's limits, #17 options of other entrypoints).
+Each: exit 2, one `error:` line, nothing written or replaced."""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import socket
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from builder import options, sbom, slurm
+from builder.errors import UserError
+from entrypoints import atomic
+
+SL = ["--tag", "smoke-x86_64", "--entrypoint", "sft", "--sqsh", "/shared/x.sqsh", "--nodes", "2",
+      "--config", "/data/a.yaml"]
+
+
+def call(main, *argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(list(argv))
+        except SystemExit as e:
+            rc = e.code
+    return rc, out.getvalue(), err.getvalue()
+
+
+def refused(rc: int, err: str, needle: str) -> None:
+    assert "Traceback" not in err, err
+    assert rc == 2 and len(err.splitlines()) == 1 and err.startswith("error: ") and needle in err, (rc, err)
+
+
+# ------------------------------------------------------------------ #2, #7: output targets (one rule, every writer)
+
+# Never /dev/null itself: a regression (or this test run without the fix, as root) would replace the machine's
+# /dev/null with a file. A new name under /dev shows the rule; the device node is made in tmp (root) or linked to.
+DEV = Path(f"/dev/trainbox-hostile-{os.getpid()}.sqsh")
+
+
+@pytest.fixture(autouse=True)
+def _no_file_left_in_dev():
+    yield
+    if DEV.is_file() and not DEV.is_symlink():
+        DEV.unlink()
+        pytest.fail(f"{DEV} was written")
+
+
+def _targets(tmp: Path) -> dict[str, tuple[Path, str]]:
+    """Paths a write must not replace, with the reason's words."""
+    (tmp / "folder").mkdir()
+    os.mkfifo(tmp / "fifo")
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(tmp / "sock"))
+    (tmp / "dangling").symlink_to(tmp / "nowhere")
+    (tmp / "loop").symlink_to(tmp / "loop")
+    (tmp / "to-proc").symlink_to("/proc/self/status")   # stat says a regular file; it lies under /proc
+    return {"/proc/t.sh": (Path("/proc/t.sh"), "under /proc"), "/sys/t.sh": (Path("/sys/t.sh"), "under /sys"),
+            "/dev/x.sqsh": (DEV, "under /dev"),
+            "folder": (tmp / "folder", "is a folder"), "fifo": (tmp / "fifo", "named pipe"),
+            "socket": (tmp / "sock", "socket"), "dangling": (tmp / "dangling", "broken symbolic link"),
+            "loop": (tmp / "loop", "can't be followed"), "to-proc": (tmp / "to-proc", "under /proc")}
+
+
+def _snapshot(tmp: Path) -> dict[str, tuple[int, str | None]]:
+    return {p.name: (p.lstat().st_mode, os.readlink(p) if p.is_symlink() else None) for p in tmp.iterdir()}
+
+
+@pytest.mark.parametrize("which", ["/proc/t.sh", "/sys/t.sh", "/dev/x.sqsh", "folder", "fifo", "socket",
+                                   "dangling", "loop", "to-proc"])
+def test_slurm_and_sbom_refuse_what_a_write_would_destroy(tmp_path, monkeypatch, which):
+    """#2 (a traceback before) and #7 (the node or link replaced by a regular file, exit 0)."""
+    path, needle = _targets(tmp_path)[which]
+    before = _snapshot(tmp_path)
+    refused(*call(slurm.main, *SL, "-o", str(path))[::2], needle)
+    monkeypatch.setattr(sbom, "generate", lambda image, *a, **k: {"x": 1})   # no engine: the check comes first
+    refused(*call(sbom.main, "--output", str(path), "trainbox:smoke-x86_64")[::2], needle)
+    assert _snapshot(tmp_path) == before
+
+
+def test_the_shared_check_and_the_writer_refuse_alike(tmp_path):
+    """build.py --report, builder.sbom, builder.slurm and builder.enroot's .sqsh all call options.check_file_target
+    (or atomic.why_not_a_file); the writer itself refuses too, so a caller that forgot to check fails closed."""
+    for path, needle in _targets(tmp_path).values():
+        for check in (options.check_file_target, options.check_file_name):
+            with pytest.raises(UserError, match=needle):
+                check(path, "--report")
+        with pytest.raises(atomic.UnwritableTarget):
+            atomic.write_text(path, "x")
+        with pytest.raises(atomic.UnwritableTarget):
+            atomic.write_all({path: "x"})
+    assert "under /dev" in atomic.why_not_a_file("/dev/null")   # what builder.enroot's check needs
+    assert atomic.why_not_a_file("/dev/shm/x.sqsh") in (None, f"/dev/shm is not writable by this user "
+                                                              f"(uid {os.getuid()})")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a device node needs root")
+def test_a_device_node_is_not_replaced(tmp_path):
+    node = tmp_path / "null"
+    os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    (tmp_path / "link").symlink_to(node)
+    refused(*call(slurm.main, *SL, "-o", str(node))[::2], "character device")
+    refused(*call(slurm.main, *SL, "-o", str(tmp_path / "link"))[::2], "character device")
+    assert stat.S_ISCHR(node.lstat().st_mode) and (tmp_path / "link").is_symlink()
+
+
+def test_a_link_to_a_regular_file_is_written_through(tmp_path):
+    """The decision: a symbolic link to a regular file is followed (as `>` would): the target gets the new text
+    and keeps its mode, the link stays a link."""
+    (tmp_path / "jobs").mkdir()
+    target = tmp_path / "jobs" / "v3.sh"
+    target.write_text("old\n")
+    target.chmod(0o640)
+    link = tmp_path / "job.sh"
+    link.symlink_to("jobs/v3.sh")
+    rc, out, err = call(slurm.main, *SL, "-o", str(link))
+    assert rc == 0, err
+    assert link.is_symlink() and os.readlink(link) == "jobs/v3.sh"
+    assert target.read_text().startswith("#!/bin/bash\n") and stat.S_IMODE(target.stat().st_mode) == 0o640
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.sh", "jobs"]
+    assert sorted(p.name for p in (tmp_path / "jobs").iterdir()) == ["v3.sh"]
+    atomic.write_all({link: "all\n"})
+    assert link.is_symlink() and target.read_text() == "all\n" and stat.S_IMODE(target.stat().st_mode) == 0o640
+
+
+def test_a_new_file_in_a_folder_is_written(tmp_path):
+    rc, _, err = call(slurm.main, *SL, "-o", str(tmp_path / "j.sh"))
+    assert rc == 0, err
+    assert subprocess.run(["bash", "-n", str(tmp_path / "j.sh")]).returncode == 0
