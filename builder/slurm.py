@@ -18,12 +18,12 @@ import argparse
 import re
 import shlex
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import jinja2
 
-from builder.errors import UserError, reports_user_errors
+from builder.errors import UserError, reports_user_errors, shorten
 from builder.options import check_file_target
 from entrypoints import atomic, launch
 
@@ -32,13 +32,19 @@ TEMPLATES = Path(__file__).resolve().parent / "templates" / "slurm"
 VERL_JOBS = {"verl-ppo": "verl.trainer.main_ppo", "verl-sft": "verl.trainer.sft_trainer"}
 ENTRYPOINTS = ("sft", "grpo", "nccl-check", "ray", *VERL_JOBS)
 NO_CONFIG = ("nccl-check", "ray", *VERL_JOBS)  # entrypoints that take no YAML config (their options go after --)
-_MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+_MODULE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 MODES = ("pyxis", "enroot", "bare")
 # Where the convenience mounts land in the image (CONTRIBUTING.md: outputs default /workspace/outputs).
 DATA_DST, OUTPUTS_DST, HF_DST = "/data", "/workspace/outputs", "/cache/huggingface"
 _TIME_RE = re.compile(r"^(\d+-)?\d+(:\d{2}){0,2}$|^\d+-\d+$|^UNLIMITED$|^INFINITE$")
-_NAME_RE = re.compile(r"^[A-Za-z0-9._-]+$")
-_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Patterns are used with fullmatch: `$` also matches before a final newline ("t\n" would pass `^...$`).
+_NAME_RE = re.compile(r"[A-Za-z0-9._-]+")
+_ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# #SBATCH lines are read by sbatch, not the shell (src/sbatch/opt.c, _get_argument): white space ends the value,
+# ' " and \ are read its own way, an unquoted # starts a comment, and "hetjob"/"packjob" anywhere in the line is
+# blanked out (the heterogeneous-job separator). A value there is plain text: no quoting is safe for both readers.
+_SBATCH_TEXT_RE = re.compile(r"[A-Za-z0-9._/+@%=:,-]+")
+_SBATCH_KEYWORDS = ("hetjob", "packjob")
 
 
 def sqsh_name(tag: str) -> str:
@@ -104,12 +110,45 @@ class JobSpec:
     ray_args: tuple[str, ...] = ()  # verl-ppo: `trainbox ray` options (--num-cpus 8, --gpu-free-head is refused)
 
 
+def _texts(spec: JobSpec) -> list[tuple[str, str]]:
+    """(option, value) for every text of SPEC that reaches the script."""
+    out = [(f"--{f.name.replace('_', '-')}", getattr(spec, f.name)) for f in fields(spec)
+           if isinstance(getattr(spec, f.name), str)]
+    out += [("--env", f"{k}={v}") for k, v in spec.env] + [("--mount", m.pyxis) for m in spec.mounts]
+    return out + [("an argument after --", a) for a in spec.args] + [("--ray-arg", a) for a in spec.ray_args]
+
+
+def _check_text(spec: JobSpec) -> None:
+    """Every value on one line of printable text: a newline or other control character would end the line it is
+    rendered on (in an #SBATCH line: a command that runs before `set -euo pipefail`). Values in #SBATCH lines are
+    plain besides (_SBATCH_TEXT_RE): the shell's quoting means something else to sbatch."""
+    for flag, value in _texts(spec):
+        bad = next((ch for ch in value if not ch.isprintable() and ch != " "), None)
+        if bad is not None:
+            raise UserError(f"{flag} {shorten(value, 80)!r} holds the control character {bad!r}",
+                            fix="give each value on one line, printable characters only")
+    for flag, value in (("--tag", spec.tag), ("--partition", spec.partition), ("--account", spec.account),
+                        ("--log-dir", spec.log_dir)):
+        if value is None:
+            continue
+        if not _SBATCH_TEXT_RE.fullmatch(value):
+            raise UserError(f"{flag} {shorten(value, 80)!r} goes into an #SBATCH line, which sbatch (not the shell) "
+                            "reads: white space, quotes, '\\', '#' and other shell characters can't be quoted there",
+                            fix="use letters, digits and ._/+@%=:,- only (for a folder whose name has a space: a "
+                                "symbolic link to it without one)")
+        word = next((w for w in _SBATCH_KEYWORDS if w in value.lower()), None)
+        if word:
+            raise UserError(f"{flag} {shorten(value, 80)!r}: sbatch blanks out {word!r} anywhere in an #SBATCH line "
+                            "(its heterogeneous-job separator)", fix=f"choose a value without {word!r}")
+
+
 def _check(spec: JobSpec) -> None:
+    _check_text(spec)
     if spec.entrypoint not in ENTRYPOINTS:
         raise UserError(f"entrypoint {spec.entrypoint!r} has no job script; choose one of {', '.join(ENTRYPOINTS)}")
     if spec.mode not in MODES:
         raise UserError(f"mode {spec.mode!r} unknown; choose one of {', '.join(MODES)}")
-    if not _NAME_RE.match(spec.tag):
+    if not _NAME_RE.fullmatch(spec.tag):
         raise UserError(f"tag {spec.tag!r} may only use letters, digits, '.', '_' and '-' (it names the job)")
     if spec.nodes < 1:
         raise UserError(f"--nodes must be at least 1, got {spec.nodes}")
@@ -122,7 +161,7 @@ def _check(spec: JobSpec) -> None:
     if not _TIME_RE.match(spec.time):
         raise UserError(f"--time {spec.time!r} is not a Slurm time; use MM, HH:MM:SS or D-HH:MM:SS")
     for what, v in (("partition", spec.partition), ("account", spec.account)):
-        if v is not None and not _NAME_RE.match(v):
+        if v is not None and not _NAME_RE.fullmatch(v):
             raise UserError(f"--{what} {v!r} may only use letters, digits, '.', '_' and '-'")
     if spec.grace < 0:
         raise UserError(f"--grace must be 0 or more seconds, got {spec.grace}")
@@ -133,7 +172,7 @@ def _check(spec: JobSpec) -> None:
         raise UserError(f"no --config given: pass the {spec.entrypoint} YAML path "
                         + ("on the nodes" if spec.mode == "bare" else "as seen inside the image (e.g. /data/x.yaml)"))
     for k, _ in spec.env:
-        if not _ENV_NAME_RE.match(k):
+        if not _ENV_NAME_RE.fullmatch(k):
             raise UserError(f"--env {k!r} is not a variable name")
     if spec.vllm_nodes:
         if spec.entrypoint != "grpo" or spec.vllm_nodes != 1:
@@ -168,7 +207,7 @@ def _check_verl(spec: JobSpec) -> None:
     if spec.config:
         raise UserError(f"{spec.entrypoint} takes verl's Hydra overrides after -- (e.g. -- data.train_files=/data/"
                         "train.parquet model.path=/models/m), not --config")
-    if spec.module is not None and not _MODULE_RE.match(spec.module):
+    if spec.module is not None and not _MODULE_RE.fullmatch(spec.module):
         raise UserError(f"--module {spec.module!r} is not a Python module name (e.g. verl.trainer.main_ppo)")
     if spec.entrypoint == "verl-ppo":
         if spec.nproc_per_node is not None:

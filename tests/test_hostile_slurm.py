@@ -132,3 +132,56 @@ def test_a_new_file_in_a_folder_is_written(tmp_path):
     rc, _, err = call(slurm.main, *SL, "-o", str(tmp_path / "j.sh"))
     assert rc == 0, err
     assert subprocess.run(["bash", "-n", str(tmp_path / "j.sh")]).returncode == 0
+
+
+# ------------------------------------------------------------------ #1: nothing a value holds becomes a command
+
+def test_a_newline_in_log_dir_is_refused_not_run(tmp_path):
+    """#1: the line landed in `#SBATCH --output=` and ran before `set -euo pipefail`."""
+    rc, _, err = call(slurm.main, *SL, "-o", str(tmp_path / "j.sh"), "--log-dir", "/logs\necho INJECTED;#")
+    refused(rc, err, "--log-dir '/logs\\necho INJECTED;#' holds the control character '\\n'")
+    assert list(tmp_path.iterdir()) == []
+
+
+BARE = ["--tag", "t", "--mode", "bare", "--workdir", "/repo", "--config", "/c.yaml"]
+VERL = ["--tag", "t", "--entrypoint", "verl-ppo", "--sqsh", "/s/t.sqsh"]
+
+
+@pytest.mark.parametrize("base, option", [
+    (SL, ["--tag", "{v}"]), (SL, ["--config", "{v}"]), (SL, ["--sqsh", "/s/{v}.sqsh"]), (SL, ["--partition", "{v}"]),
+    (SL, ["--account", "{v}"]), (SL, ["--time", "10{v}"]), (SL, ["--log-dir", "{v}"]), (SL, ["--data", "/d{v}"]),
+    (SL, ["--outputs", "/o{v}"]), (SL, ["--hf-cache", "/h{v}"]), (SL, ["--mount", "/a{v}:/b"]),
+    (SL, ["--env", "A={v}"]), (SL, ["--env", "A{v}=1"]), (SL, ["--", "--max_steps", "{v}"]),
+    (BARE, ["--python", "{v}"]), (BARE, ["--workdir", "/r{v}"]), (VERL, ["--module", "m{v}"]),
+    (VERL, ["--ray-arg", "{v}"]), (VERL, ["--", "data.x={v}"]),
+])
+@pytest.mark.parametrize("char", ["\n", "\r", "\x0b", "\x1b", "\u2028", "\x85"])
+def test_a_control_character_in_any_option_is_one_error(tmp_path, base, option, char):
+    argv = [*base, "-o", str(tmp_path / "j.sh"), *(a.format(v=f"x{char}echo INJECTED") for a in option)]
+    rc, _, err = call(slurm.main, *argv)
+    refused(rc, err, "")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("option, needle", [
+    (["--log-dir", "/my logs"], "goes into an #SBATCH line"), (["--log-dir", "/logs#x"], "goes into an #SBATCH line"),
+    (["--log-dir", "/l'o\"g"], "goes into an #SBATCH line"), (["--log-dir", "/a\\b"], "goes into an #SBATCH line"),
+    (["--log-dir", "/logs/$(id)"], "goes into an #SBATCH line"), (["--log-dir", ""], "goes into an #SBATCH line"),
+    (["--log-dir", "/logs/HetJob"], "blanks out 'hetjob'"), (["--partition", "packjob"], "blanks out 'packjob'"),
+    (["--tag", "a b"], "goes into an #SBATCH line"), (["--account", "a;b"], "goes into an #SBATCH line"),
+])
+def test_values_of_sbatch_lines_are_plain(tmp_path, option, needle):
+    """sbatch reads #SBATCH lines itself (quotes, '\\', '#', white space; 'hetjob' blanked): refused, with why."""
+    rc, _, err = call(slurm.main, *SL, "-o", str(tmp_path / "j.sh"), *option)
+    refused(rc, err, needle)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_shell_values_stay_quoted(tmp_path):
+    """Spaces and shell characters where the shell reads them: quoted, one word each."""
+    rc, out, err = call(slurm.main, *SL[:-1], "/data/my config;$(id).yaml", "--env", "A=x y `id`", "--log-dir",
+                        "/lus/logs/%u", "--", "--run_name", "a b")
+    assert rc == 0, err
+    assert "export A='x y `id`'" in out and "ARGS=(sft --config '/data/my config;$(id).yaml' --run_name 'a b')" in out
+    assert "#SBATCH --output=/lus/logs/%u/%x-%j.out" in out
+    assert subprocess.run(["bash", "-n"], input=out, text=True).returncode == 0
