@@ -36,7 +36,11 @@ _MODULE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 MODES = ("pyxis", "enroot", "bare")
 # Where the convenience mounts land in the image (CONTRIBUTING.md: outputs default /workspace/outputs).
 DATA_DST, OUTPUTS_DST, HF_DST = "/data", "/workspace/outputs", "/cache/huggingface"
-_TIME_RE = re.compile(r"^(\d+-)?\d+(:\d{2}){0,2}$|^\d+-\d+$|^UNLIMITED$|^INFINITE$")
+# Slurm's --time forms (src/common/parse_time.c, time_str2secs): MIN, MIN:SEC, H:MIN:SEC, D-H, D-H:MIN, D-H:MIN:SEC.
+_TIME_RE = re.compile(r"(?:(?P<d>\d{1,9})-)?(?P<a>\d{1,9})(?::(?P<b>\d{1,9}))?(?::(?P<c>\d{1,9}))?")
+NO_LIMIT = ("UNLIMITED", "INFINITE", "-1")   # and 0: "a time limit of zero requests that no time limit be imposed"
+# Slurm keeps counts and time limits in seconds in C ints; the --signal warning time is 16 bits (sbatch(1)).
+SLURM_INT_MAX, SIGNAL_TIME_MAX = 2**31 - 1, 65535
 # Patterns are used with fullmatch: `$` also matches before a final newline ("t\n" would pass `^...$`).
 _NAME_RE = re.compile(r"[A-Za-z0-9._-]+")
 _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -110,6 +114,27 @@ class JobSpec:
     ray_args: tuple[str, ...] = ()  # verl-ppo: `trainbox ray` options (--num-cpus 8, --gpu-free-head is refused)
 
 
+def time_limit(value: str) -> int | None:
+    """Slurm's --time VALUE in seconds, rounded up to whole minutes as Slurm keeps it; None: no limit."""
+    m = _TIME_RE.fullmatch(value)
+    if value.upper() in NO_LIMIT:
+        return None
+    if not m:
+        raise UserError(f"--time {shorten(value, 40)!r} is not a Slurm time",
+                        fix="use MIN, MIN:SEC, H:MIN:SEC, D-H, D-H:MIN, D-H:MIN:SEC or UNLIMITED, e.g. 04:00:00")
+    d, a, b, c = (int(x) if x is not None else None for x in m.group("d", "a", "b", "c"))
+    if d is not None:
+        seconds = d * 86400 + a * 3600 + (b or 0) * 60 + (c or 0)
+    elif c is not None:
+        seconds = a * 3600 + b * 60 + c
+    else:
+        seconds = a * 60 + (b or 0)
+    if seconds > SLURM_INT_MAX - 59:
+        raise UserError(f"--time {value!r} is longer than Slurm can hold ({SLURM_INT_MAX} s)",
+                        fix="use UNLIMITED for no limit")
+    return -(-seconds // 60) * 60 or None
+
+
 def _texts(spec: JobSpec) -> list[tuple[str, str]]:
     """(option, value) for every text of SPEC that reaches the script."""
     out = [(f"--{f.name.replace('_', '-')}", getattr(spec, f.name)) for f in fields(spec)
@@ -150,6 +175,10 @@ def _check(spec: JobSpec) -> None:
         raise UserError(f"mode {spec.mode!r} unknown; choose one of {', '.join(MODES)}")
     if not _NAME_RE.fullmatch(spec.tag):
         raise UserError(f"tag {spec.tag!r} may only use letters, digits, '.', '_' and '-' (it names the job)")
+    for flag, n in (("--nodes", spec.nodes), ("--gpus-per-node", spec.gpus_per_node),
+                    ("--nproc-per-node", spec.nproc_per_node), ("--cpus-per-task", spec.cpus_per_task)):
+        if n is not None and n > SLURM_INT_MAX:
+            raise UserError(f"{flag} {shorten(str(n), 40)} is more than Slurm accepts ({SLURM_INT_MAX})")
     if spec.nodes < 1:
         raise UserError(f"--nodes must be at least 1, got {spec.nodes}")
     if spec.gpus_per_node < 0:
@@ -158,13 +187,17 @@ def _check(spec: JobSpec) -> None:
         raise UserError(f"--nproc-per-node must be at least 1, got {spec.nproc_per_node}")
     if spec.cpus_per_task is not None and spec.cpus_per_task < 1:
         raise UserError(f"--cpus-per-task must be at least 1, got {spec.cpus_per_task}")
-    if not _TIME_RE.match(spec.time):
-        raise UserError(f"--time {spec.time!r} is not a Slurm time; use MM, HH:MM:SS or D-HH:MM:SS")
+    limit = time_limit(spec.time)
     for what, v in (("partition", spec.partition), ("account", spec.account)):
         if v is not None and not _NAME_RE.fullmatch(v):
             raise UserError(f"--{what} {v!r} may only use letters, digits, '.', '_' and '-'")
-    if spec.grace < 0:
-        raise UserError(f"--grace must be 0 or more seconds, got {spec.grace}")
+    if not 0 <= spec.grace <= SIGNAL_TIME_MAX:
+        raise UserError(f"--grace {shorten(str(spec.grace), 40)} is not 0 to {SIGNAL_TIME_MAX} seconds "
+                        "(the range of Slurm's --signal warning time)")
+    if limit is not None and spec.grace >= limit:
+        raise UserError(f"--grace {spec.grace} is not shorter than the time limit (--time {spec.time}: {limit} s): "
+                        "Slurm would send the warning to checkpoint as the job starts",
+                        fix=f"use a --grace under {limit} s, or a longer --time")
     if spec.entrypoint == "ray" and not [a for a in spec.args if a != "--"]:
         raise UserError("--entrypoint ray needs the command the head runs, after --: python -m builder.slurm "
                         "--entrypoint ray ... -- python my_driver.py (ray options first: -- --gpu-free-head -- CMD)")
@@ -296,9 +329,14 @@ def _env_pair(s: str) -> tuple[str, str]:
     return k, v
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (reports_user_errors), not argparse's usage block
+        raise UserError(message, fix="see python -m builder.slurm --help")
+
+
 @reports_user_errors
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m builder.slurm", description=__doc__.split("\n")[0])
+    p = _Parser(prog="python -m builder.slurm", description=__doc__.split("\n")[0])
     p.add_argument("--tag", required=True, help="the cell's image tag (names the job)")
     p.add_argument("--entrypoint", default="sft", choices=ENTRYPOINTS)
     p.add_argument("--mode", default="pyxis", choices=MODES,

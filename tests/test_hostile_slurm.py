@@ -185,3 +185,37 @@ def test_shell_values_stay_quoted(tmp_path):
     assert "export A='x y `id`'" in out and "ARGS=(sft --config '/data/my config;$(id).yaml' --run_name 'a b')" in out
     assert "#SBATCH --output=/lus/logs/%u/%x-%j.out" in out
     assert subprocess.run(["bash", "-n"], input=out, text=True).returncode == 0
+
+
+# ------------------------------------------------------------------ #16: Slurm's own limits
+
+@pytest.mark.parametrize("option, needle", [
+    (["--nodes", "99999999999999999999"], "--nodes 99999999999999999999 is more than Slurm accepts (2147483647)"),
+    (["--nodes", "2147483648"], "more than Slurm accepts"), (["--gpus-per-node", "2147483648"], "more than Slurm"),
+    (["--cpus-per-task", "9" * 30], "more than Slurm"), (["--nproc-per-node", "2147483648"], "more than Slurm"),
+    (["--grace", "70000"], "--grace 70000 is not 0 to 65535 seconds"), (["--grace", "-1"], "is not 0 to 65535"),
+    (["--time", "1", "--grace", "300"], "--grace 300 is not shorter than the time limit (--time 1: 60 s)"),
+    (["--time", "5:00"], "not shorter than the time limit (--time 5:00: 300 s)"),          # MM:SS
+    (["--time", "0:04:59"], "(--time 0:04:59: 300 s)"),                                     # H:MM:SS, to the minute
+    (["--time", "0-1", "--grace", "3600"], "(--time 0-1: 3600 s)"),                          # D-H
+    (["--time", "0-0:5"], "is not shorter"),                                                 # D-H:MM
+    (["--time", "0-0:4:30"], "is not shorter"),                                              # D-H:MM:SS
+    (["--time", "2h"], "is not a Slurm time"), (["--time", "1:2:3:4"], "is not a Slurm time"),
+    (["--time", "99999999-0"], "longer than Slurm can hold"), (["--nodes", "two"], "invalid int value"),
+])
+def test_values_beyond_slurms_limits_are_refused(tmp_path, option, needle):
+    rc, _, err = call(slurm.main, *SL, "-o", str(tmp_path / "j.sh"), *option)
+    refused(rc, err, needle)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("option, signal", [
+    (["--time", "1", "--grace", "59"], "USR1@59"), (["--time", "5:01"], "USR1@300"), (["--time", "0-1"], "USR1@300"),
+    (["--time", "UNLIMITED", "--grace", "65535"], "USR1@65535"), (["--time", "0", "--grace", "3000"], "USR1@3000"),
+    (["--time", "infinite"], "USR1@300"), (["--nodes", "2147483647"], "USR1@300"),
+])
+def test_values_within_slurms_limits_render(option, signal):
+    rc, out, err = call(slurm.main, *SL, *option)
+    assert rc == 0 and f"#SBATCH --signal={signal}\n" in out, err
+    assert slurm.time_limit("1-00:00:00") == 86400 and slurm.time_limit("90") == 5400
+    assert slurm.time_limit("1:30") == 120 and slurm.time_limit("UNLIMITED") is None
