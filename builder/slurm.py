@@ -10,6 +10,8 @@ computes no address or port of its own.
 verl jobs (`--entrypoint verl-ppo|verl-sft`, pyxis or bare) come from their own template, verl.sh.j2: PPO runs
 verl's Ray driver on the head of a `trainbox ray` cluster, SFT runs verl's torchrun trainer through the launcher;
 what comes after -- are verl's Hydra overrides (key=value).
+Every option is checked before anything is written: one printable line per value, plain text in #SBATCH lines,
+Slurm's own limits, and an option only some jobs use (--config, --grace, --python...) refused for the others.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ NO_LIMIT = ("UNLIMITED", "INFINITE", "-1")   # and 0: "a time limit of zero requ
 SLURM_INT_MAX, SIGNAL_TIME_MAX = 2**31 - 1, 65535
 # Patterns are used with fullmatch: `$` also matches before a final newline ("t\n" would pass `^...$`).
 _NAME_RE = re.compile(r"[A-Za-z0-9._-]+")
+GRACE = 300  # seconds of warning (SIGUSR1) before the time limit, unless --grace says otherwise
 _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # #SBATCH lines are read by sbatch, not the shell (src/sbatch/opt.c, _get_argument): white space ends the value,
 # ' " and \ are read its own way, an unquoted # starts a comment, and "hetjob"/"packjob" anywhere in the line is
@@ -104,8 +107,8 @@ class JobSpec:
     outputs: str | None = None
     hf_cache: str | None = None
     log_dir: str = "."
-    grace: int = 300
-    python: str = "python3"  # bare mode
+    grace: int | None = None  # job.sh: default GRACE; verl jobs get no warning signal (refused)
+    python: str | None = None  # bare mode (default "python3")
     workdir: str | None = None  # bare mode: dir holding entrypoints/ (the repo root)
     env: tuple[tuple[str, str], ...] = ()
     args: tuple[str, ...] = field(default=())  # extra entrypoint options
@@ -191,11 +194,12 @@ def _check(spec: JobSpec) -> None:
     for what, v in (("partition", spec.partition), ("account", spec.account)):
         if v is not None and not _NAME_RE.fullmatch(v):
             raise UserError(f"--{what} {v!r} may only use letters, digits, '.', '_' and '-'")
-    if not 0 <= spec.grace <= SIGNAL_TIME_MAX:
-        raise UserError(f"--grace {shorten(str(spec.grace), 40)} is not 0 to {SIGNAL_TIME_MAX} seconds "
+    grace = GRACE if spec.grace is None else spec.grace
+    if not 0 <= grace <= SIGNAL_TIME_MAX:
+        raise UserError(f"--grace {shorten(str(grace), 40)} is not 0 to {SIGNAL_TIME_MAX} seconds "
                         "(the range of Slurm's --signal warning time)")
-    if limit is not None and spec.grace >= limit:
-        raise UserError(f"--grace {spec.grace} is not shorter than the time limit (--time {spec.time}: {limit} s): "
+    if limit is not None and grace >= limit and spec.entrypoint not in VERL_JOBS:
+        raise UserError(f"--grace {grace} is not shorter than the time limit (--time {spec.time}: {limit} s): "
                         "Slurm would send the warning to checkpoint as the job starts",
                         fix=f"use a --grace under {limit} s, or a longer --time")
     if spec.entrypoint == "ray" and not [a for a in spec.args if a != "--"]:
@@ -218,6 +222,7 @@ def _check(spec: JobSpec) -> None:
         _check_verl(spec)
     elif spec.module or spec.ray_args:
         raise UserError(f"--module/--ray-arg are for verl jobs ({', '.join(VERL_JOBS)}), not {spec.entrypoint}")
+    _check_scope(spec)
     if spec.mode == "bare":
         if spec.sqsh or spec.mounts or spec.data or spec.outputs or spec.hf_cache:
             raise UserError("bare mode runs on the nodes without a container: drop --sqsh/--mount/--data/--outputs/"
@@ -231,6 +236,23 @@ def _check(spec: JobSpec) -> None:
                             "try to pull it from a registry); export one with `python -m builder.enroot`")
         if "," in spec.sqsh or shlex.quote(spec.sqsh) != spec.sqsh:
             raise UserError(f"--sqsh {spec.sqsh!r} must not contain spaces, commas, quotes or shell characters")
+
+
+def _check_scope(spec: JobSpec) -> None:
+    """Options only some jobs use are refused for the others: an accepted option is honoured, never dropped."""
+    if spec.config and spec.entrypoint in NO_CONFIG:
+        raise UserError(f"--config: {spec.entrypoint} takes no YAML config (every node would refuse it)",
+                        fix=f"drop --config; give {spec.entrypoint}'s own options after -- "
+                            f"(trainbox {spec.entrypoint} --help lists them)")
+    if spec.nproc_per_node is not None and spec.entrypoint == "ray":
+        raise UserError("--nproc-per-node: `trainbox ray` starts one Ray node per Slurm node, no torchrun; Ray "
+                        "places the driver's processes", fix="drop it; the GPUs per node come from --gpus-per-node")
+    if spec.grace is not None and spec.entrypoint in VERL_JOBS:
+        raise UserError(f"--grace: {spec.entrypoint} jobs get no warning signal (verl handles no SIGUSR1; it "
+                        "checkpoints every trainer.save_freq steps)", fix="drop --grace")
+    if spec.mode != "bare" and (spec.python is not None or spec.workdir is not None):
+        raise UserError(f"--python/--workdir are for --mode bare; {spec.mode} mode runs the image's own Python",
+                        fix="drop them, or use --mode bare")
 
 
 def _check_verl(spec: JobSpec) -> None:
@@ -288,14 +310,16 @@ def render(spec: JobSpec) -> str:
             kind=spec.entrypoint, module=spec.module or VERL_JOBS[spec.entrypoint], tag=spec.tag, mode=spec.mode,
             nodes=spec.nodes, nproc=nproc, job_name=f"{spec.entrypoint}-{spec.tag}", gpus_per_node=spec.gpus_per_node,
             cpus_per_task=spec.cpus_per_task, partition=spec.partition, account=spec.account, time=spec.time,
-            log_dir=spec.log_dir.rstrip("/") or "/", sqsh=spec.sqsh, python=spec.python, workdir=spec.workdir,
+            log_dir=spec.log_dir.rstrip("/") or "/", sqsh=spec.sqsh, python=spec.python or "python3",
+            workdir=spec.workdir,
             env=env, args=spec.args, ray_args=spec.ray_args, mounts=mounts, container_workdir="/workspace",
             container_env=container_env)
     return jenv.get_template("job.sh.j2").render(
         entrypoint=spec.entrypoint, tag=spec.tag, mode=spec.mode, nodes=spec.nodes, nproc=nproc,
         job_name=f"{spec.entrypoint}-{spec.tag}", gpus_per_node=spec.gpus_per_node, cpus_per_task=spec.cpus_per_task,
         partition=spec.partition, account=spec.account, time=spec.time, log_dir=spec.log_dir.rstrip("/") or "/",
-        grace=spec.grace, sqsh=spec.sqsh, python=spec.python, workdir=spec.workdir, env=env,
+        grace=GRACE if spec.grace is None else spec.grace, sqsh=spec.sqsh, python=spec.python or "python3",
+        workdir=spec.workdir, env=env,
         args=[*(["--config", spec.config] if spec.config else []), *_ray_args(spec),
               *(["--vllm_server_nodes", str(spec.vllm_nodes)] if spec.vllm_nodes else [])], mounts=mounts,
         vllm_nodes=spec.vllm_nodes,
@@ -356,8 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mount", action="append", default=[], help="extra SRC:DST[:ro], repeatable")
     p.add_argument("--env", action="append", default=[], help="NAME=VALUE exported to the job, repeatable")
     p.add_argument("--log-dir", default=".", help="where Slurm writes JOBNAME-JOBID.out (default: submit dir)")
-    p.add_argument("--grace", type=int, default=300, help="seconds before the time limit to send SIGUSR1")
-    p.add_argument("--python", default="python3", help="bare mode: the Python with the training stack")
+    p.add_argument("--grace", type=int, help=f"seconds before the time limit to send SIGUSR1 (default {GRACE}; "
+                   "not for verl jobs)")
+    p.add_argument("--python", help="bare mode: the Python with the training stack (default python3)")
     p.add_argument("--workdir", help="bare mode: directory holding entrypoints/ (e.g. the repo root)")
     p.add_argument("--vllm-nodes", type=int, default=0,
                    help="grpo: the last node runs `trl vllm-serve`, the others train with vllm_mode server (1 or 0)")

@@ -219,3 +219,42 @@ def test_values_within_slurms_limits_render(option, signal):
     assert rc == 0 and f"#SBATCH --signal={signal}\n" in out, err
     assert slurm.time_limit("1-00:00:00") == 86400 and slurm.time_limit("90") == 5400
     assert slurm.time_limit("1:30") == 120 and slurm.time_limit("UNLIMITED") is None
+
+
+# ------------------------------------------------------------------ #17: options other jobs would ignore or refuse
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--entrypoint", "nccl-check", "--sqsh", "/s/t.sqsh", "--config", "/data/a.yaml"],
+     "--config: nccl-check takes no YAML config"),
+    (["--entrypoint", "ray", "--sqsh", "/s/t.sqsh", "--config", "/data/a.yaml", "--", "python", "d.py"],
+     "--config: ray takes no YAML config"),
+    (["--entrypoint", "verl-ppo", "--sqsh", "/s/t.sqsh", "--config", "/data/a.yaml"], "not --config"),
+    (["--entrypoint", "ray", "--sqsh", "/s/t.sqsh", "--nproc-per-node", "2", "--", "python", "d.py"],
+     "--nproc-per-node: `trainbox ray`"),
+    (["--entrypoint", "verl-sft", "--sqsh", "/s/t.sqsh", "--grace", "120"], "--grace: verl-sft jobs get no warning"),
+    (["--entrypoint", "sft", "--sqsh", "/s/t.sqsh", "--config", "/c.yaml", "--python", "/v/bin/python"],
+     "--python/--workdir are for --mode bare"),
+    (["--entrypoint", "sft", "--mode", "enroot", "--sqsh", "/s/t.sqsh", "--config", "/c.yaml", "--workdir", "/r"],
+     "--python/--workdir are for --mode bare"),
+    (["--entrypoint", "grpo", "--sqsh", "/s/t.sqsh", "--config", "/c.yaml", "--vllm-nodes", "1"], "leaves no node"),
+    (["--entrypoint", "sft", "--sqsh", "/s/t.sqsh", "--config", "/c.yaml", "--nodes", "2", "--vllm-nodes", "1"],
+     "only grpo has a vLLM server"),
+    (["--entrypoint", "grpo", "--sqsh", "/s/t.sqsh", "--config", "/c.yaml", "--module", "m"], "are for verl jobs"),
+])
+def test_an_option_the_job_would_not_honour_is_refused(tmp_path, argv, needle):
+    """#17: `--entrypoint nccl-check --config X` rendered `nccl-check --config X`, which every node refused."""
+    rc, _, err = call(slurm.main, "--tag", "t", "-o", str(tmp_path / "j.sh"), *argv)
+    refused(rc, err, needle)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_options_in_their_scope_still_render():
+    ok = [["--entrypoint", "nccl-check", "--sqsh", "/s/t.sqsh", "--", "--max-bytes", "256M"],
+          ["--entrypoint", "sft", "--mode", "bare", "--config", "/c.yaml", "--workdir", "/r", "--python", "/v/py"],
+          ["--entrypoint", "ray", "--sqsh", "/s/t.sqsh", "--grace", "60", "--", "python", "d.py"],
+          ["--entrypoint", "verl-sft", "--sqsh", "/s/t.sqsh", "--nproc-per-node", "2"]]
+    for argv in ok:
+        rc, out, err = call(slurm.main, "--tag", "t", *argv)
+        assert rc == 0 and out.startswith("#!/bin/bash\n"), (argv, err)
+    assert "export TRAINBOX_PYTHON=python3\n" in call(slurm.main, "--tag", "t", *ok[1][:-2])[1]
+    assert "#SBATCH --signal=USR1@300\n" in call(slurm.main, "--tag", "t", *SL[2:])[1]
