@@ -66,21 +66,20 @@ def check_dir(path: str | Path, flag: str) -> Path:
 
 
 def check_file_target(path: str | Path, flag: str) -> Path:
-    """A file the build will write at the end (e.g. --report): its folder checked now, not after an hour's build."""
-    p = Path(path)
-    check_dir(p.parent if str(p.parent) else ".", flag)
-    return check_file_name(p, flag)
+    """A file a command will write (build.py --report, a job script, an SBOM...), checked now (not after an hour's
+    build) by the writer's own rule, atomic.file_target: a new or regular file (a link to one is written through)
+    in a folder this user can write; never a folder, device node, fifo, socket, broken link, nor under /proc, /sys,
+    /dev; a name the file system can hold."""
+    why = atomic.why_not_a_file(path)
+    if why:
+        raise UserError(f"{flag} {shorten(str(path), 120)}: {why}",
+                        fix="pass the path of a regular file in a writable folder on a real disk")
+    return Path(path)
 
 
 def check_file_name(path: str | Path, flag: str) -> Path:
-    """A file path whose folder is already checked: not a folder itself, a name the file system can hold."""
-    p = Path(path)
-    if not atomic.name_fits(p):
-        raise UserError(f"{flag} {shorten(str(path), 120)}: the file name is too long for the file system",
-                        fix=f"pass a shorter name (under {atomic.NAME_MAX - 40} bytes)")
-    if p.is_dir():
-        raise UserError(f"{flag} {shorten(str(path), 120)} is a folder", fix="pass a file path, e.g. report.json")
-    return p
+    """The same check as check_file_target (one rule for every file target; this name stays for its callers)."""
+    return check_file_target(path, flag)
 
 
 def parse_build_args(pairs: list[str] | None) -> dict[str, str]:

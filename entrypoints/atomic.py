@@ -19,6 +19,7 @@ import re
 import secrets
 import shutil
 import socket
+import stat
 from pathlib import Path
 
 TMP_MARK = ".tmp."  # a temporary of NAME starts with ".NAME.tmp.": hidden, and never ends in NAME's suffix
@@ -127,13 +128,21 @@ def fsync_tree(root: str | Path) -> None:
     fsync_path(root)
 
 
+def _pseudo(p: Path) -> str | None:
+    """Why an absolute path lies where no file of ours belongs (/proc, /sys, the device tree), or None."""
+    # /dev/shm is a tmpfs (shared memory) that holds files like any folder: only the device tree itself is refused.
+    if p.parts[1:2] in (("proc",), ("sys",)) or (p.parts[1:2] == ("dev",) and p.parts[2:3] != ("shm",)):
+        return f"it is under /{p.parts[1]}, which holds no files"
+    return None
+
+
 def why_not_a_folder(path: str | Path) -> str | None:
     """Why PATH can't be (made) a folder this user writes into (a file on the way, /proc /sys /dev, no write
     permission, a read-only mount), or None. Checked before long work, by the builder and the trainers alike."""
     p = Path(os.path.abspath(os.path.expanduser(str(path))))
-    # /dev/shm is a tmpfs (shared memory) that holds files like any folder: only the device tree itself is refused.
-    if p.parts[1:2] in (("proc",), ("sys",)) or (p.parts[1:2] == ("dev",) and p.parts[2:3] != ("shm",)):
-        return f"it is under /{p.parts[1]}, which holds no files"
+    why = _pseudo(p)
+    if why:
+        return why
     probe = p
     try:
         while not probe.exists() and probe != probe.parent:
@@ -153,12 +162,73 @@ def why_not_a_folder(path: str | Path) -> str | None:
 
 # ---------------------------------------------------------------- files
 
+class UnwritableTarget(OSError):
+    """PATH can't take a file written through `replacing` (its message says why, in words for a user)."""
+
+
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISFIFO, "a named pipe (fifo)"), (stat.S_ISSOCK, "a socket"))
+
+
+def file_target(path: str | Path) -> tuple[Path, int | None]:
+    """Where a write of PATH lands, and the mode it keeps: (PATH, None) for a new or regular file; for a symbolic
+    link to a regular file, (the link's target, the target's mode): the write goes through, the link stays a link.
+    Raises UnwritableTarget for what a rename would destroy or can't land in: a folder, a device node, a fifo, a
+    socket, a broken link, a path under /proc, /sys or /dev, a folder this user can't write, an overlong name.
+    The one rule for every file writer; CLIs check it before any work (builder.options.check_file_target)."""
+    p = Path(os.path.abspath(path))
+    if "\0" in str(p):
+        raise UnwritableTarget("the path holds a NUL character")
+    why = _pseudo(p) or why_not_a_folder(p.parent)
+    if why:
+        raise UnwritableTarget(why)
+    if not name_fits(p):
+        raise UnwritableTarget(f"the file name is too long for the file system (under {NAME_MAX - 40} bytes)")
+    try:
+        st = os.lstat(p)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:   # ENAMETOOLONG, EACCES...
+        raise UnwritableTarget(e.strerror or str(e)) from None
+    keep = None
+    if st is not None and stat.S_ISLNK(st.st_mode):
+        try:
+            st = os.stat(p)
+        except FileNotFoundError:
+            raise UnwritableTarget(f"it is a broken symbolic link (to {os.readlink(p)})") from None
+        except OSError as e:   # a link loop
+            raise UnwritableTarget(f"it is a symbolic link that can't be followed: {e.strerror or e}") from None
+        p = Path(os.path.realpath(p))
+        why = _pseudo(p) or why_not_a_folder(p.parent)
+        if why:
+            raise UnwritableTarget(f"it is a symbolic link to {p}: {why}")
+        keep = stat.S_IMODE(st.st_mode)
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        kind = next((k for test, k in _KINDS if test(st.st_mode)), "not a regular file")
+        raise UnwritableTarget(f"it is {kind}, not a regular file" if kind != "a folder" else "it is a folder")
+    if keep is not None and not name_fits(p):
+        raise UnwritableTarget(f"its target {p} has a name too long for the file system's temporaries")
+    return (p, keep) if keep is not None else (Path(path), None)
+
+
+def why_not_a_file(path: str | Path) -> str | None:
+    """Why PATH can't take a file written through `replacing` (file_target's reason), or None."""
+    try:
+        file_target(path)
+    except UnwritableTarget as e:
+        return str(e)
+    return None
+
+
 @contextlib.contextmanager
 def replacing(path: str | Path, mode: int | None = 0o644):
     """`with replacing(DEST) as tmp:` write the new file at `tmp` (any program may); on a clean exit it is fsynced,
     given MODE and renamed over DEST, then DEST's folder is fsynced. On any error (or signal turned exception)
-    the temporary goes and DEST stays as it was."""
-    path = Path(path)
+    the temporary goes and DEST stays as it was. DEST must be a file_target (UnwritableTarget otherwise): a link to
+    a regular file is written through, keeping its target's mode."""
+    path, keep = file_target(path)
+    if keep is not None:
+        mode = keep
     path.parent.mkdir(parents=True, exist_ok=True)
     clean_stale(path)  # what an earlier writer of PATH on this host left when it was killed
     tmp = temp_path(path)
@@ -248,9 +318,10 @@ def write_all(files: dict[Path, str], mode: int = 0o644) -> list[Path]:
     """Write several files as one change: every new content goes to a temporary first (an error or a signal then
     leaves every file as it was), then all are renamed into place with SIGINT/SIGTERM held. Returns those changed."""
     staged: list[tuple[Path, Path]] = []
+    changed: list[Path] = []
     try:
-        for path, text in files.items():
-            path = Path(path)
+        targets = [(Path(given), *file_target(given), text) for given, text in files.items()]   # all, before any
+        for given, path, keep, text in targets:
             try:
                 if path.read_text(encoding="utf-8") == text:
                     continue
@@ -260,9 +331,10 @@ def write_all(files: dict[Path, str], mode: int = 0o644) -> list[Path]:
             clean_stale(path)
             tmp = temp_path(path)
             staged.append((tmp, path))
+            changed.append(given)
             with open(tmp, "xb") as f:
                 f.write(text.encode("utf-8"))
-            os.chmod(tmp, mode)
+            os.chmod(tmp, mode if keep is None else keep)
             fsync_path(tmp)
         with signals_held():
             for tmp, path in staged:
@@ -272,7 +344,7 @@ def write_all(files: dict[Path, str], mode: int = 0o644) -> list[Path]:
             tmp.unlink(missing_ok=True)
     for parent in {path.parent for _, path in staged}:
         fsync_path(parent)
-    return [path for _, path in staged]
+    return changed
 
 
 def copy_tree(src: str | Path, dest: str | Path, ignore=None) -> Path:
