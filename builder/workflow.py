@@ -7,10 +7,11 @@ a pull request only the venvs whose inputs a changed path touches).
 build.yml: `test` (the suite without engine and Slurm: unit, rendered files, hadolint, actionlint, the index facts)
 and `test-engine` (the engine tests on the hosted runner's own Docker) gate everything; `plan` picks the venvs; one
 `build` job per venv (CUDA x arch x stack) on a native runner of that arch (arm64 on GitHub's arm64 runners: nothing
-is emulated; a venv with no committed lock is not built: lock.yml makes it), building that venv's cells one after
-another from the committed locks (`--frozen`), so they share the
-venv layer byte for byte, with BuildKit's registry cache; each pushed image gets its SBOM (`python -m builder.sbom`,
-attached as an OCI referrer and as a signed cosign attestation). Then one `publish` job per cell joins its arches into
+is emulated), building that venv's cells one after another from the committed locks (`--frozen`), so they share the
+venv layer byte for byte, with BuildKit's registry cache (a cell one of whose locks - venv, flavour, attention,
+base digest, its base cell's for a flavour - is not committed is not planned: the plan names the lock and lock.yml,
+which makes it); each pushed image gets its SBOM (`python -m builder.sbom`, attached as an OCI referrer and as a
+signed cosign attestation). Then one `publish` job per cell joins its arches into
 a manifest list (`python -m builder.publish manifest`, which refuses when an arch is missing), signs it keylessly
 (cosign, every platform manifest too) and records SLSA provenance for its digest in the registry; one job joins every
 venv job's report into the whole matrix's registry storage (`python -m builder.report`). No job exports `.sqsh` files
@@ -35,7 +36,7 @@ from pathlib import Path, PurePosixPath
 import yaml
 
 from entrypoints import atomic
-from builder import flashwheels   # flash-wheels.yml (it imports this module only inside functions)
+from builder import flashwheels, lock   # flash-wheels.yml (it imports this module only inside functions)
 from builder.errors import UserError, reports_user_errors
 from builder.matrix import DEFAULT_MATRIX, INDEX_NAMES, load_matrix
 
@@ -104,21 +105,39 @@ def venv_groups(matrix_path: str | Path = DEFAULT_MATRIX) -> dict[str, list]:
     return dict(sorted(groups.items()))
 
 
-def unlocked(matrix_path: str | Path = DEFAULT_MATRIX) -> list[str]:
-    """The venvs with no committed lock (locks/<venv>.txt next to the matrix): builds are `--frozen`, so these are
-    not built until lock.yml's pull request brings their reviewed lock (the cu129 venvs, whose indexes the project's
-    own machines can't reach, start that way)."""
-    locks = Path(matrix_path).parent / "locks"
-    return [venv for venv in venv_groups(matrix_path) if not (locks / f"{venv}.txt").is_file()]
+def blocked(matrix_path: str | Path = DEFAULT_MATRIX) -> dict[str, list[lock.Unfrozen]]:
+    """Cell tag -> every lock its `--frozen` build would refuse (lock.frozen_problems, the check build.py's lock step
+    makes): a venv, flavour or attention lock not committed (or stale) next to the matrix, a base tag without a digest.
+    Builds are `--frozen`, so these cells are not built until lock.yml's pull request brings their reviewed locks (the
+    cu129 venvs, and the FlashAttention 3 attention locks, whose indexes the project's own machines can't reach,
+    start that way)."""
+    root = Path(matrix_path).parent
+    out: dict[str, list[lock.Unfrozen]] = {}
+    for group in venv_groups(matrix_path).values():
+        for c in group:
+            problems = lock.frozen_problems([c], root)
+            if problems:
+                out[c.tag] = problems
+    return out
+
+
+def notices(matrix_path: str | Path = DEFAULT_MATRIX) -> list[str]:
+    """One line per missing lock: the cells it keeps from being built and the workflow that makes it."""
+    by_lock: dict[tuple[str, str], list[lock.Unfrozen]] = {}
+    for problems in blocked(matrix_path).values():
+        for p in problems:
+            by_lock.setdefault((p.lock, p.state), []).append(p)
+    return [f"not built: {', '.join(p.cell.tag for p in ps)} ({path} is {state}, --frozen refuses it); lock.yml makes "
+            f"it (`{ps[0].fix}`): run it and merge its pull request" for (path, state), ps in by_lock.items()]
 
 
 def plan(changed: list[str] | None = None, matrix_path: str | Path = DEFAULT_MATRIX) -> list[dict]:
     """The build jobs: every venv when CHANGED is None (a push), else only the venvs whose inputs a changed path
     touches: images/<tag>/ and locks/<venv>.txt, locks/<tag>.* select their own venv; tests, benchmarks, devenv, CI
     scripts and Markdown select none; any other path (builder/, entrypoints/, matrix.toml, build.py...) every venv.
-    A venv without a committed lock is never planned (unlocked())."""
+    A cell whose --frozen build would refuse a lock (blocked()) is never planned, nor a venv left with no cell."""
     groups = venv_groups(matrix_path)
-    waiting = set(unlocked(matrix_path))
+    waiting = set(blocked(matrix_path))
     if changed is None:
         wanted = set(groups)
     else:
@@ -141,18 +160,21 @@ def plan(changed: list[str] | None = None, matrix_path: str | Path = DEFAULT_MAT
                     wanted = set(groups)
             else:
                 wanted = set(groups)
+    ready = {venv: [c for c in g if c.tag not in waiting] for venv, g in groups.items()}
     # tags, not names: a flavour's tag is not NAME-ARCH
     return [{"venv": venv, "arch": g[0].arch, "cells": " ".join(c.tag for c in g), "runner": RUNNERS[g[0].arch]}
-            for venv, g in groups.items() if venv in wanted and venv not in waiting]
+            for venv, g in ready.items() if venv in wanted and g]
 
 
 def publish_rows(include: list[dict], matrix_path: str | Path = DEFAULT_MATRIX) -> list[dict]:
     """The publish jobs for the planned build jobs INCLUDE: one per cell name; `join` where the matrix has that name
-    on several arches (its manifest list; `builder.publish manifest` refuses when an arch was not pushed)."""
+    on several arches (its manifest list; `builder.publish manifest` refuses when an arch was never pushed), so not
+    where an arch of the name is never built (blocked())."""
     cells = [c for g in venv_groups(matrix_path).values() for c in g]
     planned = {t for i in include for t in i["cells"].split()}
+    waiting = set(blocked(matrix_path))
     multi = {c.name for c in cells if sum(1 for d in cells if d.name == c.name) > 1}
-    names = sorted({c.name for c in cells if c.tag in planned})
+    names = sorted({c.name for c in cells if c.tag in planned} - {c.name for c in cells if c.tag in waiting})
     return [{"cell": n, "ref": n if n in multi else next(c.tag for c in cells if c.name == n), "join": n in multi}
             for n in names]
 
@@ -362,7 +384,8 @@ def lock_dict(matrix_path: str | Path = DEFAULT_MATRIX) -> dict:
     venv_groups(matrix_path)   # the same matrix checks as build.yml
     return _pr_workflow(
         "re-lock", "17 4 * * 1", "lock",
-        [{"name": "Re-lock every cell through the indexes (the cu129 locks included) and the bases by digest",
+        [{"name": "Re-lock every cell through the indexes (venv, flavour and attention locks; the cu129 venvs' and the "
+                  "FlashAttention 3 wheels' included) and the bases by digest",
           "env": INDEX_ENV,
           # --lock-bases asks the registry for each base tag's digest (a moved tag shows up here, as a lock change);
           # the re-render puts the new digests in images/
@@ -441,10 +464,9 @@ def main(argv: list[str] | None = None) -> int:
         if a.changed and not a.changed.is_file():
             raise UserError(f"no file {a.changed}", fix="pass the output of `git diff --name-only BASE HEAD`")
         include = plan(a.changed.read_text().splitlines() if a.changed else None, a.matrix)
-        for venv in unlocked(a.matrix):
+        for line in notices(a.matrix):
             # a GitHub notice in the job's log and summary; stdout stays the step outputs
-            print(f"::notice::{venv} not built: locks/{venv}.txt is not committed (run lock.yml and merge its pull "
-                  "request)", file=sys.stderr)
+            print(f"::notice::{line}", file=sys.stderr)
         print("matrix=" + json.dumps({"include": include}, separators=(",", ":")))
         print("publish=" + json.dumps({"include": publish_rows(include, a.matrix)}, separators=(",", ":")))
         print("any=" + ("true" if include else "false"))
