@@ -24,7 +24,7 @@ from typing import NamedTuple
 from builder import bases as base_lock, indexes
 from entrypoints import atomic
 from builder.errors import UserError
-from builder.matrix import ROOT, Cell
+from builder.matrix import ROOT, Cell, lock_names
 
 HEADER = "# trainbox lock for {name} ({platform}, python {python}); regenerate: python build.py --lock {tag}\n"
 INPUTS = "# inputs-sha256: {digest}\n"
@@ -166,6 +166,12 @@ def compile_lock(cell: Cell, overrides: dict[str, str] | None = None) -> str:
     body = _uv(cell, f"locks/{cell.venv}.txt", requirements_in(cell), args,
                {**({"default": default} if default else {}), **urls},
                project=project_text(cell, urls) if urls else None)
+    absent = [p for p in cell.sdists if p not in lock_names(body)]
+    if absent:   # `sdists` lets exactly these packages come as source archives: one the lock lacks is a mistake
+        raise UserError(f"cannot lock locks/{cell.venv}.txt for cell {cell.tag}: sdists names {absent[0]!r}, which "
+                        "the resolved lock does not contain", where=f"matrix.toml: flavour.{cell.flavour}.sdists",
+                        fix="name a package of the flavour's lock that is published as a source archive only, or "
+                            "drop it")
     return (HEADER.format(name=cell.venv, platform=cell.uv_platform, python=cell.python, tag=cell.tag)
             + INPUTS.format(digest=inputs_digest(cell)) + resolved_from(cell, urls, default, links) + body)
 

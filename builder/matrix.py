@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from packaging.utils import canonicalize_name
+
+from builder import dockerignore
 from builder import rules as rules_mod
 from builder import templating
 from builder.errors import UserError, shorten
@@ -509,8 +512,12 @@ def _build(path: Path, data: dict) -> Matrix:
                     exclusions.append(Exclusion(None, None, gpu, attention, hit[0],
                                                 f"{rule_table[hit[0]]} ({hit[1]})"))
 
+    # where each cell comes from: one name is one image (a manifest list over its arches), so one source
+    origin = {c.tag: f"[expand] cuda {c.cuda} gpu {c.gpu}" for c in cells}
     for i, c in enumerate(data.get("cell", [])):
-        cells.extend(_explicit_cells(f"{f}: cell[{i}]", f, data, ctx, naming, vtags, stacks, c))
+        made = _explicit_cells(f"{f}: cell[{i}]", f, data, ctx, naming, vtags, stacks, c)
+        origin.update({m.tag: f"cell[{i}]" for m in made})
+        cells.extend(made)
 
     for flavours in (False, True):   # the cells' tags first: a flavour names cells by tag
         if flavours:
@@ -522,6 +529,13 @@ def _build(path: Path, data: dict) -> Matrix:
                                 fix="naming.tag must contain {name} and {arch}, naming.flavour_tag {tag} and "
                                     "{flavour}; give explicit cells distinct names")
             seen[c.tag] = c.name
+    sources: dict[str, str] = {}
+    for c in cells:
+        source = f"[flavour.{c.flavour}] on cell {c.base.name}" if c.flavour else origin[c.tag]
+        if sources.setdefault(c.name, source) != source:
+            raise UserError(f"two cells are named {c.name!r}: {sources[c.name]} and {source}", where=f,
+                            fix="give every cell its own name ([[cell]] name; naming.cell_name needs {cuda} and {gpu}, "
+                                "naming.flavour_cell_name {name} and {flavour})")
     if not cells:
         raise UserError("the matrix yields no cells", where=f, fix="see `python build.py --explain`")
     return Matrix(path=path, cells=tuple(cells), exclusions=tuple(exclusions), rules=rule_table, data=data)
@@ -615,9 +629,10 @@ def _check_facts(f: str, facts: dict) -> None:
 
 
 def _resolve_stacks(f: str, table: dict) -> dict[str, dict[str, str]]:
+    own: dict[str, dict[str, str]] = {}
     for name, t in table.items():
         _check_table(f"{f}: stack.{name}", t, _STACK, ("packages",))
-        _str_table(f"{f}: stack.{name}.packages", t["packages"])
+        own[name] = packages_table(f"{f}: stack.{name}.packages", t["packages"])
     out: dict[str, dict[str, str]] = {}
 
     def resolve(name: str, chain: tuple) -> dict[str, str]:
@@ -633,13 +648,41 @@ def _resolve_stacks(f: str, table: dict) -> dict[str, dict[str, str]]:
                 raise UserError(f"unknown stack {t['extends']!r}", where=f"{f}: stack.{name}.extends",
                                 fix=f"choose one of {', '.join(table)}")
             pins.update(resolve(t["extends"], chain + (name,)))
-        for pkg, ver in t["packages"].items():
-            pins[pkg.lower()] = _pin(f"{f}: stack.{name}.packages.{pkg}", ver)
+        pins.update(own[name])   # canonical names: a stack's pin replaces the one it extends however spelled
         out[name] = pins
         return pins
 
     for name in table:
         resolve(name, ())
+    return out
+
+
+def packages_table(where: str, table: Any) -> dict[str, str]:
+    """A `packages = { NAME = "VERSION" }` table keyed by canonical (PEP 503) names, each name and pin checked: two
+    spellings of one package (trl and TRL, liger_kernel and liger-kernel) are one error, never "the last one wins"."""
+    out: dict[str, str] = {}
+    spelled: dict[str, str] = {}
+    for pkg, ver in _str_table(where, table).items():
+        _grammar(where, "package name", pkg, _PACKAGE, "a package name (PEP 508)")
+        name = canonicalize_name(pkg)
+        if name in spelled:
+            raise UserError(f"{spelled[name]!r} and {pkg!r} name one package ({name})", where=where,
+                            fix="pin each package once")
+        spelled[name] = pkg
+        out[name] = _pin(f"{where}.{pkg}", ver)
+    return out
+
+
+def package_list(where: str, value: Any) -> list[str]:
+    """A list of package names, canonical (PEP 503), each checked; two spellings of one package are an error."""
+    out: list[str] = []
+    for pkg in _str_list(where, value):
+        _grammar(where, "package name", pkg, _PACKAGE, "a package name (PEP 508)")
+        name = canonicalize_name(pkg)
+        if name in out:
+            raise UserError(f"{pkg!r} names a package listed already ({name})", where=where,
+                            fix="list each package once")
+        out.append(name)
     return out
 
 
@@ -674,13 +717,10 @@ def _flavour_cells(f: str, data: dict, ctx, naming: dict, vtags: list, cells: li
                 raise UserError(f"unknown base cell {n!r}", where=f"{w}.cells",
                                 fix="name cells or tags that `python build.py --list` shows (not flavour cells)")
             bases += [c for c in by_name[n] if c not in bases]
-        packages = {pkg.lower(): _pin(f"{w}.packages.{pkg}", v)
-                    for pkg, v in _str_table(f"{w}.packages", t["packages"]).items()}
+        packages = packages_table(f"{w}.packages", t["packages"])
         if not packages:
             raise UserError("packages must not be empty", where=f"{w}.packages")
-        for pkg in packages:
-            _grammar(w, "package name", pkg, _PACKAGE, "a package name (PEP 508)")
-        remove = [p.lower() for p in _str_list(f"{w}.remove", t["remove"])] if "remove" in t else []
+        remove = package_list(f"{w}.remove", t["remove"]) if "remove" in t else []
         rules = _str_list(f"{w}.rules", t["rules"]) if "rules" in t else []
         for r in rules:
             if r not in rules_mod.FLAVOUR_CHECKS:
@@ -693,18 +733,16 @@ def _flavour_cells(f: str, data: dict, ctx, naming: dict, vtags: list, cells: li
         for src, dest in _str_table(f"{w}.files", t.get("files", {})).items():
             _grammar(f"{w}.files", "source", src, _REL_PATH, "a folder of the repository like images/notebooks/x")
             _grammar(f"{w}.files", "destination", dest, _PREFIX, "an absolute path like /workspace/notebooks")
-            try:
-                present = (ROOT / src).exists()
-            except OSError:   # a name longer than the file system allows (ENAMETOOLONG): not in the repository
-                present = False
-            if ".." in src.split("/") or not present:
-                raise UserError(f"files: {src!r} is not in the repository", where=f"{w}.files",
-                                fix=f"create {src} (the build copies it from the repository root) or drop it")
+            # what the build context holds (.dockerignore, no links), not merely the repository: BuildKit copies it
+            why = dockerignore.why_not_in_context(src)
+            if why:
+                raise UserError(f"{src!r} {why}", where=f"{w}.files",
+                                fix="name a real folder under images/ (the build context's own; see .dockerignore) "
+                                    "or drop it")
             files.append((src, dest))
         cmd = _str_list(f"{w}.cmd", t["cmd"]) if "cmd" in t else []
-        sdists = sorted({p.lower() for p in _str_list(f"{w}.sdists", t["sdists"])}) if "sdists" in t else []
-        for pkg in sdists:   # published as a source archive only: the lock hashes it, the install step builds it
-            _grammar(f"{w}.sdists", "package name", pkg, _PACKAGE, "a package name (PEP 508)")
+        # published as a source archive only: the lock hashes it, the install step builds it
+        sdists = sorted(package_list(f"{w}.sdists", t["sdists"])) if "sdists" in t else []
         for word in cmd:
             _grammar(f"{w}.cmd", "word", word, _CMD_WORD, "one plain word (no spaces or quotes)")
         for base in bases:
@@ -715,6 +753,15 @@ def _flavour_cells(f: str, data: dict, ctx, naming: dict, vtags: list, cells: li
                 raise UserError(f"remove names {unknown[0]!r}, which cell {base.tag} does not pin", where=f"{w}.remove",
                                 fix=f"remove only pins of the base stack {base.stack!r}")
             pins = {p: v for p, v in base.pins.items() if p not in remove} | packages
+            # an sdist names a package the flavour installs: pinned, or in its committed lock (without a lock yet,
+            # the lock step checks what uv resolved: lock.compile_lock)
+            locked = _committed_lock_names(ROOT / "locks" / f"{base.venv}-{fname}.txt") if sdists else None
+            for pkg in sdists:
+                if pkg not in pins and locked is not None and pkg not in locked:
+                    raise UserError(f"sdists names {pkg!r}, which flavour {fname!r} does not install on cell "
+                                    f"{base.tag} (not pinned, not in locks/{base.venv}-{fname}.txt)",
+                                    where=f"{w}.sdists", fix="name a package of the flavour's lock that is published "
+                                                              "as a source archive only, or drop it")
             hit = rules_mod.check_stack(ctx, pins)
             for r in rules:
                 hit = hit or rules_mod.check_flavour(ctx, r, pins)
@@ -734,6 +781,18 @@ def _flavour_cells(f: str, data: dict, ctx, naming: dict, vtags: list, cells: li
                 flash=None, fabric_plugin=None, flavour=fname, base=base, files=tuple(files), cmd=tuple(cmd),
                 sdists=tuple(sdists)))
     return out
+
+
+def lock_names(text: str) -> set[str]:
+    """The canonical names of the packages a lock's text installs (uv's `name==version` lines)."""
+    return {canonicalize_name(m.group(1)) for m in re.finditer(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==", text, re.M)}
+
+
+def _committed_lock_names(path: Path) -> set[str] | None:
+    try:
+        return lock_names(path.read_text(encoding="utf-8"))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
 
 
 def _explicit_cells(w, f, data, ctx, naming, vtags, stacks, c) -> list[Cell]:

@@ -16,6 +16,7 @@ import datetime
 import json
 import os
 import re
+import stat
 import subprocess
 import sys
 import tempfile
@@ -30,7 +31,7 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 from entrypoints import atomic
-from builder.errors import UserError, reports_user_errors
+from builder.errors import UserError, reports_user_errors, shorten
 from builder.matrix import DEFAULT_MATRIX
 
 # Requires-Dist markers are read for the GPU cells' interpreter and OS (python 3.12, Linux); the arch matters to a few
@@ -78,13 +79,7 @@ def query(requirements: list[str], python: str = sys.executable) -> dict[str, Di
         env = dict(os.environ, PIP_CONSTRAINT=os.devnull)
         p = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if p.returncode != 0 or not report.exists():
-            lines = [ln for ln in p.stderr.splitlines() if ln.strip() and "is ignored" not in ln]
-            what = ("cannot reach the package index" if re.search(NETWORK_ERRORS, p.stderr)
-                    else "the package index has no release for")
-            raise UserError(f"{what} {' '.join(requirements)[:200]}: "
-                            f"{' '.join(lines[-3:])[:400] or f'pip exit {p.returncode}'}",
-                            fix="check that pip reaches its index (pip config list; PIP_INDEX_URL for a mirror) and "
-                                "that matrix.toml's pins and [facts] name published releases")
+            raise _pip_error(p, requirements)
         data = json.loads(report.read_text())
     out = {}
     for item in data.get("install", []):
@@ -92,6 +87,38 @@ def query(requirements: list[str], python: str = sys.executable) -> dict[str, Di
         out[canonicalize_name(md["name"])] = Dist(md["name"], md["version"],
                                                   [Requirement(r) for r in md.get("requires_dist", []) or []])
     return out
+
+
+# pip's words for the one requirement it could not satisfy (pip 23-26)
+_NOT_FOUND = re.compile(r"(?:satisfies the requirement|No matching distribution found for) ([^\s(]+)")
+
+
+def _pip_error(p: subprocess.CompletedProcess, requirements: list[str]) -> UserError:
+    """One line for a failed `pip install --dry-run`: the requirement pip names (not every pin of the batch), or
+    the index that could not be reached; never a name cut in the middle."""
+    lines = [ln.strip() for ln in p.stderr.splitlines() if ln.strip() and "is ignored" not in ln]
+    fix = ("check that pip reaches its index (pip config list; PIP_INDEX_URL for a mirror) and that matrix.toml's "
+           "pins and [facts] name published releases")
+    if re.search(NETWORK_ERRORS, p.stderr):
+        return UserError(f"cannot reach the package index ({len(requirements)} requirement(s) asked): "
+                         f"{shorten(' '.join(lines[-2:]), 300) or f'pip exit {p.returncode}'}", fix=fix)
+    m = _NOT_FOUND.search(p.stderr)
+    if m:
+        versions = re.search(r"\(from versions: ([^)]*)\)", p.stderr)
+        seen = f" (the index has: {shorten(versions.group(1), 200)})" if versions else ""
+        return UserError(f"the package index has no release for {m.group(1)}{seen}", fix=fix)
+    return UserError(f"pip could not resolve {_names(requirements)}: "
+                     f"{shorten(' '.join(lines[-3:]), 400) or f'pip exit {p.returncode}'}", fix=fix)
+
+
+def _names(requirements: list[str], limit: int = 200) -> str:
+    """REQUIREMENTS joined up to LIMIT characters, whole names only ("and N more")."""
+    out: list[str] = []
+    for i, r in enumerate(requirements):
+        if out and len(" ".join(out + [r])) > limit:
+            return " ".join(out) + f" and {len(requirements) - i} more"
+        out.append(r)
+    return " ".join(out)
 
 
 # ------------------------------------------------------------------------------------------------------ the matrix
@@ -368,10 +395,7 @@ def read_matrix(path: Path) -> dict:
         for name, t in tables.items():
             if not isinstance(t, dict):
                 raise UserError("must be a table", where=f"{where}: {section}.{name}")
-            w = f"{where}: {section}.{name}.packages"
-            for pkg, ver in m._str_table(w, t.get("packages", {})).items():
-                m._grammar(w, "package name", pkg, m._PACKAGE, "a package name (PEP 508)")
-                m._pin(f"{w}.{pkg}", ver)
+            m.packages_table(f"{where}: {section}.{name}.packages", t.get("packages", {}))
     facts = data.get("facts", {})
     m._check_table(f"{where}: facts", facts, m._FACTS)
     for k, v in facts.items():
@@ -426,11 +450,14 @@ def main(argv: list[str] | None = None) -> int:
     for line in new:
         print(f"new: {line}")
     if a.write:
-        text = matrix.read_text()
+        # through a symbolic link to the file it names, keeping that file's mode (the atomic rename would otherwise
+        # put a regular 0644 file in the link's place and leave the real matrix as it was)
+        target = matrix.resolve()
+        text = target.read_text()
         out = rewrite(text, rep.new_facts, datetime.date.today().isoformat())
         if out != text:
-            atomic.write_text(matrix, out)
-            print(f"{matrix}: [facts] refreshed")
+            atomic.write_text(target, out, mode=stat.S_IMODE(target.stat().st_mode))
+            print(f"{matrix}: [facts] refreshed" + (f" (in {target})" if target != matrix.absolute() else ""))
     return 0
 
 

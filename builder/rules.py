@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from packaging.utils import canonicalize_name
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
@@ -178,10 +179,13 @@ def flavour_conflicts(package: str, spec: dict, pins: dict, file: str = "matrix.
     """What keeps PINS from installing PACKAGE at its recorded version: the package's own pin, then each pin outside
     its Requires-Dist range (SPEC: [facts] PACKAGE)."""
     out = []
-    if "version" in spec and pins.get(package) != spec["version"]:
-        out.append(f"{package} is pinned {pins.get(package) or 'nowhere'}, its facts are for {spec['version']}")
-    out += [f"{pkg} {pins[pkg]} is outside {package}'s {pkg}{rng}" for pkg, rng in spec.items()
-            if pkg != "version" and pkg in pins and not satisfies(pins[pkg], rng, f"{file}: facts.{package}.{pkg}")]
+    own = pins.get(canonicalize_name(package))
+    if "version" in spec and own != spec["version"]:
+        out.append(f"{package} is pinned {own or 'nowhere'}, its facts are for {spec['version']}")
+    for pkg, rng in spec.items():   # PINS are keyed by canonical names (builder.matrix.packages_table)
+        pin = pins.get(canonicalize_name(pkg)) if pkg != "version" else None
+        if pin is not None and not satisfies(pin, rng, f"{file}: facts.{package}.{pkg}"):
+            out.append(f"{pkg} {pin} is outside {package}'s {pkg}{rng}")
     return out
 
 
