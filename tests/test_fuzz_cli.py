@@ -281,6 +281,8 @@ PINS_BASE = {
     "flavour": {n: {"packages": dict(t["packages"]), "cells": list(t["cells"])}
                 for n, t in MATRIX.data["flavour"].items()},
     "facts": copy.deepcopy(MATRIX.data["facts"]),
+    "extras": copy.deepcopy(MATRIX.data["extras"]),   # pins reads these beside [facts] (matrix.toml's one home)
+    "rule": copy.deepcopy(MATRIX.data["rule"]),
 }
 PINS_PATHS = paths(PINS_BASE)
 pins_mutations = st.lists(st.tuples(st.sampled_from(PINS_PATHS), st.sampled_from(["set", "delete", "add"]), values,
