@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from builder import indexes, lock
+from builder.actions import INDEX_ENV, setup_steps
 from builder.errors import UserError, reports_user_errors
 from builder.matrix import DEFAULT_MATRIX, load_matrix
 from entrypoints import atomic
@@ -226,7 +227,6 @@ done < releases.txt
 def workflow_dict(matrix_path: str | Path = DEFAULT_MATRIX) -> dict:
     """The job list is computed when the workflow runs (a probed arch's lock decides), so this file only changes
     with the code; wheel_jobs() here checks the matrix as the other generated workflows do."""
-    from builder.workflow import _setup_steps   # the shared checkout/python/install steps
     wheel_jobs(matrix_path)
     gh = {"GH_TOKEN": "${{ github.token }}", "GH_REPO": "${{ github.repository }}"}
     return {
@@ -240,7 +240,7 @@ def workflow_dict(matrix_path: str | Path = DEFAULT_MATRIX) -> dict:
                 "name": "which FlashAttention wheels to compile",
                 "runs-on": "ubuntu-24.04",
                 "outputs": {"matrix": "${{ steps.plan.outputs.matrix }}", "any": "${{ steps.plan.outputs.any }}"},
-                "steps": [*_setup_steps(fetch_depth=0),
+                "steps": [*setup_steps(fetch_depth=0),
                           {"name": "One job per distinct wheel (the cells that compile theirs from source)",
                            "id": "plan",
                            "env": {"EVENT": "${{ github.event_name }}", "BEFORE": "${{ github.event.before }}",
@@ -254,7 +254,7 @@ def workflow_dict(matrix_path: str | Path = DEFAULT_MATRIX) -> dict:
                 "timeout-minutes": 300,
                 "strategy": {"fail-fast": False, "matrix": "${{ fromJSON(needs.plan.outputs.matrix) }}"},
                 "steps": [
-                    *_setup_steps(),
+                    *setup_steps(),
                     {"name": "Free disk space (the CUDA devel image and the venv)",
                      "run": "sudo rm -rf /usr/share/dotnet /usr/local/lib/android /opt/ghc "
                             "/opt/hostedtoolcache/CodeQL"},
@@ -262,7 +262,7 @@ def workflow_dict(matrix_path: str | Path = DEFAULT_MATRIX) -> dict:
                      "env": {"TAG": "${{ matrix.tag }}", "STAGE": "${{ matrix.stage }}", "ID": "${{ matrix.id }}",
                              "PLATFORM": "${{ matrix.platform }}", "DOCKERFILE": "${{ matrix.dockerfile }}",
                              "INDEX_VARIANT": "${{ matrix.index_variant }}", "DOCKER_BUILDKIT": "1",
-                             **_index_env()},
+                             **INDEX_ENV},
                      "run": COMPILE},
                     {"uses": "actions/upload-artifact@v4",
                      "with": {"name": "flash-${{ matrix.id }}", "path": "dist/", "if-no-files-found": "error"}},
@@ -276,7 +276,7 @@ def workflow_dict(matrix_path: str | Path = DEFAULT_MATRIX) -> dict:
                 "permissions": {"contents": "write", "pages": "write", "id-token": "write"},
                 "environment": {"name": "github-pages", "url": "${{ steps.deploy.outputs.page_url }}"},
                 "steps": [
-                    *_setup_steps(),
+                    *setup_steps(),
                     {"uses": "actions/download-artifact@v4",
                      "with": {"pattern": "flash-*", "merge-multiple": True, "path": "wheels"}},
                     {"name": "One release per index variant: the wheels and their SHA256SUMS", "env": gh,
@@ -292,11 +292,6 @@ def workflow_dict(matrix_path: str | Path = DEFAULT_MATRIX) -> dict:
             },
         },
     }
-
-
-def _index_env() -> dict:
-    from builder.workflow import INDEX_ENV   # mirrors of the indexes: TRAINBOX_INDEX_<NAME>, as build.yml
-    return INDEX_ENV
 
 
 @reports_user_errors

@@ -19,11 +19,12 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 from builder import bases as base_lock, indexes
 from entrypoints import atomic
 from builder.errors import UserError
-from builder.matrix import ROOT, Cell
+from builder.matrix import ROOT, Cell, lock_names
 
 HEADER = "# trainbox lock for {name} ({platform}, python {python}); regenerate: python build.py --lock {tag}\n"
 INPUTS = "# inputs-sha256: {digest}\n"
@@ -165,6 +166,12 @@ def compile_lock(cell: Cell, overrides: dict[str, str] | None = None) -> str:
     body = _uv(cell, f"locks/{cell.venv}.txt", requirements_in(cell), args,
                {**({"default": default} if default else {}), **urls},
                project=project_text(cell, urls) if urls else None)
+    absent = [p for p in cell.sdists if p not in lock_names(body)]
+    if absent:   # `sdists` lets exactly these packages come as source archives: one the lock lacks is a mistake
+        raise UserError(f"cannot lock locks/{cell.venv}.txt for cell {cell.tag}: sdists names {absent[0]!r}, which "
+                        "the resolved lock does not contain", where=f"matrix.toml: flavour.{cell.flavour}.sdists",
+                        fix="name a package of the flavour's lock that is published as a source archive only, or "
+                            "drop it")
     return (HEADER.format(name=cell.venv, platform=cell.uv_platform, python=cell.python, tag=cell.tag)
             + INPUTS.format(digest=inputs_digest(cell)) + resolved_from(cell, urls, default, links) + body)
 
@@ -231,6 +238,38 @@ def state(cell: Cell, root: Path | str = ROOT) -> str:
     return worst
 
 
+class Unfrozen(NamedTuple):
+    """One reason a --frozen build refuses CELL: LOCK (a lock file, or a base tag locks/bases.toml lacks) is STATE."""
+    cell: Cell
+    lock: str
+    state: str    # "missing" or "stale"
+    kind: str     # "venv", "attention", "flavour" or "base"
+    fix: str      # the command that makes it (lock.yml runs both)
+
+
+def frozen_problems(cells: list[Cell], root: Path | str = ROOT, substituted=()) -> list[Unfrozen]:
+    """Everything a --frozen build of CELLS refuses, in the order ensure() reports it: each venv, flavour and
+    attention lock under ROOT that is missing or stale, then each base tag the bases lock has no digest for (the
+    repository's locks/bases.toml). A flavour cell is built FROM its base cell, which the build adds to the selection
+    (cli.with_bases) unless SUBSTITUTED names its image: the base cell's locks count for it."""
+    root = Path(root)
+    locks: list[Unfrozen] = []
+    missing_bases: list[Unfrozen] = []
+    for cell in cells:
+        built = [cell.base, cell] if cell.flavour and cell.base and cell.base_image not in substituted else [cell]
+        for c in built:
+            for path, digest in wanted(c):
+                got = recorded_digest(root / path)
+                if got != digest:
+                    kind = "attention" if path == c.attention_lock else "flavour" if c.flavour else "venv"
+                    locks.append(Unfrozen(cell, str(path), "missing" if got is None else "stale", kind,
+                                          f"python build.py --lock {c.tag}"))
+        missing_bases += [Unfrozen(cell, f"{base_lock.PATH} [{image}]", "missing", "base",
+                                   f"python build.py --lock-bases {c.tag}")
+                          for c, image in base_lock.missing(built, ROOT, substituted)]
+    return locks + missing_bases
+
+
 def is_fresh(cell: Cell, root: Path | str = ROOT) -> bool:
     return state(cell, root) == "fresh"
 
@@ -266,13 +305,12 @@ def ensure(cells: list[Cell], root: Path | str = ROOT, overrides: dict[str, str]
     repository's: a digest is not a matrix input, so any output folder's build uses it)."""
     root = Path(root)
     if frozen:
-        bad = [(c, p, recorded_digest(root / p)) for c in cells for p, d in wanted(c)
-               if recorded_digest(root / p) != d]
+        bad = [p for p in frozen_problems(cells, root, substituted=set(bases or {})) if p.kind != "base"]
         if bad:
-            cell, path, got = bad[0]
-            raise UserError(f"--frozen: {path} is {'missing' if got is None else 'stale'} (cell {cell.tag}"
+            first = bad[0]
+            raise UserError(f"--frozen: {first.lock} is {first.state} (cell {first.cell.tag}"
                             f"{f' and {len(bad) - 1} more' if len(bad) > 1 else ''})",
-                            fix=f"run `python build.py --lock {cell.tag}` and commit the lock, or build without "
+                            fix=f"run `python build.py --lock {first.cell.tag}` and commit the lock, or build without "
                                 "--frozen to lock automatically")
         base_lock.check_frozen(cells, ROOT, substituted=set(bases or {}))
         return []

@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from packaging.utils import canonicalize_name
+
+from builder import dockerignore, reference
 from builder import rules as rules_mod
 from builder import templating
 from builder.errors import UserError, shorten
@@ -19,7 +22,7 @@ DEFAULT_MATRIX = ROOT / "matrix.toml"
 # The schema: every table's allowed keys and their types. Unknown keys are errors (typos must not pass silently).
 _TOP = {"schema": int, "naming": dict, "arch": dict, "cuda": dict, "gpu": dict, "torch_variant": dict,
         "attention": dict, "stack": dict, "facts": dict, "expand": dict, "cell": list, "rule": list, "index": dict,
-        "fabric": dict, "flavour": dict}
+        "fabric": dict, "flavour": dict, "extras": dict}
 _REQUIRED_TOP = ("schema", "naming", "arch", "gpu", "torch_variant", "attention", "stack", "rule")
 _NAMING = {"repository": str, "tag": str, "cell_name": str, "version_tags": list, "version": str, "source": str,
            "flavour_cell_name": str, "flavour_tag": str}
@@ -36,14 +39,16 @@ INDEX_NAMES = ("default", "torch", "vllm", "flash")
 _ATTN = {"package": str, "version": str, "source": str, "source_subdir": str, "build_env": dict, "max_jobs": int,
          "gpus": list, "prebuilt": dict, "probe": list}
 _STACK = {"packages": dict, "extends": str}
-_FACTS = {"vllm_torch": dict, "trl_vllm_extra": dict, "vllm_transformers": dict, "unsloth": dict, "verl": dict}
+# [facts]: the tables the registered rules read (rules.RULE_FACTS) and those a facts rule names ([[rule]] facts).
 # [flavour.NAME]: a named stack on top of some cells' stacks, built FROM the cell's image (templates/Flavour.j2).
 _FLAVOUR = {"description": str, "cells": list, "packages": dict, "remove": list, "rules": list, "files": dict,
             "cmd": list, "sdists": list}
 _EXPAND = {"arch": list, "cuda": list, "gpu": list, "stack": str}
 _CELL = {"name": str, "arch": (str, list), "cuda": str, "gpu": str, "torch_variant": str, "base_image": str,
          "python": str, "attention": str, "stack": (str, dict), "fabric_plugin": str}
-_RULE = {"id": str, "reason": str}
+# [[rule]]: a registered check's reason (a template: rules.reason_fields), or a facts rule: `facts = "TABLE"` holds a
+# flavour's pins to [facts] TABLE, the Requires-Dist of `packages` (default [TABLE]; several: shipped together).
+_RULE = {"id": str, "reason": str, "facts": str, "packages": list}
 _FABRIC = {"packages": list, "env": dict, "plugins": dict}
 # [fabric.plugins.NAME]: a NCCL net plugin a cell opts into (`fabric_plugin = "NAME"`), compiled from pinned sources
 # in its own stage on the CUDA devel image (native builders only) and copied into the runtime as its install prefix.
@@ -111,6 +116,8 @@ class Cell:
     files: tuple[tuple[str, str], ...] = ()   # (folder in the repository, path in the image)
     cmd: tuple[str, ...] = ()                 # the image's default CMD ('' = the base's)
     sdists: tuple[str, ...] = ()              # the only packages its lock may take as source archives (no wheel)
+    # every [gpu] generation -> its SMs (the image record's gpu_generations: doctor names a GPU from the matrix's table)
+    gpu_generations: tuple[tuple[str, tuple[str, ...]], ...] = field(default=(), compare=False)
 
     @property
     def dockerfile(self) -> Path:
@@ -280,8 +287,6 @@ def _grammar(where: str, field: str, value: str, pattern: re.Pattern, what: str)
 def _check_cell_values(where: str, c: Cell) -> None:
     """The values a cell renders into its Dockerfile, its tags and its labels, each against its grammar."""
     w = f"{where}: cell {shorten(c.name, 60)}"
-    from builder import reference
-
     _grammar(w, "name", c.name, _TAG, "usable in an image tag (letters, digits, '_', '.', '-'; 128 at most)")
     _grammar(w, "tag", c.tag, _TAG, "a valid image tag")
     for t in c.version_tags:
@@ -446,22 +451,14 @@ def _build(path: Path, data: dict) -> Matrix:
     _check_table(f"{f}: index", index, {n: str for n in INDEX_NAMES})
     _check_fabric(f, data.get("fabric", {}))
     stacks = _resolve_stacks(f, data["stack"])
-    facts = data.get("facts", {})
-    _check_table(f"{f}: facts", facts, _FACTS)
-    for k, v in facts.items():
-        _str_table(f"{f}: facts.{k}", v)
-    _check_facts(f, facts)
+    check_rule_entries(f, data)
+    facts = check_facts_tables(f, data)
+    extras_table(f, data)
 
     rule_table: dict[str, str] = {}
-    for i, r in enumerate(data["rule"]):
-        w = f"{f}: rule[{i}]"
-        _check_table(w, r, _RULE, ("id", "reason"))
-        if r["id"] not in rules_mod.CHECKS:
-            raise UserError(f"unknown rule id {r['id']!r}", where=f"{w}.id",
-                            fix=f"known rules: {', '.join(rules_mod.CHECKS)}")
-        if r["id"] in rule_table:
-            raise UserError(f"rule {r['id']!r} is defined twice", where=f"{w}.id")
-        rule_table[r["id"]] = r["reason"]
+    fields = rules_mod.reason_fields(data, stacks)
+    for i, r in enumerate(data["rule"]):   # reasons are templates filled from the tables (no version typed twice)
+        rule_table[r["id"]] = _format(f"{f}: rule[{i}].reason", r["reason"], **fields)
 
     ctx = rules_mod.Context(data=data, stacks=stacks, facts=facts, rules=rule_table, file=f)
     # Stack-level consistency (conflicting pins) is an error, not an exclusion: the file contradicts itself.
@@ -509,8 +506,12 @@ def _build(path: Path, data: dict) -> Matrix:
                     exclusions.append(Exclusion(None, None, gpu, attention, hit[0],
                                                 f"{rule_table[hit[0]]} ({hit[1]})"))
 
+    # where each cell comes from: one name is one image (a manifest list over its arches), so one source
+    origin = {c.tag: f"[expand] cuda {c.cuda} gpu {c.gpu}" for c in cells}
     for i, c in enumerate(data.get("cell", [])):
-        cells.extend(_explicit_cells(f"{f}: cell[{i}]", f, data, ctx, naming, vtags, stacks, c))
+        made = _explicit_cells(f"{f}: cell[{i}]", f, data, ctx, naming, vtags, stacks, c)
+        origin.update({m.tag: f"cell[{i}]" for m in made})
+        cells.extend(made)
 
     for flavours in (False, True):   # the cells' tags first: a flavour names cells by tag
         if flavours:
@@ -522,6 +523,13 @@ def _build(path: Path, data: dict) -> Matrix:
                                 fix="naming.tag must contain {name} and {arch}, naming.flavour_tag {tag} and "
                                     "{flavour}; give explicit cells distinct names")
             seen[c.tag] = c.name
+    sources: dict[str, str] = {}
+    for c in cells:
+        source = f"[flavour.{c.flavour}] on cell {c.base.name}" if c.flavour else origin[c.tag]
+        if sources.setdefault(c.name, source) != source:
+            raise UserError(f"two cells are named {c.name!r}: {sources[c.name]} and {source}", where=f,
+                            fix="give every cell its own name ([[cell]] name; naming.cell_name needs {cuda} and {gpu}, "
+                                "naming.flavour_cell_name {name} and {flavour})")
     if not cells:
         raise UserError("the matrix yields no cells", where=f, fix="see `python build.py --explain`")
     return Matrix(path=path, cells=tuple(cells), exclusions=tuple(exclusions), rules=rule_table, data=data)
@@ -596,28 +604,70 @@ def _check_plugin(w: str, name: str, p: Any) -> None:
 PLUGIN_PREFIX = "/opt/nccl-net"
 
 
-def _check_facts(f: str, facts: dict) -> None:
-    """[facts] maps versions to versions ({vllm: torch}) or to version ranges; each is read with packaging now, so a
-    typo is one error naming its key, not a rule that silently never matches."""
-    for vllm, torch in facts.get("vllm_torch", {}).items():
-        rules_mod.version(vllm, f"{f}: facts.vllm_torch")
-        rules_mod.version(torch, f"{f}: facts.vllm_torch.{vllm}")
-    for table in ("trl_vllm_extra", "vllm_transformers"):
-        for ver, spec in facts.get(table, {}).items():
-            rules_mod.version(ver, f"{f}: facts.{table}")
-            rules_mod.specifier(spec, f"{f}: facts.{table}.{ver}")
-    for table in rules_mod.FLAVOUR_FACTS.values():   # a package's own version and its Requires-Dist ranges
-        for pkg, spec in facts.get(table, {}).items():
-            if pkg == "version":
-                rules_mod.version(spec, f"{f}: facts.{table}.version")
+def check_rule_entries(f: str, data: dict) -> None:
+    """[[rule]] entries: a registered check's id (once), or a facts rule (`facts` names its [facts] table)."""
+    if not isinstance(data.get("rule"), list):
+        raise UserError("must be an array of tables ([[rule]])", where=f"{f}: rule")
+    seen: set[str] = set()
+    for i, r in enumerate(data["rule"]):
+        w = f"{f}: rule[{i}]"
+        _check_table(w, r, _RULE, ("id", "reason"))
+        registered = r["id"] in rules_mod.REGISTRY
+        if not registered and "facts" not in r:
+            raise UserError(f"unknown rule id {r['id']!r}", where=f"{w}.id",
+                            fix=f"registered rules: {', '.join(rules_mod.CHECKS)}; or give it facts = \"TABLE\" (a "
+                                "flavour's pins held to [facts] TABLE)")
+        if registered and ("facts" in r or "packages" in r):
+            raise UserError(f"rule {r['id']!r} has its own check; facts/packages are for facts rules",
+                            where=f"{w}.facts", fix="drop them, or give the facts rule another id")
+        if "facts" in r:
+            _grammar(w, "facts", r["facts"], _PACKAGE, "a [facts] table named after its package, like unsloth")
+        if "packages" in r:
+            package_list(f"{w}.packages", r["packages"])
+        if r["id"] in seen:
+            raise UserError(f"rule {r['id']!r} is defined twice", where=f"{w}.id")
+        seen.add(r["id"])
+
+
+def check_facts_tables(f: str, data: dict) -> dict:
+    """[facts] maps versions to versions ({vllm: torch}) or to version ranges; a facts rule's table is a package's
+    own `version` and its Requires-Dist ranges. Each is read with packaging now, so a typo is one error naming its
+    key, not a rule that silently never matches. Returns the table."""
+    facts = data.get("facts", {})
+    named = {r["facts"] for r in rules_mod.facts_rules(data).values()}
+    _check_table(f"{f}: facts", facts, {t: dict for t in [*rules_mod.RULE_FACTS, *sorted(named)]})
+    for table, entries in facts.items():
+        _str_table(f"{f}: facts.{table}", entries)
+        kind = rules_mod.RULE_FACTS.get(table)
+        for key, value in entries.items():
+            if kind is not None:
+                rules_mod.version(key, f"{f}: facts.{table}")
+            if kind == "version" or (kind is None and key == "version"):
+                rules_mod.version(value, f"{f}: facts.{table}.{key}")
             else:
-                rules_mod.specifier(spec, f"{f}: facts.{table}.{pkg}")
+                rules_mod.specifier(value, f"{f}: facts.{table}.{key}")
+    return facts
+
+
+def extras_table(f: str, data: dict) -> dict[str, tuple[str, ...]]:
+    """[extras]: package -> the extras the stacks and flavours install it with (trl = ["vllm"]): their requirements
+    bind the pins as the package's own do (builder.pins reads them). Canonical names, checked."""
+    table = data.get("extras", {})
+    _check_table(f"{f}: extras", table, {k: list for k in table})
+    out: dict[str, tuple[str, ...]] = {}
+    for pkg, extras in table.items():
+        _grammar(f"{f}: extras", "package name", pkg, _PACKAGE, "a package name (PEP 508)")
+        if canonicalize_name(pkg) in out:
+            raise UserError(f"{pkg!r} names a package listed already", where=f"{f}: extras")
+        out[canonicalize_name(pkg)] = tuple(package_list(f"{f}: extras.{pkg}", extras))  # extras: PEP 685 names
+    return out
 
 
 def _resolve_stacks(f: str, table: dict) -> dict[str, dict[str, str]]:
+    own: dict[str, dict[str, str]] = {}
     for name, t in table.items():
         _check_table(f"{f}: stack.{name}", t, _STACK, ("packages",))
-        _str_table(f"{f}: stack.{name}.packages", t["packages"])
+        own[name] = packages_table(f"{f}: stack.{name}.packages", t["packages"])
     out: dict[str, dict[str, str]] = {}
 
     def resolve(name: str, chain: tuple) -> dict[str, str]:
@@ -633,13 +683,41 @@ def _resolve_stacks(f: str, table: dict) -> dict[str, dict[str, str]]:
                 raise UserError(f"unknown stack {t['extends']!r}", where=f"{f}: stack.{name}.extends",
                                 fix=f"choose one of {', '.join(table)}")
             pins.update(resolve(t["extends"], chain + (name,)))
-        for pkg, ver in t["packages"].items():
-            pins[pkg.lower()] = _pin(f"{f}: stack.{name}.packages.{pkg}", ver)
+        pins.update(own[name])   # canonical names: a stack's pin replaces the one it extends however spelled
         out[name] = pins
         return pins
 
     for name in table:
         resolve(name, ())
+    return out
+
+
+def packages_table(where: str, table: Any) -> dict[str, str]:
+    """A `packages = { NAME = "VERSION" }` table keyed by canonical (PEP 503) names, each name and pin checked: two
+    spellings of one package (trl and TRL, liger_kernel and liger-kernel) are one error, never "the last one wins"."""
+    out: dict[str, str] = {}
+    spelled: dict[str, str] = {}
+    for pkg, ver in _str_table(where, table).items():
+        _grammar(where, "package name", pkg, _PACKAGE, "a package name (PEP 508)")
+        name = canonicalize_name(pkg)
+        if name in spelled:
+            raise UserError(f"{spelled[name]!r} and {pkg!r} name one package ({name})", where=where,
+                            fix="pin each package once")
+        spelled[name] = pkg
+        out[name] = _pin(f"{where}.{pkg}", ver)
+    return out
+
+
+def package_list(where: str, value: Any) -> list[str]:
+    """A list of package names, canonical (PEP 503), each checked; two spellings of one package are an error."""
+    out: list[str] = []
+    for pkg in _str_list(where, value):
+        _grammar(where, "package name", pkg, _PACKAGE, "a package name (PEP 508)")
+        name = canonicalize_name(pkg)
+        if name in out:
+            raise UserError(f"{pkg!r} names a package listed already ({name})", where=where,
+                            fix="list each package once")
+        out.append(name)
     return out
 
 
@@ -674,18 +752,16 @@ def _flavour_cells(f: str, data: dict, ctx, naming: dict, vtags: list, cells: li
                 raise UserError(f"unknown base cell {n!r}", where=f"{w}.cells",
                                 fix="name cells or tags that `python build.py --list` shows (not flavour cells)")
             bases += [c for c in by_name[n] if c not in bases]
-        packages = {pkg.lower(): _pin(f"{w}.packages.{pkg}", v)
-                    for pkg, v in _str_table(f"{w}.packages", t["packages"]).items()}
+        packages = packages_table(f"{w}.packages", t["packages"])
         if not packages:
             raise UserError("packages must not be empty", where=f"{w}.packages")
-        for pkg in packages:
-            _grammar(w, "package name", pkg, _PACKAGE, "a package name (PEP 508)")
-        remove = [p.lower() for p in _str_list(f"{w}.remove", t["remove"])] if "remove" in t else []
+        remove = package_list(f"{w}.remove", t["remove"]) if "remove" in t else []
         rules = _str_list(f"{w}.rules", t["rules"]) if "rules" in t else []
         for r in rules:
-            if r not in rules_mod.FLAVOUR_CHECKS:
+            if r not in rules_mod.facts_rules(data):
                 raise UserError(f"unknown flavour rule {r!r}", where=f"{w}.rules",
-                                fix=f"flavour rules: {', '.join(rules_mod.FLAVOUR_CHECKS)}")
+                                fix="flavour rules are [[rule]] entries with facts = \"TABLE\": "
+                                    + (", ".join(rules_mod.facts_rules(data)) or "none yet"))
             if r not in ctx.rules:
                 raise UserError(f"rule {r!r} has no [[rule]] entry (its reason)", where=f"{w}.rules",
                                 fix=f"add [[rule]] id = \"{r}\" with its reason")
@@ -693,18 +769,16 @@ def _flavour_cells(f: str, data: dict, ctx, naming: dict, vtags: list, cells: li
         for src, dest in _str_table(f"{w}.files", t.get("files", {})).items():
             _grammar(f"{w}.files", "source", src, _REL_PATH, "a folder of the repository like images/notebooks/x")
             _grammar(f"{w}.files", "destination", dest, _PREFIX, "an absolute path like /workspace/notebooks")
-            try:
-                present = (ROOT / src).exists()
-            except OSError:   # a name longer than the file system allows (ENAMETOOLONG): not in the repository
-                present = False
-            if ".." in src.split("/") or not present:
-                raise UserError(f"files: {src!r} is not in the repository", where=f"{w}.files",
-                                fix=f"create {src} (the build copies it from the repository root) or drop it")
+            # what the build context holds (.dockerignore, no links), not merely the repository: BuildKit copies it
+            why = dockerignore.why_not_in_context(src)
+            if why:
+                raise UserError(f"{src!r} {why}", where=f"{w}.files",
+                                fix="name a real folder under images/ (the build context's own; see .dockerignore) "
+                                    "or drop it")
             files.append((src, dest))
         cmd = _str_list(f"{w}.cmd", t["cmd"]) if "cmd" in t else []
-        sdists = sorted({p.lower() for p in _str_list(f"{w}.sdists", t["sdists"])}) if "sdists" in t else []
-        for pkg in sdists:   # published as a source archive only: the lock hashes it, the install step builds it
-            _grammar(f"{w}.sdists", "package name", pkg, _PACKAGE, "a package name (PEP 508)")
+        # published as a source archive only: the lock hashes it, the install step builds it
+        sdists = sorted(package_list(f"{w}.sdists", t["sdists"])) if "sdists" in t else []
         for word in cmd:
             _grammar(f"{w}.cmd", "word", word, _CMD_WORD, "one plain word (no spaces or quotes)")
         for base in bases:
@@ -715,6 +789,15 @@ def _flavour_cells(f: str, data: dict, ctx, naming: dict, vtags: list, cells: li
                 raise UserError(f"remove names {unknown[0]!r}, which cell {base.tag} does not pin", where=f"{w}.remove",
                                 fix=f"remove only pins of the base stack {base.stack!r}")
             pins = {p: v for p, v in base.pins.items() if p not in remove} | packages
+            # an sdist names a package the flavour installs: pinned, or in its committed lock (without a lock yet,
+            # the lock step checks what uv resolved: lock.compile_lock)
+            locked = _committed_lock_names(ROOT / "locks" / f"{base.venv}-{fname}.txt") if sdists else None
+            for pkg in sdists:
+                if pkg not in pins and locked is not None and pkg not in locked:
+                    raise UserError(f"sdists names {pkg!r}, which flavour {fname!r} does not install on cell "
+                                    f"{base.tag} (not pinned, not in locks/{base.venv}-{fname}.txt)",
+                                    where=f"{w}.sdists", fix="name a package of the flavour's lock that is published "
+                                                              "as a source archive only, or drop it")
             hit = rules_mod.check_stack(ctx, pins)
             for r in rules:
                 hit = hit or rules_mod.check_flavour(ctx, r, pins)
@@ -734,6 +817,18 @@ def _flavour_cells(f: str, data: dict, ctx, naming: dict, vtags: list, cells: li
                 flash=None, fabric_plugin=None, flavour=fname, base=base, files=tuple(files), cmd=tuple(cmd),
                 sdists=tuple(sdists)))
     return out
+
+
+def lock_names(text: str) -> set[str]:
+    """The canonical names of the packages a lock's text installs (uv's `name==version` lines)."""
+    return {canonicalize_name(m.group(1)) for m in re.finditer(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==", text, re.M)}
+
+
+def _committed_lock_names(path: Path) -> set[str] | None:
+    try:
+        return lock_names(path.read_text(encoding="utf-8"))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
 
 
 def _explicit_cells(w, f, data, ctx, naming, vtags, stacks, c) -> list[Cell]:
@@ -834,4 +929,5 @@ def _make_cell(f, data, naming, vtags, *, name, arch, cuda, gpu, variant, stack,
         index_templates=dict(data.get("index", {})),
         fabric_packages=tuple(sorted(data.get("fabric", {}).get("packages", []))) if cuda else (),
         fabric_env=tuple(sorted(data.get("fabric", {}).get("env", {}).items())) if cuda else (),
-        fabric_plugin=fabric_plugin)
+        fabric_plugin=fabric_plugin,
+        gpu_generations=tuple((g, tuple(t["sm"])) for g, t in data["gpu"].items()))

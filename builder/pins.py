@@ -16,6 +16,7 @@ import datetime
 import json
 import os
 import re
+import stat
 import subprocess
 import sys
 import tempfile
@@ -30,7 +31,8 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 from entrypoints import atomic
-from builder.errors import UserError, reports_user_errors
+from builder.errors import UserError, reports_user_errors, shorten
+from builder import matrix as m, rules
 from builder.matrix import DEFAULT_MATRIX
 
 # Requires-Dist markers are read for the GPU cells' interpreter and OS (python 3.12, Linux); the arch matters to a few
@@ -38,12 +40,6 @@ from builder.matrix import DEFAULT_MATRIX
 MARKER_ENV = {**default_environment(), "python_version": "3.12", "python_full_version": "3.12.0",
               "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
               "implementation_name": "cpython", "platform_python_implementation": "CPython", "os_name": "posix"}
-# Extras the stacks rely on: TRL's GRPO talks to vLLM through trl[vllm] (rule trl-vllm-extra), so that extra's bounds
-# bind the vLLM pin as much as trl's own requirements do; the verl flavour installs verl[verl-core]'s transferqueue.
-EXTRAS = {"trl": ("vllm",), "verl": ("verl-core",)}
-# A [facts] table with a `version` key records one package's Requires-Dist (unsloth, verl): the tighter bound of these
-# packages' requirements where several ship together (unsloth and unsloth-zoo).
-TOGETHER = {"unsloth": ("unsloth", "unsloth-zoo")}
 # what pip prints when the index is not reachable (as opposed to reachable without the release asked for)
 NETWORK_ERRORS = r"(?i)NewConnectionError|ConnectionError|Max retries|name resolution|timed out|SSLError|ProxyError"
 DATE_LINE = re.compile(r"^(# Checked against the package index on )(\d{4}-\d{2}-\d{2})(.*)$", re.M)
@@ -78,13 +74,7 @@ def query(requirements: list[str], python: str = sys.executable) -> dict[str, Di
         env = dict(os.environ, PIP_CONSTRAINT=os.devnull)
         p = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if p.returncode != 0 or not report.exists():
-            lines = [ln for ln in p.stderr.splitlines() if ln.strip() and "is ignored" not in ln]
-            what = ("cannot reach the package index" if re.search(NETWORK_ERRORS, p.stderr)
-                    else "the package index has no release for")
-            raise UserError(f"{what} {' '.join(requirements)[:200]}: "
-                            f"{' '.join(lines[-3:])[:400] or f'pip exit {p.returncode}'}",
-                            fix="check that pip reaches its index (pip config list; PIP_INDEX_URL for a mirror) and "
-                                "that matrix.toml's pins and [facts] name published releases")
+            raise _pip_error(p, requirements)
         data = json.loads(report.read_text())
     out = {}
     for item in data.get("install", []):
@@ -92,6 +82,38 @@ def query(requirements: list[str], python: str = sys.executable) -> dict[str, Di
         out[canonicalize_name(md["name"])] = Dist(md["name"], md["version"],
                                                   [Requirement(r) for r in md.get("requires_dist", []) or []])
     return out
+
+
+# pip's words for the one requirement it could not satisfy (pip 23-26)
+_NOT_FOUND = re.compile(r"(?:satisfies the requirement|No matching distribution found for) ([^\s(]+)")
+
+
+def _pip_error(p: subprocess.CompletedProcess, requirements: list[str]) -> UserError:
+    """One line for a failed `pip install --dry-run`: the requirement pip names (not every pin of the batch), or
+    the index that could not be reached; never a name cut in the middle."""
+    lines = [ln.strip() for ln in p.stderr.splitlines() if ln.strip() and "is ignored" not in ln]
+    fix = ("check that pip reaches its index (pip config list; PIP_INDEX_URL for a mirror) and that matrix.toml's "
+           "pins and [facts] name published releases")
+    if re.search(NETWORK_ERRORS, p.stderr):
+        return UserError(f"cannot reach the package index ({len(requirements)} requirement(s) asked): "
+                         f"{shorten(' '.join(lines[-2:]), 300) or f'pip exit {p.returncode}'}", fix=fix)
+    m = _NOT_FOUND.search(p.stderr)
+    if m:
+        versions = re.search(r"\(from versions: ([^)]*)\)", p.stderr)
+        seen = f" (the index has: {shorten(versions.group(1), 200)})" if versions else ""
+        return UserError(f"the package index has no release for {m.group(1)}{seen}", fix=fix)
+    return UserError(f"pip could not resolve {_names(requirements)}: "
+                     f"{shorten(' '.join(lines[-3:]), 400) or f'pip exit {p.returncode}'}", fix=fix)
+
+
+def _names(requirements: list[str], limit: int = 200) -> str:
+    """REQUIREMENTS joined up to LIMIT characters, whole names only ("and N more")."""
+    out: list[str] = []
+    for i, r in enumerate(requirements):
+        if out and len(" ".join(out + [r])) > limit:
+            return " ".join(out) + f" and {len(requirements) - i} more"
+        out.append(r)
+    return " ".join(out)
 
 
 # ------------------------------------------------------------------------------------------------------ the matrix
@@ -145,8 +167,10 @@ def _verb(failing: str) -> str:
 
 
 def rows(pins: dict[str, str], pinned: dict[str, Dist], newest: dict[str, Dist], only: set[str] | None = None,
-         label: str = "") -> list[Row]:
-    """A row per pin (per pin in ONLY): PINNED are the releases pinned together, NEWEST the index's newest."""
+         label: str = "", extras: dict[str, tuple[str, ...]] | None = None) -> list[Row]:
+    """A row per pin (per pin in ONLY): PINNED are the releases pinned together, NEWEST the index's newest; EXTRAS
+    (matrix.toml [extras]): the extras a package is installed with, whose requirements bind like its own."""
+    extras = extras or {}
     out = []
     for pkg, pin in pins.items():
         if only is not None and pkg not in only:
@@ -157,13 +181,13 @@ def rows(pins: dict[str, str], pinned: dict[str, Dist], newest: dict[str, Dist],
             for other, dist in pinned.items():
                 if other == pkg:
                     continue
-                spec = dist.bounds(pkg, EXTRAS.get(other, ()))
+                spec = dist.bounds(pkg, extras.get(other, ()))
                 if spec is not None and not spec.contains(Version(new), prereleases=True):
                     bad = _failing(spec, new)
-                    extra = "".join(f"[{e}]" for e in EXTRAS.get(other, ()) if dist.bounds(pkg) != spec)
+                    extra = "".join(f"[{e}]" for e in extras.get(other, ()) if dist.bounds(pkg) != spec)
                     blockers.append(f"{dist.name}{extra} {dist.version} {_verb(bad)} {pkg}{bad}")
             for other, ver in pins.items():
-                spec = newest[pkg].bounds(other, EXTRAS.get(pkg, ())) if pkg in newest else None
+                spec = newest[pkg].bounds(other, extras.get(pkg, ())) if pkg in newest else None
                 if other != pkg and spec is not None and not spec.contains(Version(ver), prereleases=True):
                     needs.append(f"{other}{_failing(spec, ver)} (pinned {ver})")
         out.append(Row(f"{pkg} ({label})" if label else pkg, pin, new, blockers, needs))
@@ -214,13 +238,15 @@ def _same(old, new) -> bool:
         return False
 
 
-def fact_requirements(facts: dict) -> list[str]:
-    """The exact releases whose metadata the recorded [facts] were read from."""
+def fact_requirements(facts: dict, together: dict[str, tuple[str, ...]] | None = None) -> list[str]:
+    """The exact releases whose metadata the recorded [facts] were read from (TOGETHER: a facts table -> the packages
+    whose Requires-Dist it records, matrix.toml's [[rule]] packages)."""
+    together = together or {}
     reqs = [f"vllm=={v}" for v in facts.get("vllm_torch", {})]
     reqs += [f"vllm=={v}" for v in facts.get("vllm_transformers", {})]
     reqs += [f"trl=={v}" for v in facts.get("trl_vllm_extra", {})]
     for t in package_facts(facts):
-        reqs += [f"{p}=={facts[t]['version']}" for p in TOGETHER.get(t, (t,))]
+        reqs += [f"{p}=={facts[t]['version']}" for p in together.get(t, (t,))]
     return sorted(set(reqs))
 
 
@@ -230,12 +256,14 @@ def _pin_of(spec: SpecifierSet | None) -> str | None:
 
 
 def facts_from(facts: dict, by_version: dict[tuple[str, str], Dist], newest: dict[str, Dist],
-               pinned_versions: dict[str, str] | None = None) -> dict:
+               pinned_versions: dict[str, str] | None = None, extras: dict[str, tuple[str, ...]] | None = None,
+               together: dict[str, tuple[str, ...]] | None = None) -> dict:
     """[facts] as the metadata says: every recorded key re-read, the newest vLLM and TRL added; a package's table
     (unsloth, verl) read at the version a flavour pins (PINNED_VERSIONS), else at its recorded one. BY_VERSION:
     (name, version) -> release. A recorded value that still means the same (same range written otherwise) keeps its
     text, so a no-op refresh leaves matrix.toml's bytes alone."""
-    pinned_versions = pinned_versions or {}
+    pinned_versions, extras, together = pinned_versions or {}, extras or {}, together or {}
+
     def rel(name: str, ver: str) -> Dist:
         d = by_version.get((canonicalize_name(name), ver))
         if d is None:
@@ -258,7 +286,7 @@ def facts_from(facts: dict, by_version: dict[tuple[str, str], Dist], newest: dic
                              for v in dict.fromkeys(vllms)}
     if "trl_vllm_extra" in facts:
         out["trl_vllm_extra"] = {v: keep(facts["trl_vllm_extra"].get(v),
-                                         spec_text(rel("trl", v).bounds("vllm", EXTRAS["trl"]) or SpecifierSet()))
+                                         spec_text(rel("trl", v).bounds("vllm", extras.get("trl", ())) or SpecifierSet()))
                                  for v in dict.fromkeys(trls)}
     if "vllm_transformers" in facts:
         keys = list(facts["vllm_transformers"]) + [v for v in vllms[-1:] if v not in facts["vllm_transformers"]]
@@ -269,11 +297,11 @@ def facts_from(facts: dict, by_version: dict[tuple[str, str], Dist], newest: dic
         # the version a flavour pins (the fact checks that pin), else the recorded one: re-read, never moved here
         old = facts[table_name]
         ver = pinned_versions.get(canonicalize_name(table_name), old["version"])
-        dists = [rel(p, ver) for p in TOGETHER.get(table_name, (table_name,))]
+        dists = [rel(p, ver) for p in together.get(table_name, (table_name,))]
         entry = {"version": ver}
         for pkg in (k for k in old if k != "version"):
             combined = SpecifierSet()
-            for spec in (d.bounds(pkg, EXTRAS.get(table_name, ())) for d in dists):
+            for spec in (d.bounds(pkg, extras.get(canonicalize_name(table_name), ())) for d in dists):
                 combined &= spec if spec is not None else SpecifierSet()
             entry[pkg] = keep(old.get(pkg), spec_text(tightest(combined)))
         out[table_name] = entry
@@ -357,8 +385,6 @@ def read_matrix(path: Path) -> dict:
     """The parts of PATH this tool reads ([stack.*] and [flavour.*] packages, [facts]), each checked as builder.matrix
     checks it, before pip is asked anything: a bad value is one error naming its key, never a traceback, and no
     name reaches pip's command line unless it is a package name (one starting with '-' would be read as an option)."""
-    from builder import matrix as m
-
     where = str(path)
     data = m.read_document(path)
     for section in ("stack", "flavour"):
@@ -368,45 +394,50 @@ def read_matrix(path: Path) -> dict:
         for name, t in tables.items():
             if not isinstance(t, dict):
                 raise UserError("must be a table", where=f"{where}: {section}.{name}")
-            w = f"{where}: {section}.{name}.packages"
-            for pkg, ver in m._str_table(w, t.get("packages", {})).items():
-                m._grammar(w, "package name", pkg, m._PACKAGE, "a package name (PEP 508)")
-                m._pin(f"{w}.{pkg}", ver)
-    facts = data.get("facts", {})
-    m._check_table(f"{where}: facts", facts, m._FACTS)
-    for k, v in facts.items():
-        m._str_table(f"{where}: facts.{k}", v)
-    m._check_facts(where, facts)
+            m.packages_table(f"{where}: {section}.{name}.packages", t.get("packages", {}))
+    m.check_rule_entries(where, data)
+    m.check_facts_tables(where, data)
+    m.extras_table(where, data)
     return data
+
+
+def shape(data: dict) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
+    """(extras, together) as matrix.toml declares them: [extras] (package -> the extras it is installed with) and
+    each facts rule's `packages` (a [facts] table -> the packages whose Requires-Dist it records)."""
+    extras = {canonicalize_name(p): tuple(canonicalize_name(e) for e in es) for p, es in data.get("extras", {}).items()}
+    together = {r["facts"]: tuple(canonicalize_name(p) for p in r["packages"])
+                for r in rules.facts_rules(data).values() if "packages" in r}
+    return extras, together
 
 
 def check(matrix: Path, pins_too: bool = True) -> Report:
     """The pins table (unless not PINS_TOO: then only the recorded [facts] are re-read) and [facts] refreshed."""
     data = read_matrix(matrix)
+    extras, together = shape(data)
     pins = stack_pins(data)
     flavours = flavour_pins(data)
     facts = data.get("facts", {})
     flavour_versions = {p: v for own in flavours.values() for p, v in own.items()}
-    reqs = fact_requirements(facts)
+    reqs = fact_requirements(facts, together)
     reqs += [f"{p}=={flavour_versions[canonicalize_name(t)]}" for t in package_facts(facts)
-             if canonicalize_name(t) in flavour_versions for p in TOGETHER.get(t, (t,))]
+             if canonicalize_name(t) in flavour_versions for p in together.get(t, (t,))]
     if not pins_too:
         known: dict[tuple[str, str], Dist] = {}
         _releases(reqs, known)
-        return Report([], facts, facts_from(facts, known, {}, flavour_versions))
+        return Report([], facts, facts_from(facts, known, {}, flavour_versions, extras, together))
     names = set(pins) | {p for f in flavours.values() for p in f}
     newest = query(sorted(names))
     pinned = query([f"{p}=={v}" for p, v in pins.items()])
     known = {(k, d.version): d for src in (pinned, newest) for k, d in src.items()}
-    out = rows(pins, pinned, newest)
+    out = rows(pins, pinned, newest, extras=extras)
     for name, own in flavours.items():
         _releases([f"{p}=={v}" for p, v in own.items()], known)
-        together = {**pins, **own}
-        dists = {p: known[(p, v)] if (p, v) in known else pinned[p] for p, v in together.items() if
+        along = {**pins, **own}
+        dists = {p: known[(p, v)] if (p, v) in known else pinned[p] for p, v in along.items() if
                  (p, v) in known or p in pinned}
-        out += rows(together, dists, newest, only=set(own), label=name)
+        out += rows(along, dists, newest, only=set(own), label=name, extras=extras)
     _releases(reqs, known)
-    return Report(out, facts, facts_from(facts, known, newest, flavour_versions))
+    return Report(out, facts, facts_from(facts, known, newest, flavour_versions, extras, together))
 
 
 @reports_user_errors
@@ -426,11 +457,14 @@ def main(argv: list[str] | None = None) -> int:
     for line in new:
         print(f"new: {line}")
     if a.write:
-        text = matrix.read_text()
+        # through a symbolic link to the file it names, keeping that file's mode (the atomic rename would otherwise
+        # put a regular 0644 file in the link's place and leave the real matrix as it was)
+        target = matrix.resolve()
+        text = target.read_text()
         out = rewrite(text, rep.new_facts, datetime.date.today().isoformat())
         if out != text:
-            atomic.write_text(matrix, out)
-            print(f"{matrix}: [facts] refreshed")
+            atomic.write_text(target, out, mode=stat.S_IMODE(target.stat().st_mode))
+            print(f"{matrix}: [facts] refreshed" + (f" (in {target})" if target != matrix.absolute() else ""))
     return 0
 
 

@@ -55,6 +55,8 @@ def image_record(cell: Cell) -> dict:
         "torch_arch_list": cell.torch_arch_list or None, "attention_backend": cell.attention_backend,
         "min_driver": cell.min_driver, "python": cell.python, "base_image": cell.base_image,
         "attention_source": _attention_source(cell),
+        # matrix.toml's GPU generations and their SMs: doctor names the GPU it finds from these, not a table of its own
+        "gpu_generations": {g: list(sms) for g, sms in cell.gpu_generations},
         "image": cell.image, "version": cell.version, "versions": dict(sorted(versions.items())),
     }
     if cell.fabric_plugin:  # only in cells that opt in: every other record stays as it was

@@ -48,6 +48,10 @@ packages = { torch = "2.13.0", transformers = "5.17.0", trl = "1.16.0", peft = "
 extends = "train"
 packages = { vllm = "0.31.0" }
 
+[extras]
+trl = ["vllm"]
+verl = ["verl-core"]
+
 # Facts from package metadata.
 [facts]
 # Checked against the package index on 2026-01-02 (keep this line).
@@ -62,6 +66,19 @@ verl = { version = "0.9.1", transformers = "<5.11", transferqueue = ">=0.1.10" }
 packages = { trl = "1.15.0", unsloth = "2026.10.9", unsloth-zoo = "2026.10.9" }
 
 [[rule]]
+id = "unsloth-fits"
+facts = "unsloth"
+packages = ["unsloth", "unsloth-zoo"]
+reason = "unsloth and unsloth-zoo, the tighter of the two"
+
+[[rule]]
+id = "verl-fits"
+facts = "verl"
+reason = "verl's own"
+
+[[rule]]
+reason = "a last rule (no [facts] table of its own): the rewrite keeps the lines after [facts]"
+facts = "after-facts"
 id = "after-facts"
 '''
 

@@ -22,11 +22,11 @@ def test_wildcard_exclusions_and_plain_ranges():
 def test_conflicts_name_the_pins_and_a_fitting_stack_fits():
     facts = load(ROOT / "matrix.toml").data["facts"]
     gpu = next(c for c in load(ROOT / "matrix.toml").cells if c.stack == "gpu")
-    conflicts = rules.unsloth_conflicts(facts, gpu.pins)
+    conflicts = rules.requirement_conflicts("unsloth", facts["unsloth"], gpu.pins)
     assert any(c.startswith(f"trl {gpu.pins['trl']} ") for c in conflicts), conflicts
     fitting = {**gpu.pins, "trl": "1.15.0", "datasets": "4.3.0"}
-    assert rules.unsloth_conflicts(facts, fitting) == []
-    assert rules.unsloth_conflicts(facts, {"jupyterlab": "4.6.6"}) is None  # no training stack: not offered
+    assert rules.requirement_conflicts("unsloth", facts["unsloth"], fitting) == []
+    assert rules.requirement_conflicts("unsloth", facts["unsloth"], {"jupyterlab": "4.6.6"}) is None  # no training stack: not offered
 
 
 def test_explain_says_per_stack_whether_unsloth_fits():
@@ -44,7 +44,7 @@ def test_the_unsloth_flavour_pins_what_unsloth_accepts_and_keeps_the_cells_vllm(
     cells = [c for c in m.cells if c.flavour == "unsloth"]
     assert {c.base.name for c in cells} == {"cu130-ampere", "cu130-hopper", "cu130-blackwell"}
     for c in cells:
-        assert rules.unsloth_conflicts(facts, c.pins) == [], c.tag
+        assert rules.requirement_conflicts("unsloth", facts["unsloth"], c.pins) == [], c.tag
         assert c.pins["unsloth"] == c.pins["unsloth-zoo"] == facts["unsloth"]["version"]
         assert c.pins["vllm"] == c.base.pins["vllm"] and c.pins["torch"] == c.base.pins["torch"]
         assert rules.satisfies(c.pins["vllm"], facts["trl_vllm_extra"][c.pins["trl"]], "t")
