@@ -1,0 +1,113 @@
+"""Issue 29's in-image cases (#4-#6, #21-#26) and issue 32's nccl-check transport line: each as a user meets it.
+
+A read-only container (#4) is made for real where we may mount: a private mount namespace (`unshare -m`, root) with a
+read-only tmpfs over /tmp and /var/tmp, a read-only working directory and home, and a writable tmpfs as the outputs
+volume, which is what `docker run --read-only` leaves. The same run in the smoke image is the engine-marked test.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+# ---------------------------------------------------------------------------------------------------- #4 read-only
+
+
+def _can_unshare() -> bool:
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        return False
+    r = subprocess.run(["unshare", "-m", "--propagation", "private", "true"], capture_output=True)
+    return r.returncode == 0
+
+
+needs_mount = pytest.mark.skipif(not _can_unshare(), reason="needs root and unshare -m (a private mount namespace)")
+
+# /tmp becomes a read-only tmpfs holding `ro` (cwd, home) and `out` (its own writable tmpfs: the outputs volume).
+READ_ONLY_BOX = """set -e
+mount -t tmpfs tmpfs /tmp
+mkdir -p /tmp/out /tmp/ro
+mount -t tmpfs tmpfs /tmp/out
+mount -o remount,ro /tmp
+mount -t tmpfs -o ro tmpfs /var/tmp
+cd /tmp/ro
+exec "$@"
+"""
+
+
+def in_read_only_box(args: list[str], output_dir: str = "/tmp/out", timeout: int = 300):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TMP", "TEMP", "XDG_", "HF_", "OUTPUT_DIR"))}
+    env.update(HOME="/tmp/ro/home", OUTPUT_DIR=output_dir, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", READ_ONLY_BOX, "box", *args],
+                          capture_output=True, text=True, env=env, timeout=timeout)
+
+
+@needs_mount
+def test_read_only_container_runs_with_temp_files_on_the_outputs_volume():
+    """nccl-check makes a temp file (its one-process store) and doctor's probes use tempfile: both ran into
+    `No usable temporary directory`; now TMPDIR goes to the outputs volume, said in one line."""
+    r = in_read_only_box([PY, "-m", "entrypoints", "nccl-check", "--min-bytes", "4K", "--max-bytes", "4K", "--iters", "1",
+                          "--warmup", "0", "--ops", "all_reduce"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "No usable temporary directory" not in r.stderr and "Traceback" not in r.stderr
+    assert "TMPDIR=/tmp/out/.tmp-0 on the outputs volume" in r.stderr
+    assert "nccl-check: 1 ranks" in r.stdout
+
+
+@needs_mount
+def test_read_only_container_doctor_reports_instead_of_a_traceback():
+    r = in_read_only_box([PY, "-m", "entrypoints", "doctor"])
+    assert "Traceback" not in r.stderr and "No usable temporary directory" not in r.stdout + r.stderr
+    assert r.returncode in (0, 3, 4), r.stdout + r.stderr  # no GPU / fallbacks here; never a crash (1) or usage (2)
+    assert "VERDICT:" in r.stdout
+
+
+@needs_mount
+def test_read_only_everywhere_is_one_line_and_exit_2():
+    r = in_read_only_box([PY, "-m", "entrypoints", "doctor"], output_dir="/tmp/ro/outputs")
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no writable folder for temporary files" in lines[0] and "--tmpfs /tmp" in lines[0]
+
+
+def test_temp_plan_without_mounts(tmp_path, monkeypatch):
+    """The same decision where we may not mount: tempfile's candidates all unwritable."""
+    import tempfile
+
+    from entrypoints import cachedirs
+    from entrypoints.errors import UsageError
+
+    ro = tmp_path / "file"
+    ro.write_text("")
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    monkeypatch.setattr(tempfile, "_candidate_tempdir_list", lambda: [str(ro / "sub")])
+    add, line = cachedirs.temp_plan({"OUTPUT_DIR": str(tmp_path / "out")})
+    assert add == {"TMPDIR": str(tmp_path / "out" / f".tmp-{os.getuid()}")} and "outputs volume" in line
+    with pytest.raises(UsageError, match="no writable folder for temporary files"):
+        cachedirs.temp_plan({"OUTPUT_DIR": str(ro / "out")})
+
+
+def _smoke_image() -> str | None:
+    docker = shutil.which("docker")
+    if not docker:
+        return None
+    r = subprocess.run([docker, "image", "ls", "-q", "trainbox:smoke-x86_64"], capture_output=True, text=True)
+    return "trainbox:smoke-x86_64" if r.returncode == 0 and r.stdout.strip() else None
+
+
+@pytest.mark.engine
+@pytest.mark.skipif(_smoke_image() is None, reason="no trainbox:smoke-x86_64 image here (build it: make build)")
+@pytest.mark.parametrize("user", [[], ["--user", "12345"]])
+def test_read_only_smoke_image_doctor(user):
+    r = subprocess.run(["docker", "run", "--rm", "--read-only", *user, "trainbox:smoke-x86_64", "doctor"],
+                       capture_output=True, text=True, timeout=600)
+    assert "Traceback" not in r.stderr and "VERDICT:" in r.stdout, r.stdout + r.stderr
+    assert "on the outputs volume" in r.stderr
