@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from . import fabric, launch
-from .argtypes import OneLineParser, not_negative, positive
+from .argtypes import OneLineParser, not_negative, port, positive
 from .errors import UsageError
 
 PROG = "trainbox nccl-check"
@@ -57,9 +57,9 @@ def parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("launcher (else from Slurm, else one node with every visible GPU)")
     g.add_argument("--nnodes", type=positive, default=None)
     g.add_argument("--nproc-per-node", type=positive, default=None)
-    g.add_argument("--node-rank", type=int, default=None)
+    g.add_argument("--node-rank", type=not_negative, default=None)
     g.add_argument("--master-addr", default=None)
-    g.add_argument("--master-port", type=int, default=None)
+    g.add_argument("--master-port", type=port, default=None)
     return p
 
 

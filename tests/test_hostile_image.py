@@ -111,3 +111,18 @@ def test_read_only_smoke_image_doctor(user):
                        capture_output=True, text=True, timeout=600)
     assert "Traceback" not in r.stderr and "VERDICT:" in r.stdout, r.stdout + r.stderr
     assert "on the outputs volume" in r.stderr
+
+
+# ---------------------------------------------------------------------------------------------------- #5 ports
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--master-port", "99999"], "--master-port: must be a TCP port, 1 to 65535, got 99999"),
+    (["--master-port", "0"], "--master-port: must be a TCP port"),
+    (["--node-rank", "-1"], "--node-rank: must be 0 or more"),
+])
+def test_nccl_check_port_out_of_range_is_one_line(args, msg):
+    r = subprocess.run([PY, "-m", "entrypoints", "nccl-check", *args], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert r.returncode == 2 and r.stdout == "", r.stderr
+    assert r.stderr.count("\n") == 1 and msg in r.stderr and "Traceback" not in r.stderr
