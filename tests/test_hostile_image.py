@@ -126,3 +126,77 @@ def test_nccl_check_port_out_of_range_is_one_line(args, msg):
                        env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
     assert r.returncode == 2 and r.stdout == "", r.stderr
     assert r.stderr.count("\n") == 1 and msg in r.stderr and "Traceback" not in r.stderr
+
+
+# ------------------------------------------------------------------------- #6, #25 every option's range, up front
+
+
+def test_qlora_lora_dropout_out_of_range_is_refused_before_the_model_loads(tiny_model, tmp_path):
+    from test_data import write_dolly
+    from test_sft import env_for, run
+
+    data = write_dolly(tmp_path / "dolly.jsonl", 16)
+    out = tmp_path / "out"
+    r = run("entrypoints.qlora", ["--model_name_or_path", str(tiny_model), "--dataset", str(data),
+                                  "--output_dir", str(out), "--lora_dropout", "1.5", "--max_steps", "1"],
+            env_for(tmp_path))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "error: --lora_dropout 1.5: must be from 0 to 1 (not included)" in r.stderr
+    assert "[trainbox] qlora: model" not in r.stdout and "Traceback" not in r.stderr  # nothing loaded
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("entrypoint, args, msg", [
+    ("grpo", ["--vllm_mode", "banana"], "invalid choice: 'banana' (choose from 'server', 'colocate')"),
+    ("grpo", ["--vllm_server_wait", "-1"], "--vllm_server_wait -1.0: must be above 0"),
+    ("grpo", ["--loss_type", "ppo"], "invalid choice: 'ppo'"),
+    ("grpo", ["--vllm_gpu_memory_utilization", "1.5"], "must be from 0 (not included) to 1"),
+    ("grpo", ["--vllm_server_port", "70000"], "--vllm_server_port 70000: must be from 1 to 65535"),
+    ("qlora", ["--lora_dropout", "1.5"], "--lora_dropout 1.5: must be from 0 to 1 (not included)"),
+    ("sft", ["--master_port", "99999"], "--master_port 99999: must be from 1 to 65535"),
+    ("sft", ["--adam_beta1", "-0.1"], "--adam_beta1 -0.1: must be from 0 to 1"),
+    ("sft", ["--max_steps", "-5"], "--max_steps -5: must be at least -1"),
+])
+def test_unused_options_are_still_checked_when_parsed(tiny_model, entrypoint, args, msg):
+    """The options are judged when parsed, whether or not this run will use them (vLLM is not installed here)."""
+    import importlib
+
+    from entrypoints.errors import UsageError
+
+    module = importlib.import_module(f"entrypoints.{entrypoint}")
+    with pytest.raises(UsageError) as e:
+        module.parse(["--model_name_or_path", str(tiny_model), "--dataset", "x.jsonl", *args])
+    assert msg in str(e.value)
+
+
+def test_yaml_values_meet_the_same_checks(tiny_model, tmp_path):
+    from entrypoints import grpo
+    from entrypoints.errors import UsageError
+
+    (tmp_path / "a.yaml").write_text("vllm_mode: banana\n")
+    with pytest.raises(UsageError, match="vllm_mode .*'banana' is not one of"):
+        grpo.parse(["--config", str(tmp_path / "a.yaml")])
+    (tmp_path / "b.yaml").write_text("scale_rewards: false\nvllm_mode: server\n")  # TRL maps a YAML false to none
+    grpo.parse(["--config", str(tmp_path / "b.yaml"), "--model_name_or_path", str(tiny_model)])
+
+
+def test_every_numeric_option_has_a_range():
+    """A trainer option that is a number is either in config.RANGES or, on purpose, in config.UNBOUNDED: a new TRL
+    option fails here until someone decides its range."""
+    import dataclasses
+    import typing
+
+    from trl import GRPOConfig, ModelConfig, SFTConfig
+
+    from entrypoints import config, grpo, launch, qlora, sft
+
+    missing = []
+    for cls in (SFTConfig, GRPOConfig, ModelConfig, sft.DataArguments, grpo.GRPOScriptArgs, launch.LaunchArguments,
+                qlora.QLoRAArguments):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            text = str(hints.get(f.name))
+            if ("int" in text or "float" in text) and "Literal" not in text and f.name not in config.RANGES \
+                    and f.name not in config.UNBOUNDED:
+                missing.append(f"{cls.__name__}.{f.name}")
+    assert missing == []
