@@ -200,3 +200,26 @@ def test_every_numeric_option_has_a_range():
                     and f.name not in config.UNBOUNDED:
                 missing.append(f"{cls.__name__}.{f.name}")
     assert missing == []
+
+
+# ---------------------------------------------------------------------------------- #21 a pinned package uninstalled
+
+
+def test_doctor_fails_on_a_pinned_package_that_is_gone(tmp_path, monkeypatch, capsys):
+    """`pip uninstall -y tqdm; trainbox doctor` said the constraints matched: the missing pin was skipped."""
+    import json
+    from importlib import metadata
+
+    from entrypoints import constraints, doctor
+
+    pins = tmp_path / "constraints.txt"
+    pins.write_text(f"tqdm=={metadata.version('tqdm')}\nno-such-pinned-package==1.0\n"
+                    "other-platform-only==2.0 ; sys_platform == 'win32'\n")
+    monkeypatch.setattr(constraints, "PATH", str(pins))
+    code = doctor.main(["--json"])
+    report = json.loads(capsys.readouterr().out)
+    row = next(c for c in report["checks"] if c["name"] == "constraints")
+    assert row["status"] == "fail" and code == doctor.EXIT_BROKEN
+    assert "pinned but not installed: no-such-pinned-package 1.0" in row["detail"]
+    assert "tqdm" not in row["detail"] and "other-platform-only" not in row["detail"]  # a pin for elsewhere
+    assert row["detail"].endswith("`pip install no-such-pinned-package==1.0`")
