@@ -223,3 +223,67 @@ def test_doctor_fails_on_a_pinned_package_that_is_gone(tmp_path, monkeypatch, ca
     assert "pinned but not installed: no-such-pinned-package 1.0" in row["detail"]
     assert "tqdm" not in row["detail"] and "other-platform-only" not in row["detail"]  # a pin for elsewhere
     assert row["detail"].endswith("`pip install no-such-pinned-package==1.0`")
+
+
+# ------------------------------------------------------------------- issue 32 #5: nccl-check names what it measured
+
+# Two GPUs of one node, NCCL 2.27 with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 (rank 0's file; rank 1's is alike).
+LOG_SOCKET_ONE_NODE = """\
+gpu-a:5101:5101 [0] NCCL INFO NCCL version 2.27.5+cuda12.9
+gpu-a:5101:5140 [0] NCCL INFO NCCL_P2P_DISABLE set by environment to 1
+gpu-a:5101:5140 [0] NCCL INFO NCCL_SHM_DISABLE set by environment to 1.
+gpu-a:5101:5140 [0] NCCL INFO NET/IB : No device found.
+gpu-a:5101:5140 [0] NCCL INFO NET/Socket : Using [0]eth0:10.0.0.2<0>
+gpu-a:5101:5140 [0] NCCL INFO Using network Socket
+gpu-a:5101:5140 [0] NCCL INFO Channel 00/02 : 0 1
+gpu-a:5101:5140 [0] NCCL INFO Channel 00/0 : 1[1] -> 0[0] [receive] via NET/Socket/0
+gpu-a:5101:5140 [0] NCCL INFO Channel 01/0 : 1[1] -> 0[0] [receive] via NET/Socket/0
+gpu-a:5101:5140 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] [send] via NET/Socket/0
+gpu-a:5101:5140 [0] NCCL INFO Connected all rings, use ring PXN 0 GDR 0
+"""
+LOG_P2P_ONE_NODE = """\
+gpu-a:5101:5140 [0] NCCL INFO Using network Socket
+gpu-a:5101:5140 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM/read
+gpu-a:5101:5140 [0] NCCL INFO Channel 01/0 : 0[0] -> 1[1] via P2P/IPC
+"""
+LOG_SHM_ONE_NODE = """\
+gpu-a:5101:5140 [0] NCCL INFO Using network Socket
+gpu-a:5101:5140 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via SHM/direct/direct
+"""
+
+
+def test_nccl_log_channels_name_the_ranks_and_the_transport():
+    from entrypoints import fabric
+
+    p = fabric.parse_nccl_log(LOG_SOCKET_ONE_NODE)
+    assert p["channels"] == [[1, 0, "NET/Socket/0"], [0, 1, "NET/Socket/0"]]
+    assert fabric.parse_nccl_log(LOG_P2P_ONE_NODE)["channels"] == [[0, 1, "P2P/CUMEM/read"], [0, 1, "P2P/IPC"]]
+
+
+@pytest.mark.parametrize("log, short", [
+    (LOG_SOCKET_ONE_NODE, "NET/Socket (one node; inter-node would be Socket)"),
+    (LOG_P2P_ONE_NODE, "P2P/CUMEM, P2P/IPC (one node; inter-node would be Socket)"),
+    (LOG_SHM_ONE_NODE, "SHM (one node; inter-node would be Socket)"),
+])
+def test_nccl_check_names_the_transport_two_gpus_of_one_node_used(log, short):
+    """P2P and SHM disabled: 3.18 GB/s measured over sockets was reported as `no peers` / `one GPU`."""
+    from entrypoints import fabric, nccl_check
+
+    logs = [{"host": "gpu-a", "log": fabric.parse_nccl_log(log)} for _ in range(2)]
+    got_short, text, _ = nccl_check.transport_line("nccl", 1, logs)
+    assert got_short == short
+    assert "no peers" not in text and text.startswith(f"one node: {fabric.parse_nccl_log(log)['channels'][0][2]}")
+    out = nccl_check.report([("all_reduce", 1 << 30, 0.675)], 2, ["gpu-a"], 2, "nccl", "2.27.5", logs, False, True)
+    assert out.splitlines()[-1].endswith(f"transport {short}")
+
+
+def test_nccl_check_tells_a_nodes_own_socket_links_from_the_network():
+    """Two nodes: rank 0 -> 1 on one host over sockets is within the node; 1 -> 2 crosses hosts."""
+    from entrypoints import fabric, nccl_check
+
+    log = LOG_SOCKET_ONE_NODE + "gpu-a:5101:5140 [1] NCCL INFO Channel 00/0 : 1[1] -> 2[0] [send] via NET/Socket/1\n"
+    logs = [{"host": h, "log": fabric.parse_nccl_log(log)} for h in ("a", "a", "b", "b")]
+    intra, inter = nccl_check.split_links(logs)
+    assert intra == ["NET/Socket/0"] and inter == ["NET/Socket/1"]
+    short, text, _ = nccl_check.transport_line("nccl", 2, logs)
+    assert short == "Socket" and "within a node NET/Socket/0 (TCP sockets)" in text
