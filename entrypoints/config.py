@@ -413,6 +413,44 @@ def set_explicit(obj, names) -> None:
     object.__setattr__(obj, _EXPLICIT_ATTR, frozenset(names))
 
 
+# TRL's ModelConfig options that only a LoRA / k-bit run reads: in a run that trains every weight (sft, grpo --mode
+# full) they would be accepted and ignored (`sft --use_peft true --lora_r 8` saved a full model, no adapter).
+PEFT_OPTIONS = ("use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters",
+                "lora_modules_to_save", "lora_task_type", "use_rslora", "use_dora")
+QUANT_OPTIONS = ("load_in_8bit", "load_in_4bit", "bnb_4bit_quant_type", "use_bnb_nested_quant",
+                 "bnb_4bit_quant_storage")
+
+
+def changed_options(obj, names) -> list[str]:
+    """Those of `names` the user set (explicit) to something other than the dataclass's default."""
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    out = []
+    for name in names:
+        f = fields.get(name)
+        if f is None or name not in explicit(obj):
+            continue
+        default = f.default_factory() if f.default is dataclasses.MISSING and f.default_factory is not \
+            dataclasses.MISSING else f.default
+        if getattr(obj, name) != default:
+            out.append(name)
+    return out
+
+
+def refuse_unused(model_args, names, what: str, fix: str) -> None:
+    """One UsageError naming each option of `names` the user set that this run would ignore."""
+    unused = changed_options(model_args, names)
+    if unused:
+        them = "it" if len(unused) == 1 else "them"
+        raise UsageError(f"{', '.join('--' + n for n in unused)}: {what} would ignore {them}; {fix}")
+
+
+def check_full_training(model_args, prog: str = "sft") -> None:
+    """sft trains every weight in the model's own dtype: LoRA and 4/8-bit options are refused, not ignored."""
+    refuse_unused(model_args, PEFT_OPTIONS + QUANT_OPTIONS,
+                  f"{prog} trains every weight (no LoRA, no 4/8-bit base) and",
+                  "use `trainbox qlora` for LoRA on a 4-bit base (or `trainbox grpo --mode lora|qlora`), or drop them")
+
+
 # Checks every training entrypoint runs before any model loads.
 REPORT_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "comet_ml": "comet_ml"}
 

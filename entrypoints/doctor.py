@@ -3,7 +3,8 @@
 Exit codes:
   0  everything the image needs works on this host (a GPU image on a GPU host; a CPU image anywhere: it trains on CPU)
   1  broken: something the image needs fails (driver too old for the image's CUDA, a package missing (a pin of
-     the image's constraints file uninstalled included) or failing to import or to run a tiny op, a GPU that nvidia-smi sees but torch can't use, a broken image record)
+     the image's constraints file uninstalled included) or failing to import or to run a tiny op, a GPU that
+     nvidia-smi sees but torch can't use, a broken image record)
   3  works, but there is no GPU here for a GPU image (or outside any image: unknown what is wanted); `docker run
      --gpus all ...` or a GPU allocation fixes it
   4  runs, with a fallback: e.g. a Hopper image (FA3) on an Ampere GPU falls back to SDPA, a driver that runs the

@@ -244,6 +244,12 @@ def resolve_mode(script, model_args) -> str:
             raise UsageError("load_in_8bit isn't one of the supported modes; use --mode qlora (4-bit nf4)")
         model_args.use_peft = wants_peft
         model_args.load_in_4bit = mode == "qlora"
+    if mode == "full":
+        config.refuse_unused(model_args, config.PEFT_OPTIONS + config.QUANT_OPTIONS, "--mode full trains every weight "
+                             "and", "use --mode lora or qlora for adapters, or drop them")
+    elif mode == "lora":
+        config.refuse_unused(model_args, config.QUANT_OPTIONS, "--mode lora keeps the base unquantized and",
+                             "use --mode qlora for a 4-bit base, or drop them")
     if mode == "qlora":
         if importlib.util.find_spec("bitsandbytes") is None:
             raise UsageError("--mode qlora needs bitsandbytes, which this image lacks; use --mode lora")

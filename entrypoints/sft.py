@@ -232,6 +232,7 @@ def main(argv: list[str]) -> int:
     try:
         lifecycle.install_signal_handlers()
         data_args, launch_args, model_args, training_args = parse(argv)
+        cfg.check_full_training(model_args)  # LoRA/4-bit options: refused, not ignored (qlora has its own main)
         plan = launch.plan(launch_args, os.environ)
         with runlog.for_command("sft", cfg.configured_output_dir(training_args), plan, argv):
             if plan.mode == "torchrun":

@@ -54,8 +54,8 @@ def in_read_only_box(args: list[str], output_dir: str = "/tmp/out", timeout: int
 def test_read_only_container_runs_with_temp_files_on_the_outputs_volume():
     """nccl-check makes a temp file (its one-process store) and doctor's probes use tempfile: both ran into
     `No usable temporary directory`; now TMPDIR goes to the outputs volume, said in one line."""
-    r = in_read_only_box([PY, "-m", "entrypoints", "nccl-check", "--min-bytes", "4K", "--max-bytes", "4K", "--iters", "1",
-                          "--warmup", "0", "--ops", "all_reduce"])
+    r = in_read_only_box([PY, "-m", "entrypoints", "nccl-check", "--min-bytes", "4K", "--max-bytes", "4K",
+                          "--iters", "1", "--warmup", "0", "--ops", "all_reduce"])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "No usable temporary directory" not in r.stderr and "Traceback" not in r.stderr
     assert "TMPDIR=/tmp/out/.tmp-0 on the outputs volume" in r.stderr
@@ -287,3 +287,41 @@ def test_nccl_check_tells_a_nodes_own_socket_links_from_the_network():
     assert intra == ["NET/Socket/0"] and inter == ["NET/Socket/1"]
     short, text, _ = nccl_check.transport_line("nccl", 2, logs)
     assert short == "Socket" and "within a node NET/Socket/0 (TCP sockets)" in text
+
+
+# ------------------------------------------------------------------ #24 an accepted option is honoured or refused
+
+
+def test_sft_refuses_lora_options_it_would_ignore(tiny_model, tmp_path):
+    """`sft --use_peft true --lora_r 8` trained and saved a full model, no adapter."""
+    from test_data import write_messages
+    from test_sft import env_for, run
+
+    data = write_messages(tmp_path / "chat.jsonl", 16)
+    out = tmp_path / "out"
+    r = run("entrypoints.sft", ["--model_name_or_path", str(tiny_model), "--dataset", str(data), "--output_dir",
+                                str(out), "--use_peft", "true", "--lora_r", "8", "--max_steps", "1"], env_for(tmp_path))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "error: --use_peft, --lora_r: sft trains every weight (no LoRA, no 4/8-bit base) and would ignore them; use "
+        "`trainbox qlora` for LoRA on a 4-bit base (or `trainbox grpo --mode lora|qlora`), or drop them"]
+    assert not out.exists()
+
+
+def test_model_options_refused_only_when_set_to_something_else(tiny_model):
+    from entrypoints import config, grpo, sft
+    from entrypoints.errors import UsageError
+
+    *_, model_args, _ = sft.parse(["--model_name_or_path", str(tiny_model), "--use_peft", "false", "--lora_r", "16"])
+    config.check_full_training(model_args)  # the defaults, said out loud: nothing ignored
+    *_, model_args, _ = sft.parse(["--model_name_or_path", str(tiny_model), "--load_in_4bit", "true"])
+    with pytest.raises(UsageError, match="--load_in_4bit: sft trains every weight"):
+        config.check_full_training(model_args)
+    script, _, _, model_args = grpo.parse(["--mode", "full", "--lora_r", "8"])
+    with pytest.raises(UsageError, match="--lora_r: --mode full trains every weight and would ignore it"):
+        grpo.resolve_mode(script, model_args)
+    script, _, _, model_args = grpo.parse(["--mode", "lora", "--bnb_4bit_quant_type", "fp4"])
+    with pytest.raises(UsageError, match="--bnb_4bit_quant_type: --mode lora keeps the base unquantized"):
+        grpo.resolve_mode(script, model_args)
+    script, _, _, model_args = grpo.parse(["--mode", "lora", "--lora_r", "8"])
+    assert grpo.resolve_mode(script, model_args) == "lora"
