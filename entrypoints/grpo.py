@@ -478,7 +478,7 @@ def validate(script, args, model_args) -> Checked:
     args.output_dir = lifecycle.output_dir(config.configured_output_dir(args))
     if args.resume_from_checkpoint:  # TrainingArguments' own option wins over --resume
         script.resume = args.resume_from_checkpoint
-    resume = lifecycle.resolve_resume(script.resume, args.output_dir)
+    resume = lifecycle.resolve_resume(script.resume, args.output_dir, args, "grpo")
     ds = prepare_dataset(script, refs, funcs)
     if script.max_prompt_tokens is not None:
         ds = drop_long_prompts(ds, model_args.model_name_or_path, script.max_prompt_tokens, model_args.model_revision)

@@ -194,7 +194,7 @@ def train(data_args, model_args, training_args, name: str = "sft") -> int:
     tokenizer = load_tokenizer(model_args.model_name_or_path, training_args)
     with training_args.main_process_first(local=False, desc="dataset"):
         train_ds = prepare_dataset(data_args, training_args)
-    ckpt = lifecycle.resolve_resume(data_args.resume, training_args.output_dir)
+    ckpt = lifecycle.resolve_resume(data_args.resume, training_args.output_dir, training_args, name)
     strategy = distributed_strategy(training_args)
     if lifecycle.is_main_process():
         print(

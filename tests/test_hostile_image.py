@@ -7,8 +7,8 @@ volume, which is what `docker run --read-only` leaves. The same run in the smoke
 
 from __future__ import annotations
 
+import json
 import os
-import shlex
 import shutil
 import subprocess
 import sys
@@ -325,3 +325,91 @@ def test_model_options_refused_only_when_set_to_something_else(tiny_model):
         grpo.resolve_mode(script, model_args)
     script, _, _, model_args = grpo.parse(["--mode", "lora", "--lora_r", "8"])
     assert grpo.resolve_mode(script, model_args) == "lora"
+
+
+# ------------------------------------------------------- #22 resume never overshoots, #23 nor crosses trainers
+
+
+def _sft(tiny_model, data, out, tmp_path, *extra):
+    from test_sft import FAST, env_for, run
+
+    return run("entrypoints.sft", ["--model_name_or_path", str(tiny_model), "--dataset", str(data), "--output_dir",
+                                   str(out), *FAST, *extra], env_for(tmp_path))
+
+
+def test_a_finished_sft_run_submitted_again_trains_nothing(tiny_model, tmp_path):
+    """The same command twice: the second resumed and trained `steps 2/1`, overwriting the final model."""
+    from test_data import write_messages
+
+    data = write_messages(tmp_path / "chat.jsonl", 16)
+    out = tmp_path / "out"
+    r = _sft(tiny_model, data, out, tmp_path, "--max_steps", "1")
+    assert r.returncode == 0 and "sft done: steps 1/1" in r.stdout, r.stdout + r.stderr
+    assert json.loads((out / "checkpoint-1" / "trainbox.json").read_text()) == {"trainer": "sft"}
+    final = (out / "model.safetensors").stat().st_mtime_ns
+    r = _sft(tiny_model, data, out, tmp_path, "--max_steps", "1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[trainbox] sft: nothing to train: " in r.stdout and "checkpoint-1 reached step 1 of 1" in r.stdout
+    assert "steps 2/1" not in r.stdout and "sft done" not in r.stdout
+    assert (out / "model.safetensors").stat().st_mtime_ns == final and not (out / "checkpoint-2").exists()
+
+
+def test_sft_refuses_to_resume_a_grpo_checkpoint(tiny_model, tmp_path):
+    """grpo then sft into one output folder: sft resumed GRPO's optimizer, scheduler and state."""
+    from test_data import write_messages
+    from test_grpo import FAST, gsm8k_rows, run_grpo, write_jsonl
+
+    out = tmp_path / "out"
+    gsm8k = write_jsonl(tmp_path / "gsm8k.jsonl", gsm8k_rows(16))
+    r = run_grpo(["--model_name_or_path", tiny_model, "--dataset", gsm8k, "--preset", "gsm8k", "--max_steps", "1",
+                  "--output_dir", out, *FAST], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((out / "checkpoint-1" / "trainbox.json").read_text()) == {"trainer": "grpo"}
+    r = _sft(tiny_model, write_messages(tmp_path / "chat.jsonl", 16), out, tmp_path, "--max_steps", "2")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr and "[trainbox] sft: model" not in r.stdout  # before the model loads
+    assert [line for line in r.stderr.splitlines() if "error" in line] == [
+        f"error: {out} holds a grpo run (checkpoint-1); sft would resume from its weights, optimizer and scheduler: "
+        "give sft its own output folder (--output_dir DIR or OUTPUT_DIR), or move that run away"]
+
+
+def test_resume_decisions(tmp_path):
+    """The same rules on planted checkpoints (no training): epochs as the target, the run record, --resume PATH."""
+    from types import SimpleNamespace
+
+    from entrypoints import lifecycle
+    from entrypoints.errors import UsageError
+
+    def ckpt(out, step, max_steps, epochs=3.0, trainer=None):
+        c = out / f"checkpoint-{step}"
+        c.mkdir(parents=True)
+        (c / "trainer_state.json").write_text(json.dumps({"global_step": step, "max_steps": max_steps,
+                                                          "num_train_epochs": epochs}))
+        if trainer:
+            (c / "trainbox.json").write_text(json.dumps({"trainer": trainer}))
+        return str(c)
+
+    epochs3 = SimpleNamespace(max_steps=-1, num_train_epochs=3.0)
+    out = tmp_path / "a"
+    c = ckpt(out, 24, 24)  # an old checkpoint without a record: epochs done
+    with pytest.raises(lifecycle.Finished) as e:
+        lifecycle.resolve_resume("auto", str(out), epochs3, "sft")
+    assert e.value.code == 0
+    assert lifecycle.resolve_resume("auto", str(out), SimpleNamespace(max_steps=-1, num_train_epochs=4.0), "sft") == c
+    assert lifecycle.resolve_resume("auto", str(out), SimpleNamespace(max_steps=30, num_train_epochs=3.0), "sft") == c
+    assert lifecycle.resolve_resume("never", str(out), epochs3, "sft") is None
+
+    out = tmp_path / "b"  # finished, no checkpoint kept: the run record says so
+    out.mkdir()
+    (out / lifecycle.RUN_FILE).write_text(json.dumps({"trainer": "qlora", "finished": True, "global_step": 8,
+                                                      "max_steps": -1, "num_train_epochs": 3.0}))
+    with pytest.raises(lifecycle.Finished):
+        lifecycle.resolve_resume("auto", str(out), epochs3, "qlora")
+    assert lifecycle.resolve_resume("auto", str(out), epochs3, "sft") is None  # nothing to resume: a fresh run
+
+    c = ckpt(tmp_path / "c", 1, 5, trainer="grpo")
+    with pytest.raises(UsageError, match="holds a grpo run"):
+        lifecycle.resolve_resume("auto", str(tmp_path / "c"), epochs3, "qlora")
+    with pytest.raises(UsageError, match="a grpo checkpoint; sft can't resume from it"):
+        lifecycle.resolve_resume(c, str(tmp_path / "elsewhere"), epochs3, "sft")
+    assert lifecycle.resolve_resume(c, str(tmp_path / "elsewhere"), epochs3, "grpo") == c
