@@ -514,7 +514,7 @@ def _target(args) -> tuple:
 
 def write_run_record(trainer, output_dir: str, name: str) -> None:
     """RUN_FILE: which entrypoint ran here, whether it finished (not preempted), the step and target it reached."""
-    state, args = trainer.state, trainer.args
+    state, args = trainer.state, getattr(trainer, "args", None)
     max_steps, epochs = _target(args)
     record = {"trainer": name, "finished": not _preempted, "global_step": int(state.global_step),
               "max_steps": max_steps, "num_train_epochs": epochs}
