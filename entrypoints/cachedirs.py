@@ -71,8 +71,9 @@ def temp_plan(env) -> tuple[dict[str, str], str | None]:
         from entrypoints.errors import UsageError
 
         raise UsageError(f"no writable folder for temporary files: TMPDIR ({env.get('TMPDIR') or 'unset'}), /tmp, "
-                         f"/var/tmp, the working directory and {outputs} are all read-only; mount one "
-                         "(`docker run --tmpfs /tmp`, or a volume on /workspace/outputs)")
+                         f"/var/tmp, the working directory and {outputs} are all read-only or not writable by uid "
+                         f"{os.getuid()}; mount one (`docker run --tmpfs /tmp`, or a volume on {outputs} that this "
+                         "user can write)")
     line = (f"[trainbox] no writable temporary folder (/tmp and the working directory are read-only): TMPDIR={base} "
             "on the outputs volume; `docker run --tmpfs /tmp` keeps them off it")
     return {"TMPDIR": base}, line

@@ -105,12 +105,17 @@ def _smoke_image() -> str | None:
 
 @pytest.mark.engine
 @pytest.mark.skipif(_smoke_image() is None, reason="no trainbox:smoke-x86_64 image here (build it: make build)")
-@pytest.mark.parametrize("user", [[], ["--user", "12345"]])
-def test_read_only_smoke_image_doctor(user):
-    r = subprocess.run(["docker", "run", "--rm", "--read-only", *user, "trainbox:smoke-x86_64", "doctor"],
+def test_read_only_smoke_image_doctor():
+    """The image as built (this test fails on an image built before the fix: the traceback)."""
+    r = subprocess.run(["docker", "run", "--rm", "--read-only", "trainbox:smoke-x86_64", "doctor"],
                        capture_output=True, text=True, timeout=600)
     assert "Traceback" not in r.stderr and "VERDICT:" in r.stdout, r.stdout + r.stderr
-    assert "on the outputs volume" in r.stderr
+    assert "TMPDIR=/workspace/outputs/.tmp-1000 on the outputs volume" in r.stderr
+    # Another uid can't write the image user's outputs volume either: one line, exit 2.
+    r = subprocess.run(["docker", "run", "--rm", "--read-only", "--user", "12345", "trainbox:smoke-x86_64", "doctor"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stdout + r.stderr
+    assert "no writable folder for temporary files" in r.stderr and "uid 12345" in r.stderr
 
 
 # ---------------------------------------------------------------------------------------------------- #5 ports
