@@ -12,12 +12,15 @@ class OneLineParser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
-def _whole(text: str, minimum: int, what: str) -> int:
+PORT_MAX = 65535  # TCP's port field is 16 bits: torch's store raised a traceback for 99999
+
+
+def _whole(text: str, minimum: int, what: str, maximum: int | None = None) -> int:
     try:
         v = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if v < minimum:
+    if v < minimum or (maximum is not None and v > maximum):
         raise argparse.ArgumentTypeError(f"must be {what}, got {v}")
     return v
 
@@ -28,3 +31,7 @@ def positive(text: str) -> int:
 
 def not_negative(text: str) -> int:
     return _whole(text, 0, "0 or more")
+
+
+def port(text: str) -> int:
+    return _whole(text, 1, f"a TCP port, 1 to {PORT_MAX}", PORT_MAX)

@@ -7,6 +7,11 @@ dispatcher before any entrypoint imports those libraries. It does nothing when $
 each variable below that is unset gets a folder under one writable base: $XDG_CACHE_HOME if the user set it, else
 a per-user temp dir (enroot and pyxis mount a tmpfs on /tmp), else the outputs volume ($OUTPUT_DIR or
 /workspace/outputs). A variable the user set always wins, even one we would consider unwritable. One line says where.
+
+Temporary files come first (`apply_temp`): `docker run --read-only` (or a uid with no writable /tmp) leaves no
+directory `tempfile` accepts ($TMPDIR, /tmp, /var/tmp, the cwd), and the first `tempfile.gettempdir()` (ours, or a
+library's) raised "No usable temporary directory". Then TMPDIR points at a per-user folder on the outputs volume
+(the one place the image promises is writable); when that can't be written either, one line and exit 2.
 """
 
 from __future__ import annotations
@@ -50,6 +55,39 @@ def _home_cache(env) -> str | None:
 def _temp_base() -> str:
     # Per uid: /tmp is shared by every user of a node in bare runs, and another user's folder is not ours to write.
     return os.path.join(tempfile.gettempdir(), f"trainbox-{os.getuid()}")
+
+
+def temp_plan(env) -> tuple[dict[str, str], str | None]:
+    """({}, None) when tempfile finds a usable folder; else ({"TMPDIR": a folder on the outputs volume}, the line).
+    Raises UsageError when that folder can't be written either."""
+    try:
+        tempfile.gettempdir()
+        return {}, None
+    except FileNotFoundError:  # tempfile's "No usable temporary directory found in [...]"
+        pass
+    outputs = env.get("OUTPUT_DIR") or DEFAULT_OUTPUT_DIR
+    base = os.path.join(outputs, f".tmp-{os.getuid()}")
+    if not writable_dir(base):
+        from entrypoints.errors import UsageError
+
+        raise UsageError(f"no writable folder for temporary files: TMPDIR ({env.get('TMPDIR') or 'unset'}), /tmp, "
+                         f"/var/tmp, the working directory and {outputs} are all read-only or not writable by uid "
+                         f"{os.getuid()}; mount one (`docker run --tmpfs /tmp`, or a volume on {outputs} that this "
+                         "user can write)")
+    line = (f"[trainbox] no writable temporary folder (/tmp and the working directory are read-only): TMPDIR={base} "
+            "on the outputs volume; `docker run --tmpfs /tmp` keeps them off it")
+    return {"TMPDIR": base}, line
+
+
+def apply_temp(environ=None, stream=None) -> dict[str, str]:
+    """temp_plan applied to `environ` (os.environ) and this process's tempfile; says where on `stream` (stderr)."""
+    environ = os.environ if environ is None else environ
+    add, line = temp_plan(environ)
+    if add:
+        environ.update(add)
+        tempfile.tempdir = add["TMPDIR"] if environ is os.environ else tempfile.tempdir
+        print(line, file=stream or sys.stderr, flush=True)
+    return add
 
 
 def plan(env) -> tuple[dict[str, str], str | None]:

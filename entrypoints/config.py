@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import difflib
 import importlib.util
+import math
 import os
 import sys
 from pathlib import Path
@@ -67,6 +68,9 @@ def _make_parser(dataclass_types: tuple, prog: str):
             raise UsageError(f"{prog}: {message} (see `{prog} --help`)")
 
     parser = _Parser(dataclass_types, prog=prog, allow_abbrev=False)
+    for action in parser._actions:
+        if action.dest in CHOICES and action.choices is None:
+            action.choices = CHOICES[action.dest]
     parser.add_argument("--config", default=None, help="YAML file with option defaults; command-line options override")
     return parser
 
@@ -294,29 +298,79 @@ def _yaml_value(key: str, action, value: Any, path: str) -> Any:
     return out if many else out[0]
 
 
-# Options that must be above zero (a 0 or negative here crashed after the model loaded, or trained on nothing).
-POSITIVE = ("max_length", "max_seq_length", "max_completion_length", "max_prompt_length", "lora_r", "lora_alpha",
-            "num_generations", "per_device_train_batch_size", "per_device_eval_batch_size",
-            "gradient_accumulation_steps", "generation_batch_size", "steps_per_generation", "num_iterations",
-            "num_train_epochs", "save_steps", "logging_steps", "eval_steps")
-NON_NEGATIVE = ("learning_rate", "weight_decay", "warmup_steps", "lora_dropout", "beta", "temperature",
-                "dataloader_num_workers", "save_total_limit", "seed", "max_grad_norm")
+# The range of every numeric option any entrypoint accepts, checked in one place when the options are parsed, whether
+# the run will use the option or not: a value the program would only judge when it reaches it (after the model
+# loaded: `--lora_dropout 1.5`), or never (`--vllm_server_wait -1` with vLLM unused), is one error up front.
+# tests/test_hostile_image.py fails when a trainer gains a numeric option that is in neither table.
+INF = math.inf
+ABOVE_0 = (0, INF, False, True)  # (low, high, low allowed, high allowed)
+AT_LEAST_0 = (0, INF, True, True)
+UNIT = (0, 1, True, True)
+UNIT_OPEN = (0, 1, True, False)  # a dropout or an Adam beta of 1 trains nothing
+SHARE = (0, 1, False, True)
+PORT = (1, 65535, True, True)
+RANGES: dict[str, tuple] = {
+    **dict.fromkeys((
+        "max_length", "max_seq_length", "max_completion_length", "max_prompt_length", "max_prompt_tokens", "lora_r",
+        "lora_alpha", "num_generations", "num_generations_eval", "per_device_train_batch_size",
+        "per_device_eval_batch_size", "gradient_accumulation_steps", "eval_accumulation_steps",
+        "generation_batch_size", "steps_per_generation", "num_iterations", "num_train_epochs", "save_steps",
+        "logging_steps", "eval_steps", "adam_epsilon", "dataloader_prefetch_factor", "dataset_num_proc",
+        "ddp_bucket_cap_mb", "ddp_timeout", "max_tool_calling_iterations", "ref_model_sync_steps",
+        "torch_empty_cache_steps", "vllm_max_model_length", "vllm_server_timeout", "vllm_tensor_parallel_size",
+        "vllm_server_wait", "repetition_penalty", "temperature", "sapo_temperature_neg", "sapo_temperature_pos",
+        "neftune_noise_alpha", "pad_to_multiple_of", "delta", "nnodes", "nproc_per_node", "max_samples"), ABOVE_0),
+    **dict.fromkeys((
+        "learning_rate", "weight_decay", "warmup_steps", "beta", "dataloader_num_workers", "save_total_limit", "seed",
+        "data_seed", "max_grad_norm", "eval_delay", "entropy_coef", "entropy_coef_delta", "entropy_coef_max",
+        "entropy_coef_min", "entropy_target", "epsilon", "epsilon_high", "num_completions_to_print",
+        "off_policy_mask_threshold", "router_aux_loss_coef", "top_k", "vllm_importance_sampling_cap",
+        "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min", "vespo_k_neg", "vespo_k_pos",
+        "vespo_lambda_neg", "vespo_lambda_pos", "vllm_server_nodes", "vllm_server_gpus", "node_rank"), AT_LEAST_0),
+    **dict.fromkeys(("min_p", "label_smoothing_factor", "top_entropy_quantile", "ref_model_mixup_alpha"), UNIT),
+    **dict.fromkeys(("lora_dropout", "adam_beta1", "adam_beta2"), UNIT_OPEN),
+    **dict.fromkeys(("top_p", "vllm_gpu_memory_utilization"), SHARE),
+    **dict.fromkeys(("master_port", "vllm_server_port", "vllm_group_port"), PORT),
+    "max_steps": (-1, INF, True, True),  # -1: train for num_train_epochs
+}
+# Numeric options with no range of their own: set by a launcher (local_rank), or signed on purpose (a reward weight
+# may be a penalty).
+UNBOUNDED = frozenset({"local_rank", "reward_weights"})
+# String options whose dataclass declares no choices (argparse can't refuse a typo) and that the trainer reads only
+# when it gets there: name -> the values it accepts (TRL 1.16's help texts; YAML booleans where TRL maps them).
+# Given to argparse as the option's choices where it has none (SFT's loss_type has its own).
+CHOICES: dict[str, tuple] = {
+    "vllm_mode": ("server", "colocate"),
+    "vllm_model_impl": ("vllm", "transformers"),
+    "importance_sampling_level": ("token", "sequence"),
+    "multi_objective_aggregation": ("sum_then_normalize", "normalize_then_sum"),
+    "scale_rewards": ("group", "batch", "none", True, False),
+    "loss_type": ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"),  # GRPO's
+    "vllm_importance_sampling_mode": ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
+}
+
+
+def _range_text(low, high, low_in, high_in) -> str:
+    if high == INF:
+        return f"{'at least' if low_in else 'above'} {low:g}"
+    return f"from {low:g} {'' if low_in else '(not included) '}to {high:g}{'' if high_in else ' (not included)'}"
 
 
 def check_ranges(obj) -> None:
-    """Checked before anything loads: finite numbers, and the options above in their range."""
-    import math
-
+    """Checked before anything loads: finite numbers, every numeric option in its range (RANGES). CHOICES are
+    argparse's own (set on the parser: _make_parser), so the command line and YAML are both checked."""
     for f in dataclasses.fields(obj):
         v = getattr(obj, f.name, None)
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            continue
-        if isinstance(v, float) and not math.isfinite(v):
-            raise UsageError(f"--{f.name} {v}: must be a finite number")
-        if f.name in POSITIVE and v <= 0:
-            raise UsageError(f"--{f.name} {v}: must be above 0")
-        if f.name in NON_NEGATIVE and v < 0:
-            raise UsageError(f"--{f.name} {v}: must not be negative")
+        values = v if isinstance(v, (list, tuple)) else [v]
+        for x in values:
+            if isinstance(x, bool) or not isinstance(x, (int, float)):
+                continue
+            if isinstance(x, float) and not math.isfinite(x):
+                raise UsageError(f"--{f.name} {x}: must be a finite number")
+            if f.name in RANGES:
+                low, high, low_in, high_in = RANGES[f.name]
+                if x < low or x > high or (x == low and not low_in) or (x == high and not high_in):
+                    raise UsageError(f"--{f.name} {x}: must be {_range_text(low, high, low_in, high_in)}")
 
 
 def _token_to_environment(obj) -> None:
@@ -357,6 +411,44 @@ def configured_output_dir(args) -> str | None:
 def set_explicit(obj, names) -> None:
     """Record which options the user set on `obj` (for dataclasses built outside parse_args)."""
     object.__setattr__(obj, _EXPLICIT_ATTR, frozenset(names))
+
+
+# TRL's ModelConfig options that only a LoRA / k-bit run reads: in a run that trains every weight (sft, grpo --mode
+# full) they would be accepted and ignored (`sft --use_peft true --lora_r 8` saved a full model, no adapter).
+PEFT_OPTIONS = ("use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters",
+                "lora_modules_to_save", "lora_task_type", "use_rslora", "use_dora")
+QUANT_OPTIONS = ("load_in_8bit", "load_in_4bit", "bnb_4bit_quant_type", "use_bnb_nested_quant",
+                 "bnb_4bit_quant_storage")
+
+
+def changed_options(obj, names) -> list[str]:
+    """Those of `names` the user set (explicit) to something other than the dataclass's default."""
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    out = []
+    for name in names:
+        f = fields.get(name)
+        if f is None or name not in explicit(obj):
+            continue
+        default = f.default_factory() if f.default is dataclasses.MISSING and f.default_factory is not \
+            dataclasses.MISSING else f.default
+        if getattr(obj, name) != default:
+            out.append(name)
+    return out
+
+
+def refuse_unused(model_args, names, what: str, fix: str) -> None:
+    """One UsageError naming each option of `names` the user set that this run would ignore."""
+    unused = changed_options(model_args, names)
+    if unused:
+        them = "it" if len(unused) == 1 else "them"
+        raise UsageError(f"{', '.join('--' + n for n in unused)}: {what} would ignore {them}; {fix}")
+
+
+def check_full_training(model_args, prog: str = "sft") -> None:
+    """sft trains every weight in the model's own dtype: LoRA and 4/8-bit options are refused, not ignored."""
+    refuse_unused(model_args, PEFT_OPTIONS + QUANT_OPTIONS,
+                  f"{prog} trains every weight (no LoRA, no 4/8-bit base) and",
+                  "use `trainbox qlora` for LoRA on a 4-bit base (or `trainbox grpo --mode lora|qlora`), or drop them")
 
 
 # Checks every training entrypoint runs before any model loads.

@@ -70,8 +70,23 @@ def render(lines: list[str], source: str) -> str:
         *(f"{line}\n" for line in lines)])
 
 
+def _applies(marker: str | None) -> bool:
+    """A pin's environment marker holds here (a pin for another platform is not expected to be installed)."""
+    if not marker:
+        return True
+    try:
+        from packaging.markers import InvalidMarker, Marker
+    except ImportError:  # pragma: no cover - every image has packaging; without it, expect the pin
+        return True
+    try:
+        return Marker(marker.lstrip(";").strip()).evaluate()
+    except InvalidMarker:
+        return True
+
+
 def pins(path: str | Path = PATH) -> dict[str, tuple[str, str]]:
-    """normalised name -> (name, version) of a constraints file; {} when there is none (not in an image)."""
+    """normalised name -> (name, version) of a constraints file, the pins whose marker holds here; {} when there is
+    none (not in an image)."""
     try:
         text = Path(path).read_text()
     except FileNotFoundError:
@@ -79,7 +94,7 @@ def pins(path: str | Path = PATH) -> dict[str, tuple[str, str]]:
     out = {}
     for _, req in _requirements(text, str(path)):
         m = _PIN.fullmatch(req)
-        if m:
+        if m and _applies(m["marker"]):
             out[norm(m["name"])] = (m["name"], m["version"])
     return out
 

@@ -107,6 +107,16 @@ def main(argv: list[str]) -> int:
         print(f"{PROG}: entrypoint {name!r} is not installed in this image ({module_file(name)} is missing); "
               f"`{PROG} --help` lists what is", file=sys.stderr)
         return 2
+    if name in PUBLIC:
+        # First of all: without a usable temp folder (`docker run --read-only`) tempfile raises in whatever asks.
+        from entrypoints import cachedirs
+        from entrypoints.errors import UsageError, line
+
+        try:
+            cachedirs.apply_temp()
+        except UsageError as e:
+            print(f"{PROG}: error: {line(e)}", file=sys.stderr)
+            return 2
     from entrypoints import helpcache
 
     if name in PUBLIC and helpcache.asked(args) and "--config" not in args:

@@ -2,8 +2,9 @@
 
 Exit codes:
   0  everything the image needs works on this host (a GPU image on a GPU host; a CPU image anywhere: it trains on CPU)
-  1  broken: something the image needs fails (driver too old for the image's CUDA, a package missing or failing
-     to import or to run a tiny op, a GPU that nvidia-smi sees but torch can't use, a broken image record)
+  1  broken: something the image needs fails (driver too old for the image's CUDA, a package missing (a pin of
+     the image's constraints file uninstalled included) or failing to import or to run a tiny op, a GPU that
+     nvidia-smi sees but torch can't use, a broken image record)
   3  works, but there is no GPU here for a GPU image (or outside any image: unknown what is wanted); `docker run
      --gpus all ...` or a GPU allocation fixes it
   4  runs, with a fallback: e.g. a Hopper image (FA3) on an Ampere GPU falls back to SDPA, a driver that runs the
@@ -410,19 +411,26 @@ def evaluate(info: dict | None, smi: dict, probes: dict[str, dict], installed: d
 
 
 def constraints_check(pins: dict[str, tuple[str, str]], installed: dict[str, str], path: str) -> Check | None:
-    """A WARN naming each installed package that differs from the image's constraints file (someone installed with
-    `PIP_CONSTRAINT= pip install ...`); no row where there is no file. PINS from constraints.pins, INSTALLED by
-    normalised name. Not a fallback: the record's own packages are the version rows' job."""
+    """The installed packages against the image's constraints file; no row where there is no file. A pinned
+    package that is gone (`pip uninstall`) is a FAIL naming it: what imports it breaks. One installed at another
+    version (`PIP_CONSTRAINT= pip install ...`) is a WARN. PINS from constraints.pins, INSTALLED by normalised
+    name. Not a fallback: the record's own packages are the version rows' job."""
     if not pins:
         return None
+    missing = [(name, version) for key, (name, version) in sorted(pins.items()) if key not in installed]
     changed = [(name, installed[key], version) for key, (name, version) in sorted(pins.items())
                if key in installed and not same_version(version, installed[key])]
-    if not changed:
+    if not changed and not missing:
         return Check("constraints", "ok", f"the installed packages match {path} ({len(pins)} pins)")
-    return Check("constraints", "warn", f"installed against {path}: "
-                                        f"{', '.join(f'{n} {got} (pinned {v})' for n, got, v in changed)}; the image "
-                                        "was tested with the pinned versions: put them back with `pip install "
-                                        f"{' '.join(f'{n}=={v}' for n, _, v in changed)}`")
+    parts = []
+    if missing:
+        parts.append(f"pinned but not installed: {', '.join(f'{n} {v}' for n, v in missing)}")
+    if changed:
+        parts.append(f"installed at another version: {', '.join(f'{n} {got} (pinned {v})' for n, got, v in changed)}")
+    back = [f"{n}=={v}" for n, v in missing] + [f"{n}=={v}" for n, _, v in changed]
+    return Check("constraints", "fail" if missing else "warn",
+                 f"against {path}: {'; '.join(parts)}; the image was tested with the pinned versions: put them back "
+                 f"with `pip install {' '.join(back)}`")
 
 
 def installed_all() -> dict[str, str]:
@@ -521,7 +529,7 @@ def main(argv: list[str]) -> int:
         probes.pop("torch")
     installed = {d: installed_version(d) for d in ((info or {}).get("versions") or {})}
     checks = evaluate(info, smi, probes, installed, record_error, fabric_facts)
-    drift = constraints_check(constraints.pins(), installed_all(), constraints.PATH)
+    drift = constraints_check(constraints.pins(constraints.PATH), installed_all(), constraints.PATH)
     if drift:
         checks.append(drift)
     code = exit_code(checks)

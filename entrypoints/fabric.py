@@ -154,6 +154,9 @@ _IB_USING = re.compile(r"NCCL INFO NET/IB\s*:\s*Using (.*?)(?:;\s*OOB (\S+))?\s*
 _SOCKET_USING = re.compile(r"NCCL INFO NET/Socket\s*:\s*Using (.*?)\s*$", re.M)
 _PLUGIN = re.compile(r"NCCL INFO NET/Plugin\s*:?\s*(.*?)\s*$", re.M)
 _VIA = re.compile(r"NCCL INFO Channel \d+(?:/\d+)?\s*:.*?\bvia (\S+)", re.M)
+# `Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM/read`, `... : 1[1] -> 2[0] [send] via NET/IB/0/GDRDMA`: which ranks.
+_CHANNEL = re.compile(r"NCCL INFO Channel \d+(?:/\d+)?\s*:\s*(\d+)\[[^\]]*\]\s*->\s*(\d+)\[[^\]]*\].*?\bvia (\S+)",
+                      re.M)
 _VERSION = re.compile(r"NCCL INFO NCCL version (\S+)")
 _ITEM = re.compile(r"\[\d+\]([^\s\[;]+)")
 
@@ -185,6 +188,12 @@ def parse_nccl_log(text: str) -> dict:
             via.append(v)
     if via:
         out["via"] = via  # P2P/CUMEM/read, SHM/direct/direct, NET/IB/0/GDRDMA, NET/Socket/0
+    channels = []
+    for src, dst, v in _CHANNEL.findall(text):
+        if [int(src), int(dst), v] not in channels:
+            channels.append([int(src), int(dst), v])
+    if channels:
+        out["channels"] = channels  # [from rank, to rank, transport]: tells a node's own links from the network's
     return out
 
 

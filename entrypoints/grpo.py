@@ -244,6 +244,12 @@ def resolve_mode(script, model_args) -> str:
             raise UsageError("load_in_8bit isn't one of the supported modes; use --mode qlora (4-bit nf4)")
         model_args.use_peft = wants_peft
         model_args.load_in_4bit = mode == "qlora"
+    if mode == "full":
+        config.refuse_unused(model_args, config.PEFT_OPTIONS + config.QUANT_OPTIONS, "--mode full trains every weight "
+                             "and", "use --mode lora or qlora for adapters, or drop them")
+    elif mode == "lora":
+        config.refuse_unused(model_args, config.QUANT_OPTIONS, "--mode lora keeps the base unquantized and",
+                             "use --mode qlora for a 4-bit base, or drop them")
     if mode == "qlora":
         if importlib.util.find_spec("bitsandbytes") is None:
             raise UsageError("--mode qlora needs bitsandbytes, which this image lacks; use --mode lora")
@@ -472,7 +478,7 @@ def validate(script, args, model_args) -> Checked:
     args.output_dir = lifecycle.output_dir(config.configured_output_dir(args))
     if args.resume_from_checkpoint:  # TrainingArguments' own option wins over --resume
         script.resume = args.resume_from_checkpoint
-    resume = lifecycle.resolve_resume(script.resume, args.output_dir)
+    resume = lifecycle.resolve_resume(script.resume, args.output_dir, args, "grpo")
     ds = prepare_dataset(script, refs, funcs)
     if script.max_prompt_tokens is not None:
         ds = drop_long_prompts(ds, model_args.model_name_or_path, script.max_prompt_tokens, model_args.model_revision)

@@ -1,12 +1,16 @@
 """`--help` of the trainers without importing them: their options come from TRL's and transformers' dataclasses,
-whose import alone takes 8-9 s on a busy 2-core host. The text printed once (at image build: the Dockerfile runs
+whose import alone takes 6-9 s on a busy 2-core host. The text printed once (at image build: the Dockerfile runs
 each `--help`) is kept beside a key of what produced it (the installed versions of the libraries that define the
-options and our own sources); the dispatcher prints it while the key still matches, else the entrypoint renders
-it again and stores it. The text is the same on every host: help never looks at the GPU (config.parse_args).
+options, and the sources of the entrypoint and of the package modules it imports, found with `ast`: editing
+doctor.py leaves sft's text valid); the dispatcher prints it while the key still matches, else the entrypoint
+renders it again and stores it. The text is the same on every host: help never looks at the GPU (config.parse_args).
+Where it is kept does not depend on $HOME: the image's folder, or in a source checkout its git-ignored .cache/
+(a fresh $HOME, as in CI, still hits); the user's cache only where neither can be written.
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import os
 from importlib import metadata
@@ -22,24 +26,63 @@ def asked(argv: list[str]) -> bool:
     return "-h" in head or "--help" in head
 
 
-def key() -> str:
+PACKAGE = Path(__file__).resolve().parent
+
+
+def _imports(path: Path) -> frozenset[str]:
+    """Modules of this package that `path` imports, anywhere in it (`from . import a`, `from .b import c`,
+    `from entrypoints import a`, `import entrypoints.a`)."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return frozenset()
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level == 1 or base == PACKAGE.name:
+                if base and base != PACKAGE.name:
+                    out.add(base.split(".")[0])
+                else:
+                    out.update(a.name for a in node.names)
+            elif base.startswith(PACKAGE.name + "."):
+                out.add(base.split(".")[1])
+        elif isinstance(node, ast.Import):
+            out.update(a.name.split(".")[1] for a in node.names if a.name.startswith(PACKAGE.name + "."))
+    return frozenset(m for m in out if (PACKAGE / f"{m}.py").is_file())
+
+
+def sources(name: str) -> list[Path]:
+    """The entrypoint's module, every package module it imports (transitively) and the package's __init__."""
+    seen, todo = set(), [name.replace("-", "_"), "__init__"]
+    while todo:
+        m = todo.pop()
+        if m in seen or not (PACKAGE / f"{m}.py").is_file():
+            continue
+        seen.add(m)
+        todo += _imports(PACKAGE / f"{m}.py")
+    return sorted(PACKAGE / f"{m}.py" for m in seen)
+
+
+def key(name: str) -> str:
     h = hashlib.sha256()
     for lib in LIBRARIES:
         try:
             h.update(f"{lib}={metadata.version(lib)}\n".encode())
         except metadata.PackageNotFoundError:
             h.update(f"{lib}=none\n".encode())
-    for src in sorted(Path(__file__).parent.glob("*.py")):
+    for src in sources(name):
         h.update(src.name.encode() + b"\0" + src.read_bytes())
     return h.hexdigest()[:32]
 
 
 def _dirs() -> list[Path]:
-    """$TRAINBOX_HELP_DIR, else the image's folder (only in an image: beside /opt/trainbox/entrypoints); then the
-    user's cache."""
+    """$TRAINBOX_HELP_DIR, else the image's folder (in an image: beside /opt/trainbox/entrypoints), else a source
+    checkout's .cache (git-ignored); then the user's cache."""
     user = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trainbox" / "help"
-    in_image = Path(__file__).resolve().parent == Path(IMAGE_DIR).parent / "entrypoints"
-    first = os.environ.get("TRAINBOX_HELP_DIR") or (IMAGE_DIR if in_image else None)
+    in_image = PACKAGE == Path(IMAGE_DIR).parent / "entrypoints"
+    checkout = PACKAGE.parent / ".cache" / "trainbox-help" if (PACKAGE.parent / "pyproject.toml").is_file() else None
+    first = os.environ.get("TRAINBOX_HELP_DIR") or (IMAGE_DIR if in_image else checkout)
     return [Path(first), user] if first else [user]
 
 
@@ -49,7 +92,7 @@ def _file(d: Path, name: str) -> Path:
 
 def load(name: str) -> str | None:
     """The stored help of entrypoint `name` if it was made by exactly what is installed now."""
-    want = key()
+    want = key(name)
     for d in _dirs():
         try:
             stored_key, _, text = _file(d, name).read_text(encoding="utf-8").partition("\n")
@@ -67,7 +110,7 @@ def store(name: str, text: str) -> None:
     for d in _dirs():
         try:
             d.mkdir(parents=True, exist_ok=True)
-            atomic.write_text(_file(d, name), f"{key()}\n{text}")
+            atomic.write_text(_file(d, name), f"{key(name)}\n{text}")
             return
         except OSError:
             continue

@@ -5,7 +5,8 @@ srun one task per node (the Slurm-aware launcher starts torchrun on each node), 
 Message sizes double from --min-bytes to --max-bytes (1 MiB to 1 GiB; 64 MiB on CPU unless given); each is timed
 over --iters after --warmup, the slowest rank's time counts. Bandwidths as NCCL-tests defines them: algbw = size /
 time; busbw = algbw * 2(n-1)/n for all-reduce, algbw * (n-1)/n for all-gather (size = the gathered buffer).
-The transport comes from NCCL's own INIT/NET log (NCCL_DEBUG=INFO into a file, unless you set NCCL_DEBUG yourself);
+The transport comes from NCCL's own INIT/NET/P2P log (NCCL_DEBUG=INFO into a file, unless you set NCCL_DEBUG
+yourself): its Channel lines name what each pair of ranks used (P2P, SHM, NET/Socket, NET/IB);
 what the links should give from sysfs (RDMA port rates, a socket NIC's speed) and nvidia-smi (NVLink). Without a GPU
 it runs on gloo (TCP). Exit 0 with a one-line summary; 1 if a collective gave a wrong result; 2 for bad options.
 """
@@ -23,7 +24,7 @@ import time
 from pathlib import Path
 
 from . import fabric, launch
-from .argtypes import OneLineParser, not_negative, positive
+from .argtypes import OneLineParser, not_negative, port, positive
 from .errors import UsageError
 
 PROG = "trainbox nccl-check"
@@ -57,9 +58,9 @@ def parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("launcher (else from Slurm, else one node with every visible GPU)")
     g.add_argument("--nnodes", type=positive, default=None)
     g.add_argument("--nproc-per-node", type=positive, default=None)
-    g.add_argument("--node-rank", type=int, default=None)
+    g.add_argument("--node-rank", type=not_negative, default=None)
     g.add_argument("--master-addr", default=None)
-    g.add_argument("--master-port", type=int, default=None)
+    g.add_argument("--master-port", type=port, default=None)
     return p
 
 
@@ -147,7 +148,9 @@ def _nccl_log_setup() -> Path | None:
     if os.environ.get("NCCL_DEBUG"):
         return None
     path = Path(tempfile.gettempdir()) / f"trainbox-nccl-check.{socket.gethostname()}.{os.getpid()}.log"
-    os.environ.update(fabric.NCCL_DEBUG_ENV, NCCL_DEBUG_FILE=str(path))
+    # P2P too: where the Channel lines (which transport each pair of ranks used) belong besides INIT.
+    os.environ.update(fabric.NCCL_DEBUG_ENV, NCCL_DEBUG_SUBSYS=fabric.NCCL_DEBUG_ENV["NCCL_DEBUG_SUBSYS"] + ",P2P",
+                      NCCL_DEBUG_FILE=str(path))
     return path
 
 
@@ -254,8 +257,43 @@ def _bench(a, dist, torch, device, backend, lo, hi, log_path) -> int:
     return 0 if ok_all.item() else 1
 
 
+# What each of NCCL's transports is, for the transport line (the `via` word of its Channel lines).
+KINDS = {"P2P": "GPU peer access (NVLink or PCIe)", "SHM": "through host shared memory",
+         "NET/Socket": "TCP sockets", "NET/IB": "RDMA verbs"}
+
+
+def family(via: str) -> str:
+    """`P2P/CUMEM/read` -> P2P/CUMEM, `SHM/direct/direct` -> SHM, `NET/Socket/0` -> NET/Socket."""
+    return "SHM" if via.startswith("SHM") else "/".join(via.split("/")[:2])
+
+
+def describe(vias: list[str]) -> str:
+    return ", ".join(f"{v} ({next((k for p, k in KINDS.items() if v.startswith(p)), 'see NCCL')})" for v in vias)
+
+
+def split_links(logs: list[dict]) -> tuple[list[str], list[str]]:
+    """(transports between ranks of one host, transports between hosts) from every rank's Channel lines; `logs`
+    are in rank order. A log without ranked lines falls back to NET/ = between hosts."""
+    hosts = [entry.get("host") if entry else None for entry in logs]
+    intra, inter = [], []
+    for entry in logs:
+        log = (entry or {}).get("log") or {}
+        if "channels" not in log:
+            for v in log.get("via", []):
+                side = inter if v.startswith("NET/") else intra
+                side.append(v) if v not in side else None
+            continue
+        for src, dst, v in log["channels"]:
+            same = src < len(hosts) and dst < len(hosts) and hosts[src] is not None and hosts[src] == hosts[dst]
+            side = intra if same else inter
+            side.append(v) if v not in side else None
+    return intra, inter
+
+
 def transport_line(backend: str, nnodes: int, logs: list[dict]) -> tuple[str, str, str | None]:
-    """(short name for the summary, the transport line, a WARNING or None) from every rank's parsed NCCL log."""
+    """(short name for the summary, the transport line, a WARNING or None) from every rank's parsed NCCL log.
+    Within a node it names what NCCL's Channel lines say the ranks used, the network included (NCCL_P2P_DISABLE=1
+    NCCL_SHM_DISABLE=1: NET/Socket)."""
     if backend != "nccl":
         return "gloo/TCP", "gloo over TCP (no NCCL without a GPU)", None
     parsed = [entry["log"] for entry in logs if entry and entry.get("log")]
@@ -267,14 +305,11 @@ def transport_line(backend: str, nnodes: int, logs: list[dict]) -> tuple[str, st
         if entry and entry.get("log"):
             per_node.setdefault(entry["host"], fabric.transport(entry["log"]))
     names = sorted({t["name"] for t in per_node.values()})
-    via = []
-    for p in parsed:
-        via += [v for v in p.get("via", []) if v not in via]
-    intra = sorted({v for v in via if not v.startswith("NET/")})
+    intra, _ = split_links(logs)
     inter = next(iter(per_node.values()))
     text = f"inter-node {'/'.join(names)} ({inter['detail']})"
     if intra:
-        text += f"; within a node {', '.join(intra)}"
+        text += f"; within a node {describe(intra)}"
     warning = None
     if nnodes > 1:
         short = "/".join(names)
@@ -283,9 +318,11 @@ def transport_line(backend: str, nnodes: int, logs: list[dict]) -> tuple[str, st
             why = per_node[socket_nodes[0]]["why"]
             warning = (f"WARNING: inter-node traffic went over TCP sockets on {', '.join(socket_nodes)}: {why}")
     else:
-        short = f"{', '.join(intra) or 'one GPU'} (one node; inter-node would be {'/'.join(names)})"
-        text = f"one node: {', '.join(intra) or 'no peers'}; inter-node would use {'/'.join(names)} " \
-               f"({inter['detail']})"
+        measured = (", ".join(dict.fromkeys(family(v) for v in intra)) if intra
+                    else "one GPU" if len(logs) == 1 else "unknown (NCCL's log names no channel)")
+        short = f"{measured} (one node; inter-node would be {'/'.join(names)})"
+        text = (f"one node: {describe(intra) if intra else measured}; inter-node would use {'/'.join(names)} "
+                f"({inter['detail']})")
         if inter["name"] == "Socket":
             warning = f"WARNING: a multi-node job would run over TCP sockets: {inter['why']}"
     return short, text, warning

@@ -166,7 +166,7 @@ def train(data_args, q_args, model_args, training_args, name: str = "qlora") -> 
     tokenizer = sft.load_tokenizer(model_args.model_name_or_path, training_args)
     with training_args.main_process_first(local=False, desc="dataset"):
         train_ds = sft.prepare_dataset(data_args, training_args)
-    ckpt = lifecycle.resolve_resume(data_args.resume, training_args.output_dir)
+    ckpt = lifecycle.resolve_resume(data_args.resume, training_args.output_dir, training_args, name)
     choice, facts = sft.tune(model_args, training_args, shards=sft.shards(training_args), checkpointing=False)
     dropout = choose_lora_dropout(model_args, facts)
     peft_config = _peft_config(model_args)

@@ -194,7 +194,7 @@ def train(data_args, model_args, training_args, name: str = "sft") -> int:
     tokenizer = load_tokenizer(model_args.model_name_or_path, training_args)
     with training_args.main_process_first(local=False, desc="dataset"):
         train_ds = prepare_dataset(data_args, training_args)
-    ckpt = lifecycle.resolve_resume(data_args.resume, training_args.output_dir)
+    ckpt = lifecycle.resolve_resume(data_args.resume, training_args.output_dir, training_args, name)
     strategy = distributed_strategy(training_args)
     if lifecycle.is_main_process():
         print(
@@ -236,6 +236,7 @@ def main(argv: list[str]) -> int:
     try:
         lifecycle.install_signal_handlers()
         data_args, launch_args, model_args, training_args = parse(argv)
+        cfg.check_full_training(model_args)  # LoRA/4-bit options: refused, not ignored (qlora has its own main)
         plan = launch.plan(launch_args, os.environ)
         with runlog.for_command("sft", cfg.configured_output_dir(training_args), plan, argv):
             if plan.mode == "torchrun":

@@ -322,9 +322,11 @@ def test_doctor_warns_about_a_package_changed_against_the_constraints():
     """A pinned package installed at another version (PIP_CONSTRAINT= pip install ...) is a WARN naming it."""
     pins = {"torch": ("torch", "2.13.0+cpu"), "peft": ("peft", "0.21.2"), "gone": ("gone", "1.0")}
     assert doctor.constraints_check({}, {}, "/etc/trainbox/constraints.txt") is None  # not an image: no row
-    ok = doctor.constraints_check(pins, {"torch": "2.13.0+cpu", "peft": "0.21.2"}, "/etc/trainbox/constraints.txt")
+    ok = doctor.constraints_check(pins, {"torch": "2.13.0+cpu", "peft": "0.21.2", "gone": "1.0"},
+                                  "/etc/trainbox/constraints.txt")
     assert ok.status == "ok" and "3 pins" in ok.detail
-    warn = doctor.constraints_check(pins, {"torch": "2.12.0", "peft": "0.21.2"}, "/etc/trainbox/constraints.txt")
+    warn = doctor.constraints_check(pins, {"torch": "2.12.0", "peft": "0.21.2", "gone": "1.0"},
+                                    "/etc/trainbox/constraints.txt")
     assert warn.status == "warn" and "torch 2.12.0 (pinned 2.13.0+cpu)" in warn.detail and "peft" not in warn.detail
     assert warn.detail.endswith("`pip install torch==2.13.0+cpu`")
     assert doctor.exit_code([warn]) == doctor.EXIT_OK

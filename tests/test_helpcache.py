@@ -16,7 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def trainbox(*args, env, pythonpath=()):
     env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join([*map(str, pythonpath), str(ROOT)])}
-    env.pop("TRAINBOX_HELP_DIR", None)
+    # The user's cache alone (a checkout's own .cache, the first folder otherwise, is test_hostile_image's subject):
+    # a folder below /dev/null can't be made.
+    env["TRAINBOX_HELP_DIR"] = "/dev/null/help"
     return subprocess.run([sys.executable, "-m", "entrypoints", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
 
