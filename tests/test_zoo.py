@@ -60,7 +60,7 @@ def test_no_kernel_that_drops_a_feature_is_picked(zoo_dir, name):
             if skipped in runs:
                 assert "would drop" in why and not want <= attention.KERNELS[skipped].honours
     cpu = attention.decide(None, None, lambda n: None, model=needs)
-    assert want <= attention.KERNELS[cpu.name].honours and not cpu.packed
+    assert want <= attention.KERNELS[cpu.name].honours and cpu.packed == (cpu.name == "flex")
 
 
 def test_a_requested_kernel_that_drops_a_feature_is_kept_but_warned():
@@ -76,6 +76,7 @@ def test_chosen_kernel_gives_eager_logits(zoo_dir, name):
 
     path = zoo_dir / name
     choice = attention.decide(None, None, lambda n: None, model=speed.model_facts(str(path)).attention)
+    attention.register(choice.impl)
     ref = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
     ours = AutoModelForCausalLM.from_pretrained(path, attn_implementation=choice.impl).eval()
     torch.manual_seed(0)
