@@ -143,6 +143,9 @@ def test_sft_resume_qlora_grpo_train_and_save_loadable_models(zoo_dir, data, tmp
     if ZOO[name][1].get("num_local_experts") or ZOO[name][1].get("num_experts"):
         assert "LoRA dropout 0 (MoE, 4 experts" in log  # PEFT's fused-expert LoRA refuses dropout
     assert "resuming from" in log.lower() and "checkpoint-2" in log, log[-4000:]
+    if {"softcap", "sinks"} & expected_features(name):  # SDPA would drop them: FlexAttention's math, packed
+        assert f"attention: PyTorch FlexAttention ({attention.FLEX})" in log and "packing on (bfd" in log, log[-4000:]
+        assert "policy forward: padding-free" in log, log[-4000:]
     state = json.loads((out / "sft" / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["global_step"] == 3 and [e["step"] for e in state["log_history"] if "loss" in e] == [1, 2, 3]
     for saved in (out / "sft", out / "qlora" / "merged", out / "grpo"):
