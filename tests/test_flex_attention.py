@@ -132,27 +132,38 @@ def test_the_comparison_catches_a_leak_an_off_by_one_window_and_dropped_sinks(zo
     assert worst(run(model, "single", rows, weights), ref)[0] > 1e-2
 
 
-def test_compiled_kernel_forward_on_cpu(zoo, eager_refs, capsys):
+def test_compiled_kernel_forward_on_cpu_compiles_once_per_shape_family(zoo, eager_refs, capsys):
     """The compiled FlexAttention kernel (inductor's CPU code; inference only, no log-sum-exp, so not gpt-oss) on
-    Gemma 2's packed row: window, softcap and example boundaries in the fused kernel give eager's logits."""
+    Gemma 2's packed row: window, softcap and example boundaries in the fused kernel give eager's logits. Packed
+    rows of other lengths (other 128-token buckets, other examples) and both layer types (windowed, full) then
+    reuse what was compiled: at most two graphs (the first shape, then the dynamic one)."""
+    from torch._dynamo.utils import counters
+
     rows, weights, ref = eager_refs["gemma2"]
     model = load(zoo["gemma2"], attention.FLEX)
     real = flexattn.uses_fused
     flexattn.uses_fused = lambda q, k, dropout: q.shape[2] == k.shape[2]
+    graphs = counters["stats"]["unique_graphs"]
     try:
         lens = [len(r) for r in rows]
         pos = torch.cat([torch.arange(n) for n in lens])[None]
         t = time.time()
         with torch.no_grad():
             out = model(torch.cat(rows)[None], position_ids=pos, use_cache=False).logits[0]
-        took = time.time() - t
+            took = time.time() - t
+            for n in ((100, 100, 100), (300, 250), (50,) * 9):  # 384, 640, 512 tokens
+                model(torch.randint(10, 300, (1, sum(n))), position_ids=torch.cat([torch.arange(k) for k in n])[None],
+                      use_cache=False)
+        compiled = counters["stats"]["unique_graphs"] - graphs
     finally:
         flexattn.uses_fused = real
     starts = [sum(lens[:i]) for i in range(len(lens))]
     diff = max(float((out[a : a + n] - r).abs().max()) for a, n, r in zip(starts, lens, ref[0]))
     with capsys.disabled():
-        print(f"\n[flex] compiled CPU forward (first call, compile included): {took:.1f} s; max |logit diff| {diff:.2e}")
+        print(f"\n[flex] compiled CPU forward (first call, compile included): {took:.1f} s; max |logit diff| "
+              f"{diff:.2e}; {compiled} graph(s) for 4 packed lengths x 2 layer types")
     assert diff < 1e-4
+    assert compiled <= 2
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gpt-oss"])
