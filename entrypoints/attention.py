@@ -82,6 +82,7 @@ class Needs:
     window: int | None = None
     softcap: float | None = None
     sinks: bool = False
+    head_dim: int | None = None  # not a feature: the size a compiled kernel is tried at before it is trusted
 
     def features(self) -> frozenset[str]:
         return frozenset(f for f, on in ((WINDOW, self.window), (SOFTCAP, self.softcap), (SINKS, self.sinks)) if on)
@@ -103,7 +104,10 @@ def needs(conf, model=None) -> Needs:
     softcap = getattr(text, "attn_logit_softcapping", None)
     sinks = getattr(text, "model_type", "") == "gpt_oss" or (
         model is not None and any(n.rsplit(".", 1)[-1] in ("sinks", "s_aux") for n, _ in model.named_parameters()))
-    return Needs(window=int(window) if window else None, softcap=float(softcap) if softcap else None, sinks=sinks)
+    heads = getattr(text, "num_attention_heads", 0)
+    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
+    return Needs(window=int(window) if window else None, softcap=float(softcap) if softcap else None, sinks=sinks,
+                 head_dim=int(head_dim) if head_dim else None)
 # Names a user may pass to --attn_implementation besides transformers' own.
 ALIASES = {name: k.impl for name, k in KERNELS.items()}
 
@@ -249,7 +253,7 @@ def runtime_usable(name: str, model: Needs = Needs()) -> str | None:
     if name == "flex":
         from . import flexattn
 
-        return flexattn.usable()
+        return flexattn.usable(model.head_dim or 64)
     return f"unknown kernel {name}"
 
 

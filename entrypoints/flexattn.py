@@ -222,9 +222,10 @@ def register() -> None:
     AttentionMaskInterface.register(FLEX, flash_attention_mask)
 
 
-def usable() -> str | None:
+def usable(head_dim: int = 64) -> str | None:
     """None when the fused kernel compiles and runs here (CUDA) and matches the dense math on a tiny packed batch
-    with a window, a softcap and sinks, forward and backward; else why not."""
+    with a window, a softcap and sinks, forward and backward, at the model's head size (large ones need small
+    blocks: a size the GPU can't fit fails here, not in the first training step); else why not."""
     import torch
 
     if flex_fn() is None:
@@ -237,18 +238,18 @@ def usable() -> str | None:
         if not has_triton():
             return "Triton is not usable here (FlexAttention's kernels are Triton)"
         g = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn(1, 4, 200, 64, device="cuda", dtype=torch.bfloat16, generator=g)
-        k, v = (torch.randn(1, 2, 200, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+        q = torch.randn(1, 4, 200, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+        k, v = (torch.randn(1, 2, 200, head_dim, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
         sinks = torch.randn(4, device="cuda", generator=g)
         pos = torch.cat([torch.arange(120), torch.arange(80)]).cuda()[None]
         outs, grads = [], []
         for run in ("fused", "dense"):
             qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
             if run == "fused":
-                o, lse = fused(qq, kk, vv, padded_documents(pos, None, 1, 200, "cuda"), 0.125, 48, 20.0)
+                o, lse = fused(qq, kk, vv, padded_documents(pos, None, 1, 200, "cuda"), head_dim**-0.5, 48, 20.0)
             else:
-                o, lse = dense(*(t.float() for t in (qq, kk, vv)), documents(pos, None, 1, 200, "cuda"), 0.125, 48,
-                               20.0)
+                o, lse = dense(*(t.float() for t in (qq, kk, vv)), documents(pos, None, 1, 200, "cuda"),
+                               head_dim**-0.5, 48, 20.0)
             o = with_sinks(o, lse, sinks)
             o.float().square().sum().backward()
             outs.append(o.float())
