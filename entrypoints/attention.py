@@ -10,12 +10,12 @@ run). Order by image record:
 
 "PyTorch varlen flash" is torch's own FlashAttention kernel behind `torch.nn.attention.varlen.varlen_attn` (torch >=
 2.10, sm80+), registered here as the transformers attention `trainbox_varlen`: like the flash-attn packages it takes
-the cumulative sequence lengths of a packed batch, so padding-free training needs no flash-attn wheel. "FlexAttention" is torch's compiled FlexAttention kernel
-(flexattn.py, registered as `trainbox_flex`): packed rows with windows, softcaps and sinks, so the models the other
-kernels would change (Gemma 2 without FA3, gpt-oss everywhere) train packed instead of padded on eager. Without a
-GPU it runs the same masks as dense math, packed too. Every kernel
-but SDPA is tried on a tiny forward+backward before it is chosen: a wheel built for another torch or GPU falls
-through to the next one with the reason printed. `--attn_implementation` always wins.
+the cumulative sequence lengths of a packed batch, so padding-free training needs no flash-attn wheel.
+"FlexAttention" is torch's compiled FlexAttention kernel (flexattn.py, registered as `trainbox_flex`): packed rows
+with windows, softcaps and sinks, so the models the other kernels would change (Gemma 2 without FA3, gpt-oss
+everywhere) train packed instead of padded on eager. Without a GPU it runs the same masks as dense math, packed too.
+Every kernel but SDPA is tried on a tiny forward+backward before it is chosen: a wheel built for another torch or GPU
+falls through to the next one with the reason printed. `--attn_implementation` always wins.
 
 The choice sees the model (`Needs`): a kernel that would drop a sliding window, an attention-logit softcap or
 attention sinks is skipped with the reason printed, never used. Each kernel honours what its table entry says: the

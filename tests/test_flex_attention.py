@@ -215,4 +215,5 @@ def test_plain_models_keep_their_kernels():
     assert attention.decide(hopper, (9, 0), lambda n: None if n in ("varlen", "flex") else "x").impl == attention.VARLEN
     assert attention.decide(hopper, (9, 0), lambda n: None if n == "flex" else "x").impl == attention.FLEX
     assert attention.decide(None, None, lambda n: None).impl == "sdpa"
-    assert attention.decide(hopper, (9, 0), lambda n: None, model=attention.Needs(window=WINDOW)).impl == "flash_attention_3"
+    windowed = attention.Needs(window=WINDOW)
+    assert attention.decide(hopper, (9, 0), lambda n: None, model=windowed).impl == "flash_attention_3"

@@ -194,8 +194,8 @@ def kernel_table() -> list[dict]:
                 (o.float() * torch.randn(o.shape, device=DEV, generator=torch.Generator(device=DEV).manual_seed(1))
                  ).sum().backward()
                 sync()
-                res[mode] = {"out": o.detach().float(), "dq": qq.grad.float(), "dk": kk.grad.float(), "dv": vv.grad.float(),
-                             "dsinks": ss.grad.float(), "s": time.time() - t0}
+                res[mode] = {"out": o.detach().float(), "dq": qq.grad.float(), "dk": kk.grad.float(),
+                             "dv": vv.grad.float(), "dsinks": ss.grad.float(), "s": time.time() - t0}
                 if mode == "fused":
                     res[mode]["mask_s"] = mask_s
             row = {"head_dim": d, "length": length, "first_call_s": res["fused"]["s"],
@@ -231,7 +231,8 @@ def main() -> int:
     models = model_table(a.seq)
     print(f"\n1. models vs float32 eager (each row alone); rows of {a.seq}, {a.seq * 3 // 4}, {a.seq // 2} tokens; "
           "grad diff relative to each parameter's largest gradient")
-    print(f"{'model':14s} {'rows':7s} | {'flex bf16 logit':>15s} {'grad':>8s} | {'eager bf16 logit':>16s} {'grad':>8s} | ok")
+    print(f"{'model':14s} {'rows':7s} | {'flex bf16 logit':>15s} {'grad':>8s} | {'eager bf16 logit':>16s} "
+          f"{'grad':>8s} | ok")
     for r in models:
         print(f"{r['model']:14s} {r['kind']:7s} | {r['flex_logit']:15.4f} {r['flex_grad']:8.4f} | "
               f"{r['eager_bf16_logit']:16.4f} {r['eager_bf16_grad']:8.4f} | {'OK' if r['ok'] else 'MISMATCH'}")
