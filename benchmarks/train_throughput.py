@@ -2,6 +2,8 @@
 
     python benchmarks/train_throughput.py sft   [--steps 40] [--work DIR]   # trl sft vs trainbox sft (Llama-3.2-1B shape)
     python benchmarks/train_throughput.py sft --nproc 2 --kinds mix        # 8B shape on 2 GPUs, FSDP2 both sides
+    python benchmarks/train_throughput.py sft --shape gemma2-1b --kinds mix # Gemma 2 (softcaps, window), 1.27 B
+    python benchmarks/train_throughput.py sft --shape gpt-oss-2b --kinds mix # gpt-oss (sinks, window, MoE 8x top-2)
     python benchmarks/train_throughput.py qlora [--steps 20]                # plain PEFT+bitsandbytes vs trainbox qlora (8B)
     python benchmarks/train_throughput.py grpo  [--steps 12] [--plain vllm|defaults]  # trl grpo vs trainbox grpo (1B)
     python benchmarks/train_throughput.py check                             # packed == alone with the GPU's kernel
@@ -44,7 +46,20 @@ SHAPES = {
     "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                      num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0,
                      max_position_embeddings=4096),
+    # Gemma 2 at the Llama-1B size: 1.27 B parameters, head size 256, attention softcap 50, final softcap 30,
+    # a 1,024-token window on every other layer (Gemma2Config's default layer types).
+    "gemma2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=8,
+                      num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, vocab_size=128256,
+                      tie_word_embeddings=True, sliding_window=1024, attn_logit_softcapping=50.0,
+                      final_logit_softcapping=30.0, max_position_embeddings=4096),
+    # gpt-oss's layout (learned sinks, a 128-token window on every other layer, MoE, untied head) at 1.86 B
+    # parameters (0.9 B active: top-2 of 8 experts), small enough to train in full on one GPU.
+    "gpt-oss-2b": dict(hidden_size=2048, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=32,
+                       num_key_value_heads=8, head_dim=64, num_local_experts=8, num_experts_per_tok=2,
+                       vocab_size=128256, tie_word_embeddings=False, sliding_window=128,
+                       layer_types=["sliding_attention", "full_attention"] * 6),
 }
+CONFIG_CLASS = {"gemma2-1b": "Gemma2Config", "gpt-oss-2b": "GptOssConfig"}  # else LlamaConfig
 WORDS = 4000
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
             "{% if add_generation_prompt %}<|assistant|> {% endif %}")
@@ -66,14 +81,16 @@ def make_tokenizer(path: Path):
 
 def make_model(path: Path, shape: str) -> Path:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
+    from transformers import AutoModelForCausalLM
 
     if (path / "config.json").is_file():
         return path
-    conf = LlamaConfig(**SHAPES[shape], pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    conf = getattr(transformers, CONFIG_CLASS.get(shape, "LlamaConfig"))(**SHAPES[shape], pad_token_id=0,
+                                                                         bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = LlamaForCausalLM(conf).to(torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(conf).to(torch.bfloat16)
     model.save_pretrained(path)
     make_tokenizer(path)
     del model
@@ -106,10 +123,28 @@ def write_chat(path: Path, lens: list[int], seed: int = 0) -> Path:
 
 
 def flops_per_token(model: Path, lens: list[int]) -> float:
-    """The entrypoints' own formula (6N + causal attention) for the model built here."""
+    """The entrypoints' own formula (6N + causal attention) for the model built here; for MoE shapes N counts the
+    active experts only (top-k of E), and windowed layers count their window (a token attends to at most W keys)."""
+    import json as _json
+
     from entrypoints import speed, throughput
 
-    return throughput.flops_per_token(speed.model_facts(str(model)), lens)
+    facts = speed.model_facts(str(model))
+    conf = _json.loads((model / "config.json").read_text())
+    if not facts.experts and not conf.get("sliding_window"):
+        return throughput.flops_per_token(facts, lens)
+    n = facts.matmul_params
+    if facts.experts:
+        expert = 3 * conf["hidden_size"] * conf["intermediate_size"] * facts.experts * facts.layers
+        n -= expert * (1 - conf["num_experts_per_tok"] / facts.experts)
+    lens = [x for x in lens if x > 0]
+    w = conf.get("sliding_window") or 0
+    types = conf.get("layer_types") or []
+    windowed = sum(t == "sliding_attention" for t in types) if w else 0
+    full_ctx = sum(x * x for x in lens) / sum(lens)
+    win_ctx = sum(x * x if x <= w else 2 * x * w - w * w for x in lens) / sum(lens) if w else full_ctx
+    attn = 6.0 * facts.attn_width * ((facts.layers - windowed) * full_ctx + windowed * win_ctx)
+    return 6.0 * n + attn
 
 
 MEASURE = '''
@@ -234,7 +269,8 @@ def sft(a) -> None:
     sft --nproc-per-node N` (torchrun, its FSDP2 defaults); rates are real tokens/s per GPU, peaks the largest rank's."""
     work = Path(a.work)
     log = work / "sft.log"
-    model = make_model(work / "llama-1b", "llama-1b") if a.nproc == 1 else make_model(work / "llama-8b", "llama-8b")
+    shape = a.shape or ("llama-1b" if a.nproc == 1 else "llama-8b")
+    model = make_model(work / shape, shape)
     peak = peak_tflops()
     common = ["--model_name_or_path", str(model), "--max_length", "2048", "--per_device_train_batch_size", "8",
               "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none", "--seed", "0",
@@ -256,7 +292,7 @@ def sft(a) -> None:
         lens = lengths(kind, a.steps * 8 * 6 * a.nproc, 2048)
         data = write_chat(work / f"data-{kind}", lens)
         fpt = flops_per_token(model, lens)
-        print(f"# sft {kind}: {len(lens)} rows, median {sorted(lens)[len(lens) // 2]} tokens, "
+        print(f"# sft {shape} {kind}: {len(lens)} rows, median {sorted(lens)[len(lens) // 2]} tokens, "
               f"{100 * sum(n > 1500 for n in lens) / len(lens):.1f} % over 1,500; {fpt / 1e9:.2f} GFLOP/token", flush=True)
         if a.loss_only:
             results["mix-trl-0"] = show(run("mix-trl-0", trl(data, work / "o-lt", a.steps), work, log), fpt, peak)
@@ -510,6 +546,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--kinds", nargs="+", default=["mix", "uniform"], choices=["mix", "uniform"])
     ap.add_argument("--nproc", type=int, default=1, help="sft: GPUs (> 1: the 8B shape, FSDP2 on both sides)")
+    ap.add_argument("--shape", choices=list(SHAPES), default=None,
+                    help="sft: the model shape (default llama-1b on one GPU, llama-8b on several)")
     ap.add_argument("--plain", choices=["vllm", "defaults"], default=None,
                     help="grpo: the plain run is TRL's GRPOTrainer with vLLM colocate (what TRL's docs show; the "
                          "default where vllm imports) or with its defaults (transformers generate)")

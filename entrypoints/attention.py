@@ -3,16 +3,19 @@
 One decision for `doctor` and the trainers (`decide` is pure; `choose` feeds it what this process can import and
 run). Order by image record:
 
-    fa3 (Hopper images)    FA3 -> FA4 -> FA2 -> PyTorch varlen flash -> SDPA -> eager
-    fa2 (Ampere images)    FA2 -> PyTorch varlen flash -> SDPA -> eager
-    sdpa (Blackwell, CPU)  FA4 -> PyTorch varlen flash -> SDPA -> eager
-    no GPU                 SDPA -> eager
+    fa3 (Hopper images)    FA3 -> FA4 -> FA2 -> PyTorch varlen flash -> FlexAttention -> SDPA -> eager
+    fa2 (Ampere images)    FA2 -> PyTorch varlen flash -> FlexAttention -> SDPA -> eager
+    sdpa (Blackwell, CPU)  FA4 -> PyTorch varlen flash -> FlexAttention -> SDPA -> eager
+    no GPU                 SDPA -> FlexAttention's dense math -> eager
 
 "PyTorch varlen flash" is torch's own FlashAttention kernel behind `torch.nn.attention.varlen.varlen_attn` (torch >=
 2.10, sm80+), registered here as the transformers attention `trainbox_varlen`: like the flash-attn packages it takes
-the cumulative sequence lengths of a packed batch, so padding-free training needs no flash-attn wheel. Every kernel
-but SDPA is tried on a tiny forward+backward before it is chosen: a wheel built for another torch or GPU falls
-through to the next one with the reason printed. `--attn_implementation` always wins.
+the cumulative sequence lengths of a packed batch, so padding-free training needs no flash-attn wheel.
+"FlexAttention" is torch's compiled FlexAttention kernel (flexattn.py, registered as `trainbox_flex`): packed rows
+with windows, softcaps and sinks, so the models the other kernels would change (Gemma 2 without FA3, gpt-oss
+everywhere) train packed instead of padded on eager. Without a GPU it runs the same masks as dense math, packed too.
+Every kernel but SDPA is tried on a tiny forward+backward before it is chosen: a wheel built for another torch or GPU
+falls through to the next one with the reason printed. `--attn_implementation` always wins.
 
 The choice sees the model (`Needs`): a kernel that would drop a sliding window, an attention-logit softcap or
 attention sinks is skipped with the reason printed, never used. Each kernel honours what its table entry says: the
@@ -30,6 +33,7 @@ from importlib import metadata
 from typing import Callable
 
 VARLEN = "trainbox_varlen"
+FLEX = "trainbox_flex"  # flexattn.FLEX
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,8 @@ KERNELS = {
     "fa4": Kernel("flash_attention_4", "FlashAttention 4 (CuTe)", (9, 0), (12, 9)),
     "fa2": Kernel("flash_attention_2", "FlashAttention 2", (8, 0), (9, 9), honours=frozenset({WINDOW, SOFTCAP})),
     "varlen": Kernel(VARLEN, "PyTorch varlen flash attention", (8, 0), None, honours=frozenset({WINDOW})),
+    "flex": Kernel(FLEX, "PyTorch FlexAttention", (8, 0), None,
+                   honours=frozenset({WINDOW, SOFTCAP, SINKS})),
     "sdpa": Kernel("sdpa", "PyTorch SDPA", None, None, packed=False, honours=frozenset({WINDOW})),
     "eager": Kernel("eager", "eager (the model's own attention)", None, None, packed=False,
                     honours=frozenset({WINDOW, SOFTCAP, SINKS})),
@@ -58,11 +64,14 @@ KERNELS = {
 # each other, measured on the test zoo); where one does, the mask is quadratic in the packed row.
 UNPACKED_WHY = "SDPA and eager keep packed examples apart only if the model's mask follows the positions, not a given"
 ORDER = {
-    "fa3": ("fa3", "fa4", "fa2", "varlen", "sdpa", "eager"),
-    "fa2": ("fa2", "varlen", "sdpa", "eager"),
-    "sdpa": ("fa4", "varlen", "sdpa", "eager"),
+    "fa3": ("fa3", "fa4", "fa2", "varlen", "flex", "sdpa", "eager"),
+    "fa2": ("fa2", "varlen", "flex", "sdpa", "eager"),
+    "sdpa": ("fa4", "varlen", "flex", "sdpa", "eager"),
 }
-CPU_ORDER = ("sdpa", "eager")
+# Without a GPU FlexAttention is its dense math (torch has no FlexAttention backward on CPU): after SDPA, so only the
+# models SDPA would change get it, and they train packed like on a GPU.
+CPU_ORDER = ("sdpa", "flex", "eager")
+CPU_FLEX = "no GPU: FlexAttention's masks and softcap/sinks as dense math (torch has no FlexAttention backward on CPU)"
 
 
 @dataclass(frozen=True)
@@ -73,6 +82,7 @@ class Needs:
     window: int | None = None
     softcap: float | None = None
     sinks: bool = False
+    head_dim: int | None = None  # not a feature: the size a compiled kernel is tried at before it is trusted
 
     def features(self) -> frozenset[str]:
         return frozenset(f for f, on in ((WINDOW, self.window), (SOFTCAP, self.softcap), (SINKS, self.sinks)) if on)
@@ -94,7 +104,10 @@ def needs(conf, model=None) -> Needs:
     softcap = getattr(text, "attn_logit_softcapping", None)
     sinks = getattr(text, "model_type", "") == "gpt_oss" or (
         model is not None and any(n.rsplit(".", 1)[-1] in ("sinks", "s_aux") for n, _ in model.named_parameters()))
-    return Needs(window=int(window) if window else None, softcap=float(softcap) if softcap else None, sinks=sinks)
+    heads = getattr(text, "num_attention_heads", 0)
+    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
+    return Needs(window=int(window) if window else None, softcap=float(softcap) if softcap else None, sinks=sinks,
+                 head_dim=int(head_dim) if head_dim else None)
 # Names a user may pass to --attn_implementation besides transformers' own.
 ALIASES = {name: k.impl for name, k in KERNELS.items()}
 
@@ -141,7 +154,7 @@ def decide(info: dict | None, capability: tuple[int, int] | None, usable: Callab
                 skipped.append((name, f"would drop this model's {model.describe(lost)}"))
             continue
         if capability is None:
-            return Choice(name, k.impl, "no GPU", tuple(skipped))
+            return Choice(name, k.impl, CPU_FLEX if name == "flex" else "no GPU", tuple(skipped))
         sm = f"sm{capability[0]}{capability[1]}"
         if k.min_cc and capability < k.min_cc or k.max_cc and capability > k.max_cc:
             if name == wanted:
@@ -158,7 +171,7 @@ def decide(info: dict | None, capability: tuple[int, int] | None, usable: Callab
             else:
                 reason = f"first that runs here after the image's {wanted}"
             return Choice(name, k.impl, reason, tuple(skipped))
-        if name == wanted or name in ("fa2", "varlen"):  # worth telling; optional extras (fa4) are not
+        if name == wanted or name in ("fa2", "varlen", "flex"):  # worth telling; optional extras (fa4) are not
             skipped.append((name, why))
     raise AssertionError("eager honours everything and always runs")  # pragma: no cover
 
@@ -237,6 +250,10 @@ def runtime_usable(name: str, model: Needs = Needs()) -> str | None:
             return "this torch's varlen_attn takes no window (torch < 2.12)"
         why = _try_kernel(lambda q, k, v: _varlen_call(fn, q, k, v, _cu(), _cu(), 156, 156, None))
         return why or (_window_check(fn) if model.window else None)
+    if name == "flex":
+        from . import flexattn
+
+        return flexattn.usable(model.head_dim or 64)
     return f"unknown kernel {name}"
 
 
@@ -275,9 +292,18 @@ def choose(requested: str | None = None, info: dict | None = None, model: Needs 
     info = imageinfo.load() if info is None else info
     cc = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
     choice = decide(info, cc, lambda name: runtime_usable(name, model), requested, model)
-    if choice.impl == VARLEN:
-        register_varlen()
+    register(choice.impl)
     return choice
+
+
+def register(impl: str) -> None:
+    """Make our attention `impl` (trainbox_varlen, trainbox_flex) known to transformers; others are its own."""
+    if impl == VARLEN:
+        register_varlen()
+    elif impl == FLEX:
+        from . import flexattn
+
+        flexattn.register()
 
 
 # ---------------------------------------------------------------------------------------------------------------

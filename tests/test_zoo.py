@@ -60,7 +60,7 @@ def test_no_kernel_that_drops_a_feature_is_picked(zoo_dir, name):
             if skipped in runs:
                 assert "would drop" in why and not want <= attention.KERNELS[skipped].honours
     cpu = attention.decide(None, None, lambda n: None, model=needs)
-    assert want <= attention.KERNELS[cpu.name].honours and not cpu.packed
+    assert want <= attention.KERNELS[cpu.name].honours and cpu.packed == (cpu.name == "flex")
 
 
 def test_a_requested_kernel_that_drops_a_feature_is_kept_but_warned():
@@ -76,6 +76,7 @@ def test_chosen_kernel_gives_eager_logits(zoo_dir, name):
 
     path = zoo_dir / name
     choice = attention.decide(None, None, lambda n: None, model=speed.model_facts(str(path)).attention)
+    attention.register(choice.impl)
     ref = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
     ours = AutoModelForCausalLM.from_pretrained(path, attn_implementation=choice.impl).eval()
     torch.manual_seed(0)
@@ -142,6 +143,9 @@ def test_sft_resume_qlora_grpo_train_and_save_loadable_models(zoo_dir, data, tmp
     if ZOO[name][1].get("num_local_experts") or ZOO[name][1].get("num_experts"):
         assert "LoRA dropout 0 (MoE, 4 experts" in log  # PEFT's fused-expert LoRA refuses dropout
     assert "resuming from" in log.lower() and "checkpoint-2" in log, log[-4000:]
+    if {"softcap", "sinks"} & expected_features(name):  # SDPA would drop them: FlexAttention's math, packed
+        assert f"attention: PyTorch FlexAttention ({attention.FLEX})" in log and "packing on (bfd" in log, log[-4000:]
+        assert "policy forward: padding-free" in log, log[-4000:]
     state = json.loads((out / "sft" / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["global_step"] == 3 and [e["step"] for e in state["log_history"] if "loss" in e] == [1, 2, 3]
     for saved in (out / "sft", out / "qlora" / "merged", out / "grpo"):

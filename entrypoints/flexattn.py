@@ -1,0 +1,264 @@
+"""PyTorch FlexAttention as a transformers attention function (`trainbox_flex`): packed rows for the models whose
+attention is special (Gemma 2's tanh softcap, gpt-oss's learned sinks, sliding windows on both).
+
+One packed row (padding-free, position_ids restarting at 0 per example) or a padded batch goes through one fused
+kernel: the block mask keeps each query to its own example (document ids from the position_ids resets), before it
+(causal), inside the layer's window and off padding (the 2-D attention mask); the score modifier applies the softcap
+(`tanh(s / c) * c`, after scaling, before masking: Gemma 2's eager order); sinks are applied from the kernel's
+log-sum-exp: eager's softmax over [scores, sink] gives each real key exp(s) / (Z + exp(sink)) with Z = exp(lse), so
+out_with_sinks = out * Z / (Z + exp(sink)) = out * sigmoid(lse - sink), exactly, per head.
+
+The fused kernel runs on CUDA, compiled once per shape family: rows are padded up to a multiple of 128 (the block
+size; padding gets a document of its own) and torch.compile's automatic dynamic shapes turn the sequence length
+symbolic after the first change, so a new packed length does not recompile; the block mask (a cheap index structure)
+is built per batch and shared by the layers of one forward. Elsewhere the same masks and modifiers run as dense math
+(`dense`): on CPU (torch has no FlexAttention backward there), when a KV cache makes queries and keys differ in
+length (generation), and for dropout.
+"""
+
+from __future__ import annotations
+
+import math
+
+FLEX = "trainbox_flex"
+BLOCK = 128  # FlexAttention's default block size: packed lengths are padded up to a multiple of it
+NO_WINDOW = 1 << 30
+PAD_DOC = -1  # document id of padding (attention mask 0); internal bucket padding gets PAD_DOC - 1
+
+_compiled = None
+_masks: list = []  # (key tensors, window, length) -> BlockMask, for the layers of the current forward
+
+
+def flex_fn():
+    """torch's flex_attention, or None when this torch has none."""
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+    except ImportError:
+        return None
+    return flex_attention
+
+
+def compiled():
+    """flex_attention under torch.compile (one compiled function for the process: its cache holds the shapes)."""
+    global _compiled
+    if _compiled is None:
+        import torch
+
+        _compiled = torch.compile(flex_fn())
+    return _compiled
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Masks and modifiers: one description, used by the fused kernel and by the dense path
+# ---------------------------------------------------------------------------------------------------------------
+def documents(position_ids, attention_mask, batch: int, length: int, device):
+    """(batch, length) int64: the example each token belongs to (a new one where position_ids restart at 0),
+    PAD_DOC where the 2-D attention mask says padding. Without position_ids every token is in example 0."""
+    import torch
+
+    docs = torch.zeros(batch, length, dtype=torch.long, device=device)
+    if position_ids is not None and position_ids.dim() == 2 and position_ids.shape[-1] == length:
+        docs = (position_ids.to(device) == 0).cumsum(-1).expand(batch, length)
+    if attention_mask is not None:
+        docs = torch.where(attention_mask.to(device).bool(), docs, torch.full_like(docs, PAD_DOC))
+    return docs
+
+
+def mask_mod(docs, window):
+    """FlexAttention mask_mod: same example, causal, inside the window (transformers' convention: a query sees
+    `window` tokens counting itself, kv > q - window). `window` is a 0-dim tensor so every layer shares one graph."""
+
+    def allowed(b, h, q, kv):
+        return (docs[b, q] == docs[b, kv]) & (kv <= q) & (q - kv < window)
+
+    return allowed
+
+
+def score_mod(softcap: float | None):
+    if not softcap:
+        return None
+
+    def capped(score, b, h, q, kv):
+        import torch
+
+        return torch.tanh(score / softcap) * softcap
+
+    return capped
+
+
+def with_sinks(out, lse, sinks):
+    """out (b, h, s, d), lse (b, h, s) natural-log; sinks (h,): eager's softmax over [scores, sink] exactly."""
+    import torch
+
+    gate = torch.sigmoid(lse.float() - sinks.float()[None, :, None])
+    return (out.float() * gate[..., None]).to(out.dtype)
+
+
+def dense(query, key, value, docs, scale: float, window: int | None, softcap: float | None, dropout: float = 0.0,
+          training: bool = False):
+    """The same masks and modifiers as dense math (scores materialized): (out (b, h, s, d), lse (b, h, s)).
+    `docs` covers the keys; queries are the last s of them (a KV cache)."""
+    import torch
+
+    b, h, s, _ = query.shape
+    kv = key.shape[2]
+    if key.shape[1] != h:
+        key, value = (t.repeat_interleave(h // key.shape[1], dim=1) for t in (key, value))
+    scores = torch.matmul(query, key.transpose(2, 3)) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    qi = torch.arange(kv - s, kv, device=query.device)[:, None]
+    ki = torch.arange(kv, device=query.device)[None, :]
+    ok = (ki <= qi) & (qi - ki < (window or NO_WINDOW))
+    ok = ok[None] & (docs[:, kv - s:, None] == docs[:, None, :])  # (b, s, kv)
+    scores = scores.float().masked_fill(~ok[:, None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[..., None]).to(value.dtype)
+    if dropout and training:
+        probs = torch.nn.functional.dropout(probs, p=dropout)
+    return torch.matmul(probs, value), lse
+
+
+def block_mask(docs, window: int | None):
+    """The BlockMask for `docs` (already padded to a multiple of BLOCK), reused while the same tensors come back
+    (every layer of one forward, and its recomputation under checkpointing)."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    for key_docs, key_window, bm in _masks:
+        if key_docs is docs and key_window == window:
+            return bm
+    b, n = docs.shape
+    w = torch.tensor(window or NO_WINDOW, device=docs.device)
+    bm = create_block_mask(mask_mod(docs, w), b, None, n, n, device=docs.device)
+    _masks.insert(0, (docs, window, bm))
+    del _masks[4:]
+    return bm
+
+
+_docs_cache: list = []  # (position_ids, attention_mask, batch, length) -> padded docs: one per forward
+
+
+def padded_documents(position_ids, attention_mask, batch: int, length: int, device):
+    """documents() padded to a multiple of BLOCK (bucket padding is a document of its own), cached per input
+    tensors so the layers of a forward share one tensor (and so one block mask per window)."""
+    import torch
+
+    for (p, m, b, n), docs in _docs_cache:
+        if p is position_ids and m is attention_mask and (b, n) == (batch, length):
+            return docs
+    docs = documents(position_ids, attention_mask, batch, length, device)
+    full = math.ceil(length / BLOCK) * BLOCK
+    if full != length:
+        docs = torch.cat([docs, torch.full((batch, full - length), PAD_DOC - 1, dtype=docs.dtype, device=device)], 1)
+    _docs_cache.insert(0, ((position_ids, attention_mask, batch, length), docs))
+    del _docs_cache[2:]
+    return docs
+
+
+def fused(query, key, value, docs, scale: float, window: int | None, softcap: float | None, fn=None,
+          lse: bool = True):
+    """FlexAttention on rows padded to docs' length: (out (b, h, s, d), lse (b, h, s) or None when not `lse`).
+    `fn`: the flex_attention to call (default: the compiled one)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import flex_attention as fa
+
+    s, n = query.shape[2], docs.shape[1]
+    if n != s:
+        query, key, value = (F.pad(t, (0, 0, 0, n - s)) for t in (query, key, value))
+    kw = dict(score_mod=score_mod(softcap), block_mask=block_mask(docs, window), scale=scale,
+              enable_gqa=key.shape[1] != query.shape[1])
+    fn = fn or compiled()
+    if not lse:  # (compiled FlexAttention on CPU returns no log-sum-exp)
+        return fn(query, key, value, **kw)[:, :, :s], None
+    if hasattr(fa, "AuxRequest"):
+        out, aux = fn(query, key, value, return_aux=fa.AuxRequest(lse=True), **kw)
+        got = aux.lse
+    else:  # torch < 2.9
+        out, got = fn(query, key, value, return_lse=True, **kw)
+    return out[:, :, :s], got[:, :, :s]
+
+
+def uses_fused(query, key, dropout: float) -> bool:
+    return bool(query.is_cuda and query.shape[2] == key.shape[2] and not dropout and flex_fn() is not None)
+
+
+def flex_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                           scaling: float | None = None, sliding_window: int | None = None,
+                           softcap: float | None = None, s_aux=None, **kwargs):
+    """transformers attention interface: query/key/value (batch, heads, seq, dim) -> ((batch, seq, heads, dim), None).
+
+    attention_mask: the 2-D padding mask or None (flash_attention_mask is registered as this kernel's mask);
+    position_ids (in kwargs) mark the examples of a packed row; sliding_window, softcap (Gemma 2) and s_aux
+    (gpt-oss's sinks) as the models pass them."""
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(f"{FLEX} takes a 2-D padding mask, got one of shape {tuple(attention_mask.shape)}")
+    if getattr(module, "is_causal", True) is False:
+        raise ValueError(f"{FLEX} is for causal attention; this layer ({type(module).__name__}) is not causal")
+    b, h, s, d = query.shape
+    kv = key.shape[2]
+    scale = scaling if scaling is not None else d**-0.5
+    pos = kwargs.get("position_ids")
+    training = bool(getattr(module, "training", False))
+    p = dropout if training else 0.0
+    if uses_fused(query, key, p):
+        docs = padded_documents(pos, attention_mask, b, s, query.device)
+        out, lse = fused(query, key, value, docs, scale, sliding_window, softcap, lse=s_aux is not None)
+    else:
+        docs = documents(pos if s == kv else None, attention_mask, b, kv, query.device)
+        out, lse = dense(query, key, value, docs, scale, sliding_window, softcap, p, training)
+    if s_aux is not None:
+        out = with_sinks(out, lse, s_aux)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Make `attn_implementation="trainbox_flex"` known to transformers (attention + the flash-style 2-D mask)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    AttentionInterface.register(FLEX, flex_attention_forward)
+    AttentionMaskInterface.register(FLEX, flash_attention_mask)
+
+
+def usable(head_dim: int = 64) -> str | None:
+    """None when the fused kernel compiles and runs here (CUDA) and matches the dense math on a tiny packed batch
+    with a window, a softcap and sinks, forward and backward, at the model's head size (large ones need small
+    blocks: a size the GPU can't fit fails here, not in the first training step); else why not."""
+    import torch
+
+    if flex_fn() is None:
+        return "this torch has no torch.nn.attention.flex_attention"
+    if not torch.cuda.is_available():
+        return "no GPU"
+    try:
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            return "Triton is not usable here (FlexAttention's kernels are Triton)"
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(1, 4, 200, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+        k, v = (torch.randn(1, 2, 200, head_dim, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+        sinks = torch.randn(4, device="cuda", generator=g)
+        pos = torch.cat([torch.arange(120), torch.arange(80)]).cuda()[None]
+        outs, grads = [], []
+        for run in ("fused", "dense"):
+            qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+            if run == "fused":
+                o, lse = fused(qq, kk, vv, padded_documents(pos, None, 1, 200, "cuda"), head_dim**-0.5, 48, 20.0)
+            else:
+                o, lse = dense(*(t.float() for t in (qq, kk, vv)), documents(pos, None, 1, 200, "cuda"),
+                               head_dim**-0.5, 48, 20.0)
+            o = with_sinks(o, lse, sinks)
+            o.float().square().sum().backward()
+            outs.append(o.float())
+            grads.append(qq.grad.float())
+        if not all(bool(torch.isfinite(t).all()) for t in (*outs, *grads)):
+            return "its test op gave non-finite values"
+        worst = max(float((outs[0] - outs[1]).abs().max()), float((grads[0] - grads[1]).abs().max()) / 10)
+        if worst > 5e-2:
+            return f"its test op disagrees with the dense math (max diff {worst:.3f})"
+    except Exception as e:  # noqa: BLE001 - any failure means "use the next kernel"
+        return f"test op failed ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})"
+    return None

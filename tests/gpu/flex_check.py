@@ -1,0 +1,266 @@
+"""trainbox_flex (FlexAttention, fused and compiled) on a GPU against float32 eager: a correctness table.
+
+Usage: python tests/gpu/flex_check.py [--seq 512] [--json FILE]      (torch with CUDA, transformers; no trl)
+
+1. Models: Gemma 2 (window + softcap), gpt-oss (window + sinks, MoE) and the Llama control from tests/zoo.py, plus
+   Gemma 2 / gpt-oss with their real head sizes (256 / 64; windows of 128). For each, rows of --seq, 3/4 and 1/2 of
+   it as single rows, one right-padded batch and one packed row (position_ids restarting per example), with
+   loss = sum(logits * W) for a fixed random W. Reference: float32 eager, each row alone. Rows: bf16 FlexAttention
+   (trainbox_flex) and, as the bound bf16 rounding alone sets, bf16 eager (eager never packs: its packed bound is
+   its single-row figure). Columns: max |logit diff| and max |grad diff| over all parameters, the gradient diff
+   taken relative to each parameter's largest gradient. OK: flex within 2x the bf16-eager bound (+0.02).
+2. Kernel: random q/k/v of one packed row (16 examples) for head sizes 64, 128 and 256, window + softcap + sinks:
+   bf16 fused vs float32 dense math, output and dq/dk/dv/dsinks; compile time of the first call, the time of a
+   call after the packed length changes (no recompile expected: automatic dynamic shapes), the block mask's build.
+3. What attention.choose picks for Gemma 2 and gpt-oss here (the line trainbox prints).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DEV = "cuda"  # --device cpu: a smoke run of this script's plumbing (the dense math stands in for the kernel)
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+# name: (zoo entry, config overrides)
+MODELS = {
+    "gemma2": ("gemma2", {}),
+    "gemma2-hd256": ("gemma2", dict(head_dim=256, hidden_size=512, intermediate_size=1024, num_attention_heads=4,
+                                    num_key_value_heads=2, sliding_window=128, query_pre_attn_scalar=256)),
+    "gpt-oss": ("gpt-oss", {}),
+    "gpt-oss-hd64": ("gpt-oss", dict(head_dim=64, hidden_size=512, intermediate_size=512, num_attention_heads=8,
+                                     num_key_value_heads=2, sliding_window=128)),
+    "llama3": ("llama3", {}),
+}
+
+
+def build(base: Path, name: str) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tiny import make_tokenizer
+    from zoo import make_config
+
+    zoo_name, over = MODELS[name]
+    tok = make_tokenizer()
+    conf = make_config(zoo_name, tok)
+    for k, v in over.items():
+        setattr(conf, k, v)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(conf, dtype=torch.float32)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("sinks"):
+                p.normal_(0, 1)
+    path = base / name
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def run(model, kind, rows, weights):
+    """(per-row float32 logits, float32 parameter grads) for rows fed as single / padded / packed."""
+    import torch
+
+    model.zero_grad(set_to_none=True)
+    lens, dev = [len(r) for r in rows], rows[0].device
+    if kind == "single":
+        logits = []
+        for r in rows:
+            out = model(r[None]).logits[0].float()
+            (out * weights[: len(r)]).sum().backward()
+            logits.append(out.detach())
+    else:
+        if kind == "padded":
+            ids = torch.zeros(len(rows), max(lens), dtype=torch.long, device=dev)
+            mask = torch.zeros_like(ids)
+            for i, r in enumerate(rows):
+                ids[i, : len(r)], mask[i, : len(r)] = r, 1
+            out = model(ids, attention_mask=mask).logits.float()
+            logits = [out[i, :n] for i, n in enumerate(lens)]
+        else:
+            pos = torch.cat([torch.arange(n, device=dev) for n in lens])[None]
+            out = model(torch.cat(rows)[None], position_ids=pos, use_cache=False).logits[0].float()
+            starts = [sum(lens[:i]) for i in range(len(lens))]
+            logits = [out[a : a + n] for a, n in zip(starts, lens)]
+        sum((x * weights[: len(x)]).sum() for x in logits).backward()
+        logits = [x.detach() for x in logits]
+    grads = {n: p.grad.detach().float() for n, p in model.named_parameters() if p.grad is not None}
+    return logits, grads
+
+
+def diffs(ours, ref) -> tuple[float, float]:
+    import torch
+
+    (lo, go), (lr, gr) = ours, ref
+    logit = max(float((a - b).abs().max()) for a, b in zip(lo, lr))
+    grad = max(float((go.get(n, torch.zeros_like(g)) - g).abs().max() / g.abs().max().clamp_min(1e-12))
+               for n, g in gr.items())
+    return logit, grad
+
+
+def model_table(seq: int) -> list[dict]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from entrypoints import attention
+
+    attention.register(attention.FLEX)
+    base = Path(tempfile.mkdtemp(prefix="flexcheck-"))
+    out = []
+    for name in MODELS:
+        path = build(base, name)
+
+        def load(impl, dtype):  # eval(): no dropout; gradients still flow
+            return AutoModelForCausalLM.from_pretrained(path, attn_implementation=impl, dtype=dtype).to(DEV).eval()
+
+        g = torch.Generator(device=DEV).manual_seed(0)
+        rows = [torch.randint(10, 300, (n,), device=DEV, generator=g) for n in (seq, seq * 3 // 4, seq // 2)]
+        m = load("eager", torch.float32)
+        weights = torch.randn(seq, m.config.vocab_size, device=DEV, generator=g)
+        ref = run(m, "single", rows, weights)
+        del m
+        eager16 = load("eager", torch.bfloat16)
+        bound = {k: diffs(run(eager16, k, rows, weights), ref) for k in ("single", "padded")}
+        bound["packed"] = bound["single"]
+        del eager16
+        flex = load(attention.FLEX, torch.bfloat16)
+        t = time.time()
+        for kind in ("single", "padded", "packed"):
+            got = diffs(run(flex, kind, rows, weights), ref)
+            b = bound[kind]
+            ok = got[0] <= 2 * b[0] + 0.02 and got[1] <= 2 * b[1] + 0.02
+            out.append({"model": name, "kind": kind, "flex_logit": got[0], "flex_grad": got[1],
+                        "eager_bf16_logit": b[0], "eager_bf16_grad": b[1], "ok": ok})
+        out[-1]["first_calls_s"] = time.time() - t  # compiles included
+        del flex
+        torch.cuda.empty_cache()
+    return out
+
+
+def sync() -> None:
+    import torch
+
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def kernel_table() -> list[dict]:
+    import torch
+
+    from entrypoints import flexattn
+
+    fa = None
+    if DEV != "cuda":  # FlexAttention's unfused reference: torch refuses CPU gradients only at its entry check
+        from torch.nn.attention import flex_attention as mod
+
+        mod._validate_device, fa = (lambda *x: None), mod.flex_attention
+    out = []
+    for d in (64, 128, 256):
+        # The second: another packed length (a recompile would show in its time). Smoke run: short rows.
+        for length in (4096, 3968) if DEV == "cuda" else (512, 384):
+            g = torch.Generator(device=DEV).manual_seed(d)
+            h, hk = 8, 2
+            q = torch.randn(1, h, length, d, device=DEV, generator=g)
+            k, v = (torch.randn(1, hk, length, d, device=DEV, generator=g) for _ in range(2))
+            sinks = torch.randn(h, device=DEV, generator=g)
+            cuts = sorted(torch.randint(1, length, (15,), generator=torch.Generator().manual_seed(d)).tolist())
+            pos = torch.cat([torch.arange(b - a) for a, b in zip([0, *cuts], [*cuts, length])]).to(DEV)[None]
+            scale, window, cap = d**-0.5, 256, 50.0
+            res = {}
+            for mode in ("fused", "dense"):
+                dt = torch.bfloat16 if mode == "fused" else torch.float32
+                qq, kk, vv = (t.to(dt).requires_grad_(True) for t in (q, k, v))
+                ss = sinks.clone().requires_grad_(True)
+                sync()
+                t0 = time.time()
+                if mode == "fused":
+                    tm = time.time()
+                    docs = flexattn.padded_documents(pos, None, 1, length, DEV)
+                    flexattn.block_mask(docs, window)
+                    sync()
+                    mask_s = time.time() - tm
+                    o, lse = flexattn.fused(qq, kk, vv, docs, scale, window, cap, fn=None if DEV == "cuda" else fa)
+                else:
+                    docs = flexattn.documents(pos, None, 1, length, DEV)
+                    o, lse = flexattn.dense(qq, kk, vv, docs, scale, window, cap)
+                o = flexattn.with_sinks(o, lse, ss)
+                (o.float() * torch.randn(o.shape, device=DEV, generator=torch.Generator(device=DEV).manual_seed(1))
+                 ).sum().backward()
+                sync()
+                res[mode] = {"out": o.detach().float(), "dq": qq.grad.float(), "dk": kk.grad.float(),
+                             "dv": vv.grad.float(), "dsinks": ss.grad.float(), "s": time.time() - t0}
+                if mode == "fused":
+                    res[mode]["mask_s"] = mask_s
+            row = {"head_dim": d, "length": length, "first_call_s": res["fused"]["s"],
+                   "block_mask_s": res["fused"]["mask_s"]}
+            for key in ("out", "dq", "dk", "dv", "dsinks"):
+                a, b = res["fused"][key], res["dense"][key]
+                row[key] = float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+            out.append(row)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seq", type=int, default=512, help="tokens in the longest row")
+    ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    global DEV
+    DEV = a.device
+
+    import torch
+    import transformers
+
+    from entrypoints import attention, speed
+
+    cc = torch.cuda.get_device_capability() if DEV == "cuda" else (0, 0)
+    print(f"GPU {torch.cuda.get_device_name() if DEV == 'cuda' else 'none (smoke run)'} sm{cc[0]}{cc[1]}, "
+          f"torch {torch.__version__}, transformers {transformers.__version__}", flush=True)
+    t = time.time()
+    why = attention.runtime_usable("flex")
+    print(f"runtime_usable('flex'): {why or 'ok'} ({time.time() - t:.1f} s, its compile included)", flush=True)
+
+    models = model_table(a.seq)
+    print(f"\n1. models vs float32 eager (each row alone); rows of {a.seq}, {a.seq * 3 // 4}, {a.seq // 2} tokens; "
+          "grad diff relative to each parameter's largest gradient")
+    print(f"{'model':14s} {'rows':7s} | {'flex bf16 logit':>15s} {'grad':>8s} | {'eager bf16 logit':>16s} "
+          f"{'grad':>8s} | ok")
+    for r in models:
+        print(f"{r['model']:14s} {r['kind']:7s} | {r['flex_logit']:15.4f} {r['flex_grad']:8.4f} | "
+              f"{r['eager_bf16_logit']:16.4f} {r['eager_bf16_grad']:8.4f} | {'OK' if r['ok'] else 'MISMATCH'}")
+    kernels = kernel_table()
+    print("\n2. kernel: bf16 fused vs float32 dense math, one packed row of 16 examples, window 256, softcap 50, "
+          "sinks; diffs relative to the largest reference value")
+    print(f"{'head_dim':>8s} {'length':>6s} | {'out':>7s} {'dq':>7s} {'dk':>7s} {'dv':>7s} {'dsinks':>7s} | "
+          f"{'1st call s':>10s} {'mask s':>7s}")
+    for r in kernels:
+        print(f"{r['head_dim']:8d} {r['length']:6d} | {r['out']:7.4f} {r['dq']:7.4f} {r['dk']:7.4f} {r['dv']:7.4f} "
+              f"{r['dsinks']:7.4f} | {r['first_call_s']:10.2f} {r['block_mask_s']:7.3f}")
+    print("\n3. the choice here")
+    base = Path(tempfile.mkdtemp(prefix="flexchoice-"))
+    lines = {}
+    for name in ("gemma2", "gpt-oss", "llama3"):
+        needs = speed.model_facts(str(build(base, name))).attention
+        for record in ("fa3", "sdpa"):
+            c = attention.choose(None, {"attention_backend": record}, needs)
+            lines[f"{name}/{record}"] = {"line": c.line(), "packed": c.packed}
+            print(f"  {name} ({record} image): {c.line()} -> packing {'on' if c.packed else 'off'}")
+    bad = [(r["model"], r["kind"]) for r in models if not r["ok"]]
+    bad += [(f"kernel-d{r['head_dim']}", k) for r in kernels for k in ("out", "dq", "dk", "dv", "dsinks")
+            if r[k] > 0.05]
+    print("RESULT " + json.dumps({"mismatches": bad}))
+    if a.json:
+        Path(a.json).write_text(json.dumps({"models": models, "kernels": kernels, "choice": lines}, indent=1))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,219 @@
+"""trainbox_flex (entrypoints/flexattn.py) against each model's own eager attention in float32: logits and the
+gradients of every parameter (q/k/v/o projections, sinks, experts...) on single rows, a right-padded batch and one
+packed row (each example of the packed row against the same example alone), for Gemma 2 (window + softcap), gpt-oss
+(window + sinks, MoE) and the Llama control, on the tiny zoo models.
+
+Two implementations of the same masks and modifiers run here: the dense math (what CPU training runs) and
+FlexAttention itself through its unfused reference (torch.nn.attention.flex_attention without torch.compile: the
+same mask_mod/score_mod, the log-sum-exp and flex's own backward formula; torch refuses gradients on CPU only at its
+entry check, lifted here). The compiled kernel's forward runs on CPU too (torch compiles it for inference only); its
+backward and bf16 numbers are tests/gpu/flex_check.py's (on a GPU).
+"""
+
+import time
+
+import pytest
+import torch
+
+from entrypoints import attention, flexattn, speed
+from zoo import WINDOW, make_zoo_model
+
+ARCHS = ["gemma2", "gpt-oss", "llama3"]
+LENGTHS = (64, 40, 29)  # every row longer than the zoo's 16-token window
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    base = tmp_path_factory.mktemp("flexzoo")
+    attention.register(attention.FLEX)
+    return {name: make_zoo_model(base / name, name) for name in ARCHS}
+
+
+def load(path, impl):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation=impl, dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def unfused_flex(monkeypatch):
+    """Route trainbox_flex through FlexAttention's own (unfused) implementation on CPU, gradients included."""
+    from torch.nn.attention import flex_attention as fa
+
+    monkeypatch.setattr(fa, "_validate_device", lambda *a: None)
+    monkeypatch.setattr(flexattn, "uses_fused", lambda q, k, dropout: q.shape[2] == k.shape[2])
+    monkeypatch.setattr(flexattn, "compiled", lambda: fa.flex_attention)
+
+
+def rows_and_weights(vocab):
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(10, 300, (n,), generator=g) for n in LENGTHS]
+    # A fixed random weight per (position, vocab entry): loss = sum(logits * W) gives every logit a gradient.
+    weights = torch.randn(max(LENGTHS), vocab, generator=g)
+    return rows, weights
+
+
+def run(model, kind, rows, weights):
+    """(per-row logits, parameter gradients) for `rows` fed as `kind`: single (each row alone: eager's reference
+    when summed), padded (one right-padded batch) or packed (one row, position_ids restarting per example)."""
+    model.zero_grad()
+    lens = [len(r) for r in rows]
+    if kind == "single":
+        logits = []
+        for r in rows:
+            out = model(r[None]).logits[0]
+            (out * weights[: len(r)]).sum().backward()
+            logits.append(out.detach())
+    elif kind == "padded":
+        ids = torch.zeros(len(rows), max(lens), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)], mask[i, : len(r)] = r, 1
+        out = model(ids, attention_mask=mask).logits
+        logits = [out[i, :n] for i, n in enumerate(lens)]
+        sum((x * weights[: len(x)]).sum() for x in logits).backward()
+        logits = [x.detach() for x in logits]
+    else:
+        pos = torch.cat([torch.arange(n) for n in lens])[None]
+        out = model(torch.cat(rows)[None], position_ids=pos, use_cache=False).logits[0]
+        starts = [sum(lens[:i]) for i in range(len(lens))]
+        logits = [out[a : a + n] for a, n in zip(starts, lens)]
+        sum((x * weights[: len(x)]).sum() for x in logits).backward()
+        logits = [x.detach() for x in logits]
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logits, grads
+
+
+def worst(ours, ref):
+    (lo, go), (lr, gr) = ours, ref
+    logit = max(float((a - b).abs().max()) for a, b in zip(lo, lr))
+    # Relative to each gradient's own scale (embeddings and experts differ by orders of magnitude); a parameter
+    # that got no gradient (sinks not applied) counts as a zero one.
+    grad = max(float((go.get(n, torch.zeros_like(g)) - g).abs().max() / g.abs().max().clamp_min(1e-12))
+               for n, g in gr.items())
+    return logit, grad
+
+
+@pytest.fixture(scope="module")
+def eager_refs(zoo):
+    out = {}
+    for name, path in zoo.items():
+        model = load(path, "eager")
+        rows, weights = rows_and_weights(model.config.vocab_size)
+        out[name] = (rows, weights, run(model, "single", rows, weights))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["single", "padded", "packed"])
+@pytest.mark.parametrize("name", ARCHS)
+@pytest.mark.parametrize("impl", ["dense", "flex"])
+def test_logits_and_grads_match_float32_eager(zoo, eager_refs, request, name, kind, impl):
+    if impl == "flex":
+        request.getfixturevalue("unfused_flex")
+    rows, weights, ref = eager_refs[name]
+    logit, grad = worst(run(load(zoo[name], attention.FLEX), kind, rows, weights), ref)
+    assert logit < 1e-4 and grad < 1e-4, (logit, grad)
+
+
+def test_the_comparison_catches_a_leak_an_off_by_one_window_and_dropped_sinks(zoo, eager_refs, monkeypatch):
+    """What the test above would see if the masks were wrong: examples attending to each other in the packed row,
+    the window one token wider than transformers' (kv > q - window), sinks not applied."""
+    rows, weights, ref = eager_refs["gpt-oss"]
+    model = load(zoo["gpt-oss"], attention.FLEX)
+    docs = flexattn.documents
+    monkeypatch.setattr(flexattn, "documents", lambda p, m, b, n, d: docs(None, m, b, n, d))
+    assert worst(run(model, "packed", rows, weights), ref)[0] > 1e-2
+    monkeypatch.undo()
+    dense = flexattn.dense
+    monkeypatch.setattr(flexattn, "dense", lambda q, k, v, d, s, w, *a: dense(q, k, v, d, s, w and w + 1, *a))
+    assert worst(run(model, "single", rows, weights), ref)[0] > 1e-3
+    monkeypatch.undo()
+    monkeypatch.setattr(flexattn, "with_sinks", lambda out, lse, sinks: out)
+    assert worst(run(model, "single", rows, weights), ref)[0] > 1e-2
+
+
+def test_compiled_kernel_forward_on_cpu_compiles_once_per_shape_family(zoo, eager_refs, capsys):
+    """The compiled FlexAttention kernel (inductor's CPU code; inference only, no log-sum-exp, so not gpt-oss) on
+    Gemma 2's packed row: window, softcap and example boundaries in the fused kernel give eager's logits. Packed
+    rows of other lengths (other 128-token buckets, other examples) and both layer types (windowed, full) then
+    reuse what was compiled: at most two graphs (the first shape, then the dynamic one)."""
+    from torch._dynamo.utils import counters
+
+    rows, weights, ref = eager_refs["gemma2"]
+    model = load(zoo["gemma2"], attention.FLEX)
+    real = flexattn.uses_fused
+    flexattn.uses_fused = lambda q, k, dropout: q.shape[2] == k.shape[2]
+    graphs = counters["stats"]["unique_graphs"]
+    try:
+        lens = [len(r) for r in rows]
+        pos = torch.cat([torch.arange(n) for n in lens])[None]
+        t = time.time()
+        with torch.no_grad():
+            out = model(torch.cat(rows)[None], position_ids=pos, use_cache=False).logits[0]
+            took = time.time() - t
+            for n in ((100, 100, 100), (300, 250), (50,) * 9):  # 384, 640, 512 tokens
+                model(torch.randint(10, 300, (1, sum(n))), position_ids=torch.cat([torch.arange(k) for k in n])[None],
+                      use_cache=False)
+        compiled = counters["stats"]["unique_graphs"] - graphs
+    finally:
+        flexattn.uses_fused = real
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    diff = max(float((out[a : a + n] - r).abs().max()) for a, n, r in zip(starts, lens, ref[0]))
+    with capsys.disabled():
+        print(f"\n[flex] compiled CPU forward (first call, compile included): {took:.1f} s; max |logit diff| "
+              f"{diff:.2e}; {compiled} graph(s) for 4 packed lengths x 2 layer types")
+    assert diff < 1e-4
+    assert compiled <= 2
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gpt-oss"])
+def test_generation_with_a_cache_and_left_padding_matches_eager(zoo, name):
+    """Decoding (queries fewer than keys: the dense path) from a left-padded batch: eager's tokens and scores."""
+    ids = torch.tensor([[0, 0, 0, *range(20, 40)], [*range(50, 73)]])
+    mask = torch.tensor([[0, 0, 0, *[1] * 20], [1] * 23])
+    got = {}
+    for impl in ("eager", attention.FLEX):
+        model = load(zoo[name], impl)
+        model.generation_config.pad_token_id = 0
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True)
+        got[impl] = (out.sequences, torch.stack(out.scores))
+    assert torch.equal(got["eager"][0], got[attention.FLEX][0])
+    assert float((got["eager"][1] - got[attention.FLEX][1]).abs().max()) < 1e-4
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gpt-oss"])
+def test_choice_names_flex_and_packs(zoo, name):
+    """Where no FlashAttention honours the model (sm90 without FA3, any GPU for gpt-oss's sinks) the choice is the
+    fused FlexAttention kernel and training packs; where it can't run, eager with the reason; on CPU its dense math."""
+    needs = speed.model_facts(str(zoo[name])).attention
+    hopper = {"attention_backend": "fa3"}
+    c = attention.decide(hopper, (9, 0), lambda n: None if n in ("varlen", "flex") else "not installed", model=needs)
+    assert c.impl == attention.FLEX and c.packed
+    assert c.line().startswith("attention: PyTorch FlexAttention (trainbox_flex): the first that runs here and "
+                               "honours this model's attention")
+    assert "PyTorch varlen flash attention: would drop" in c.line()
+    args = type("Args", (), {"packing_strategy": "bfd"})()
+    from entrypoints import config as cfg
+
+    orig = cfg.explicit
+    cfg.explicit = lambda a: set()
+    try:
+        assert speed.choose_packing(args, c.packed).startswith("packing on (bfd")
+    finally:
+        cfg.explicit = orig
+    down = attention.decide(hopper, (9, 0), lambda n: "test op failed (boom)" if n == "flex" else "not installed",
+                            model=needs)
+    assert down.impl == "eager" and not down.packed and "PyTorch FlexAttention: test op failed (boom)" in down.line()
+    cpu = attention.decide(None, None, lambda n: None, model=needs)
+    assert cpu.impl == attention.FLEX and cpu.packed and cpu.reason == attention.CPU_FLEX
+
+
+def test_plain_models_keep_their_kernels():
+    """The Llama control: varlen on a GPU that has it, SDPA on CPU; FlexAttention only where neither packs."""
+    hopper = {"attention_backend": "fa3"}
+    assert attention.decide(hopper, (9, 0), lambda n: None if n in ("varlen", "flex") else "x").impl == attention.VARLEN
+    assert attention.decide(hopper, (9, 0), lambda n: None if n == "flex" else "x").impl == attention.FLEX
+    assert attention.decide(None, None, lambda n: None).impl == "sdpa"
+    windowed = attention.Needs(window=WINDOW)
+    assert attention.decide(hopper, (9, 0), lambda n: None, model=windowed).impl == "flash_attention_3"
