@@ -19,12 +19,14 @@ length (generation), and for dropout.
 from __future__ import annotations
 
 import math
+import os
 
 FLEX = "trainbox_flex"
 BLOCK = 128  # FlexAttention's default block size: packed lengths are padded up to a multiple of it
 NO_WINDOW = 1 << 30
 PAD_DOC = -1  # document id of padding (attention mask 0); internal bucket padding gets PAD_DOC - 1
 
+GPU_ENV = "TRAINBOX_FLEX_GPU"  # "1": offer the fused kernel on GPUs (not yet a default: see usable)
 _compiled = None
 _masks: list = []  # (key tensors, window, length) -> BlockMask, for the layers of the current forward
 
@@ -170,13 +172,18 @@ def fused(query, key, value, docs, scale: float, window: int | None, softcap: fl
     kw = dict(score_mod=score_mod(softcap), block_mask=block_mask(docs, window), scale=scale,
               enable_gqa=key.shape[1] != query.shape[1])
     fn = fn or compiled()
-    if not lse:  # (compiled FlexAttention on CPU returns no log-sum-exp)
-        return fn(query, key, value, **kw)[:, :, :s], None
-    if hasattr(fa, "AuxRequest"):
-        out, aux = fn(query, key, value, return_aux=fa.AuxRequest(lse=True), **kw)
-        got = aux.lse
-    else:  # torch < 2.9
-        out, got = fn(query, key, value, return_lse=True, **kw)
+    # Outside autocast (the Trainer's bf16 autocast makes FlexAttention's autocast rule break the compiled graph,
+    # and its backward then fails on real tensors: seen on an H100, torch 2.11): the projections are already in
+    # one dtype, which the kernel keeps.
+    key, value = key.to(query.dtype), value.to(query.dtype)
+    with torch.autocast(device_type=query.device.type, enabled=False):
+        if not lse:  # (compiled FlexAttention on CPU returns no log-sum-exp)
+            return fn(query, key, value, **kw)[:, :, :s], None
+        if hasattr(fa, "AuxRequest"):
+            out, aux = fn(query, key, value, return_aux=fa.AuxRequest(lse=True), **kw)
+            got = aux.lse
+        else:  # torch < 2.9
+            out, got = fn(query, key, value, return_lse=True, **kw)
     return out[:, :, :s], got[:, :, :s]
 
 
@@ -232,6 +239,11 @@ def usable(head_dim: int = 64) -> str | None:
         return "this torch has no torch.nn.attention.flex_attention"
     if not torch.cuda.is_available():
         return "no GPU"
+    if os.environ.get(GPU_ENV) != "1":
+        # On an H100 (torch 2.11) this trial passed, then the compiled kernel's backward failed inside the models
+        # ("all unwrapped values must be FakeTensor, int, or SymInt"): not a default until that is fixed.
+        return (f"its compiled backward fails inside the models on GPUs here (torch {torch.__version__}); "
+                f"{GPU_ENV}=1 tries it")
     try:
         from torch.utils._triton import has_triton
 
@@ -245,8 +257,9 @@ def usable(head_dim: int = 64) -> str | None:
         outs, grads = [], []
         for run in ("fused", "dense"):
             qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
-            if run == "fused":
-                o, lse = fused(qq, kk, vv, padded_documents(pos, None, 1, 200, "cuda"), head_dim**-0.5, 48, 20.0)
+            if run == "fused":  # under bf16 autocast, as the Trainer runs it
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    o, lse = fused(qq, kk, vv, padded_documents(pos, None, 1, 200, "cuda"), head_dim**-0.5, 48, 20.0)
             else:
                 o, lse = dense(*(t.float() for t in (qq, kk, vv)), documents(pos, None, 1, 200, "cuda"),
                                head_dim**-0.5, 48, 20.0)
