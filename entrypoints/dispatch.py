@@ -20,7 +20,7 @@ from pathlib import Path
 PACKAGE_DIR = Path(__file__).resolve().parent
 PROG = "trainbox"
 # The public entrypoints in the order --help shows them; hidden ones run but aren't listed.
-PUBLIC = ("jupyter", "grpo", "qlora", "sft", "doctor", "nccl-check", "ray")
+PUBLIC = ("jupyter", "grpo", "qlora", "sft", "plan", "doctor", "nccl-check", "ray")
 HIDDEN = ("healthcheck",)
 # Entrypoints whose module is not their name: entrypoints/ray.py would shadow the `ray` package for a script run.
 MODULES = {"ray": "ray_cluster"}
