@@ -36,6 +36,10 @@ PLAN_HERE = {
 }
 # Commands whose real run is a test elsewhere (engine, Slurm, several minutes).
 COVERED_BY = {
+    "trainbox plan --model_name_or_path ./llama-70b-config --nnodes 2 --nproc-per-node 8 --gpu-memory 77.7":
+        ["tests/test_memplan.py::test_plan_for_70b_on_2_nodes_of_8_and_8b_on_one_24gb_card"],
+    "trainbox plan --model_name_or_path ./llama-8b-config --gpu-memory 22.5 --per_device_train_batch_size 4":
+        ["tests/test_memplan.py::test_plan_for_70b_on_2_nodes_of_8_and_8b_on_one_24gb_card"],
     "make build": ["tests/test_push.py::test_cli_push_prints_digests_that_the_registry_serves",
                    "tests/test_readme.py::test_make_targets_the_readme_names_exist"],
     "make test": ["tests/test_readme.py::test_ci_runs_the_readme_test_command"],
