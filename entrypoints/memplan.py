@@ -35,9 +35,11 @@ formula's terms are checked against measured peaks on the device instead (benchm
 
 The ladder (fastest first; a setting the user chose is kept): no checkpointing before checkpointing; keeping the
 gathered layers before resharding them; accumulating unsharded gradients before synchronising each micro-batch;
-then the micro-batch split in halves with gradient accumulation doubled (the same tokens per optimizer step); then
-(FSDP2) the float32 shards and optimizer states offloaded to CPU memory. When nothing fits, one error names the
-smallest change that does: more GPUs, or an 8-bit optimizer on one GPU, each checked with this same plan.
+then the micro-batch split in halves with gradient accumulation doubled (the same tokens per optimizer step). When
+nothing fits, one error names the smallest change that does: more GPUs, or an 8-bit optimizer on one GPU, each
+checked with this same plan. FSDP2's CPU offload is not a rung: tried on 2 x H100 (torch 2.11, accelerate 1.15), the
+Trainer's gradient clipping failed on the CPU shards ("No backend type associated with device type cpu": the NCCL
+process group has no CPU backend).
 """
 
 from __future__ import annotations
@@ -86,7 +88,6 @@ class Settings:
     masters: bool = False
     reshard: bool = True  # FSDP2: reshard after forward
     sync_each_batch: bool = False
-    offload: bool = False
     batch: int = 1
     grad_accum: int = 1
 
@@ -97,10 +98,6 @@ class Settings:
             if self.grad_accum > 1:
                 parts.append("gradients synchronised every micro-batch" if self.sync_each_batch
                              else "unsharded float32 gradient accumulation")
-            if self.offload:
-                host = (8 + (2 if "8bit" in job.optim else 8)) * job.facts.params // max(1, job.nodes)
-                parts.append(f"float32 shards and optimizer states offloaded to CPU memory ({host / GiB:.0f} GiB "
-                             "per node)")
         elif job.masters_ok or self.masters:
             parts.append("bf16 weights + float32 masters" if self.masters else "float32 weights")
         if self.batch != job.batch:
@@ -136,16 +133,13 @@ def estimate(job: Job, s: Settings) -> dict:
              "activations": acts, "loss head": loss, **extra}
         t["total"] = sum(t.values())
         return t
-    on_gpu = 0 if s.offload else 1
-    shard = on_gpu * 4 * n // k
-    optim = on_gpu * state_bytes * n // k
+    shard = 4 * n // k
+    optim = state_bytes * n // k
     accum = 4 * n if s.grad_accum > 1 and not s.sync_each_batch else 0
     # Gradients are freed after each optimizer step (set to None): they exist at the start of backward only when
     # an earlier micro-batch of the same step made them.
     grads_early = shard if s.grad_accum > 1 else 0
     gathered = 2 * n if not s.reshard else 2 * 2 * layer + 2 * head
-    if s.offload:  # the float32 shard is copied to the GPU for the all-gather
-        gathered += 2 * 4 * layer // k
     unit = max(layer, f.embedding_params, head)  # the largest FSDP unit (an untied embedding is its own)
     start = {"weights": shard, "grads": grads_early, "optimizer": optim, "accumulation": accum,
              "gathered": gathered, "reduce": 2 * 6 * layer, "activations": acts, "loss head": loss, **extra}
@@ -164,8 +158,8 @@ def usable(free: int) -> int:
     return int(FIT * free) - RESERVE
 
 
-def ladder(job: Job, offload_ok: bool = True) -> list[Settings]:
-    """Candidate settings, fastest first, honouring what the user fixed; `offload_ok` False: on the GPUs only."""
+def ladder(job: Job) -> list[Settings]:
+    """Candidate settings, fastest first, honouring what the user fixed."""
     fx = job.fixed
     ckpts = [fx["checkpointing"]] if "checkpointing" in fx else [False, True]
     out: list[Settings] = []
@@ -184,17 +178,14 @@ def ladder(job: Job, offload_ok: bool = True) -> list[Settings]:
             else:
                 for m in ([True, False] if job.masters_ok else [False]):
                     out.append(Settings(c, masters=m, batch=b, grad_accum=g))
-    if job.fsdp and offload_ok:
-        out += [Settings(ckpts[-1], reshard=True, sync_each_batch=g > 1, offload=True, batch=b, grad_accum=g)
-                for b, g in splits]
     return sorted(out, key=_cost)
 
 
 def _cost(s: Settings) -> tuple:
-    """Fast first: offloading last, then smaller micro-batches (less work per kernel, more collectives), then
+    """Fast first: smaller micro-batches last (less work per kernel, more collectives), then
     checkpointing (recomputes every layer: a third of a step), resharding (one more all-gather per layer in
     backward), one reduce-scatter per micro-batch, and the float32 weights without masters (TRL's path)."""
-    return (s.offload, -s.batch, s.checkpointing, s.reshard, s.sync_each_batch, not s.masters)
+    return (-s.batch, s.checkpointing, s.reshard, s.sync_each_batch, not s.masters)
 
 
 @dataclass(frozen=True)
@@ -237,8 +228,8 @@ def decide(job: Job, free: int) -> Plan:
     raise UsageError(refusal(job, free, last["total"]))
 
 
-def fits(job: Job, free: int, offload_ok: bool = True) -> bool:
-    return any(estimate(job, s)["total"] <= usable(free) for s in ladder(job, offload_ok))
+def fits(job: Job, free: int) -> bool:
+    return any(estimate(job, s)["total"] <= usable(free) for s in ladder(job))
 
 
 def refusal(job: Job, free: int, least: int) -> str:
@@ -256,7 +247,7 @@ def describe_layout(job: Job) -> str:
 
 
 def more_gpus(job: Job, free: int, limit: int = 4096) -> int | None:
-    """The smallest GPU count (whole nodes when the job spans nodes) on which it fits without CPU offload."""
+    """The smallest GPU count (whole nodes when the job spans nodes) on which it fits."""
     per_node = max(1, job.shards // max(1, job.nodes)) if job.shards > 1 else 1
     g = max(2, job.shards + 1)
     while g <= limit:
@@ -264,7 +255,7 @@ def more_gpus(job: Job, free: int, limit: int = 4096) -> int | None:
             g += 1
             continue
         if fits(replace(job, shards=g, fsdp=True, masters_ok=False, nodes=max(1, g // per_node) if job.nodes > 1
-                        else 1), free, offload_ok=False):
+                        else 1), free):
             return g
         g = g + 1 if g < 8 else g + (per_node if job.nodes > 1 else 8)
     return None

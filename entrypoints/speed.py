@@ -124,7 +124,7 @@ def choose_memory(args, f: ModelFacts, shards: int, free: int | None, *, tokens:
                   masters_ok: bool = False, extra: int = 0) -> tuple[str, str | None]:
     """The memory plan (memplan.py) for this run, agreed by every rank of the job: `free` is this rank's free GPU
     memory (None: CPU); the group plans with the smallest. Sets args.gradient_checkpointing, the FSDP2 settings
-    (args.trainbox_reshard, trainbox_offload, sync_each_batch) and the micro-batch split; returns (the plan's line,
+    (args.trainbox_reshard, sync_each_batch) and the micro-batch split; returns (the plan's line,
     why master weights are off or None). `tokens`: of one micro-batch (default batch x max_length, SFT's worst case)."""
     explicit = "gradient_checkpointing" in cfg.explicit(args)
     job = job_for(args, f, shards, tokens=tokens, masters_ok=masters_ok, extra=extra)
@@ -149,7 +149,6 @@ def choose_memory(args, f: ModelFacts, shards: int, free: int | None, *, tokens:
     s = plan.settings
     args.gradient_checkpointing = s.checkpointing
     args.trainbox_reshard = s.reshard
-    args.trainbox_offload = s.offload
     if s.batch != args.per_device_train_batch_size:
         args.per_device_train_batch_size, args.gradient_accumulation_steps = s.batch, s.grad_accum
     if s.sync_each_batch:
@@ -296,11 +295,6 @@ def tune_fsdp(trainer, activation_checkpointing: bool, memory_first: bool = Fals
     plugin = trainer.accelerator.state.fsdp_plugin
     planned = getattr(trainer.args, "trainbox_reshard", None)  # the memory plan's choice (memplan.py)
     plugin.reshard_after_forward = reshards_after_forward(memory_first) if planned is None or memory_first else planned
-    offload = bool(getattr(trainer.args, "trainbox_offload", False))
-    if offload:
-        from torch.distributed.fsdp import CPUOffloadPolicy
-
-        plugin.cpu_offload = CPUOffloadPolicy(pin_memory=True)
     plugin.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                                          output_dtype=torch.bfloat16)
     if activation_checkpointing:
@@ -308,5 +302,4 @@ def tune_fsdp(trainer, activation_checkpointing: bool, memory_first: bool = Fals
         trainer.args.gradient_checkpointing = False
     reshard = ("on (memory first)" if memory_first else "on") if plugin.reshard_after_forward else "off"
     return (f"FSDP2: bf16 compute, fp32 reduce, reshard after forward {reshard}"
-            + (", activation checkpointing by FSDP" if activation_checkpointing else "")
-            + (", float32 shards and optimizer states on CPU" if offload else ""))
+            + (", activation checkpointing by FSDP" if activation_checkpointing else ""))
