@@ -4,9 +4,7 @@ command exits 0 or 2, a refusal is one `error:` line, never a traceback, and no 
 printed. In-process, with the engine calls replaced (choose_builder, the SBOM's generate)."""
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
 import json
 import os
 
@@ -17,6 +15,7 @@ from hypothesis import strategies as st
 from builder import publish, reference, registry, sbom
 from builder.errors import UserError
 from builder.matrix import load_matrix
+from test_fuzz_cli import call  # noqa: E402  (the one in-process CLI runner of the tests)
 
 SECRET = "s3cretZ"
 EXAMPLES = int(os.environ.get("TRAINBOX_FUZZ_EXAMPLES", "60"))
@@ -36,16 +35,6 @@ registries = st.one_of(
 names = st.lists(st.one_of(st.sampled_from(CELL_NAMES), st.sampled_from(HOSTILE)), min_size=1, max_size=3)
 # what the registry does: answer with every arch, with some, or not at all
 behaviours = st.sampled_from(["all", "x86_64 only", "none", "unreachable", "401"])
-
-
-def call(main, *argv: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = main(list(argv))
-        except SystemExit as e:
-            rc = e.code
-    return rc, out.getvalue(), err.getvalue()
 
 
 def check(rc, out, err):

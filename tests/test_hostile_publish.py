@@ -3,9 +3,7 @@ builder.sbom): one line, exit 2, nothing written, before any engine or registry 
 never print a secret. No engine needed: the engine and registry calls are replaced by recorders or fakes."""
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
 import json
 import socket
 from pathlib import Path
@@ -14,18 +12,9 @@ import pytest
 
 from builder import cli, enroot, publish, sbom
 from builder.errors import UserError
+from test_fuzz_cli import call  # noqa: E402  (the one in-process CLI runner of the tests)
 
 SECRET = "s3cretZ"
-
-
-def call(main, *argv: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = main(list(argv))
-        except SystemExit as e:
-            rc = e.code
-    return rc, out.getvalue(), err.getvalue()
 
 
 def one_error(stderr: str) -> str:

@@ -3,8 +3,6 @@
 Each: exit 2, one `error:` line, nothing written or replaced."""
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import socket
 import stat
@@ -16,19 +14,10 @@ import pytest
 from builder import options, sbom, slurm
 from builder.errors import UserError
 from entrypoints import atomic
+from test_fuzz_cli import call  # noqa: E402  (the one in-process CLI runner of the tests)
 
 SL = ["--tag", "smoke-x86_64", "--entrypoint", "sft", "--sqsh", "/shared/x.sqsh", "--nodes", "2",
       "--config", "/data/a.yaml"]
-
-
-def call(main, *argv: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = main(list(argv))
-        except SystemExit as e:
-            rc = e.code
-    return rc, out.getvalue(), err.getvalue()
 
 
 def refused(rc: int, err: str, needle: str) -> None:
