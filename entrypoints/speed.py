@@ -74,22 +74,6 @@ def model_facts(model_path: str, revision: str | None = None) -> ModelFacts:
     )
 
 
-def estimate_bytes(f: ModelFacts, tokens: int, optim: str, *, shards: int = 1, masters: bool = False,
-                   checkpointing: bool = False, unsharded: bool = False, extra: int = 0) -> dict[str, int]:
-    """Peak bytes on one GPU for one micro-batch of `tokens` (memplan.estimate: the one formula).
-    `unsharded`: FSDP2 keeps every all-gathered bf16 layer from forward to backward (no reshard after forward)."""
-    job = memplan.Job(f, batch=1, max_length=tokens, optim=optim, shards=shards, extra=extra, fsdp=shards > 1)
-    t = memplan.estimate(job, memplan.Settings(checkpointing, masters=masters, reshard=not unsharded))
-    n = f.params
-    weights = t.get("weights+grads", t.get("weights", 0) + t.get("grads", 0))
-    return {"states": t["optimizer"], "model": weights + t.get("gathered", 0), "activations": t.get("activations", 0),
-            "extra": extra, "total": t["total"], "per_param": (t["optimizer"] + weights) / n if n else 0.0}
-
-
-def free_gpu_bytes() -> int | None:
-    return memplan.free_memory()
-
-
 def _optim_name(args) -> str:
     return str(getattr(args.optim, "value", args.optim))
 
@@ -227,7 +211,7 @@ def apply(args, model_args, choice, f: ModelFacts, *, shards: int, checkpointing
     lines = [choice.line(), choose_packing(args, choice.packed), choose_liger(args, f)]
     masters_off = None
     if checkpointing:
-        line, masters_off = choose_memory(args, f, shards, free_gpu_bytes() if on_gpu else None,
+        line, masters_off = choose_memory(args, f, shards, memplan.free_memory() if on_gpu else None,
                                           masters_ok=_float32_reason(args, model_args, on_gpu, shards) is None)
         lines.append(line)
     else:
