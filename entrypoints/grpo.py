@@ -19,7 +19,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from entrypoints import attention, config, data, launch, lifecycle, rewards, runlog, speed, throughput, vllm_server
+from entrypoints import (attention, config, data, launch, lifecycle, memplan, rewards, runlog, speed, throughput,
+                         vllm_server)
 from entrypoints import errors
 from entrypoints.errors import UsageError
 
@@ -525,11 +526,10 @@ def choose_checkpointing(args, model_args, mode: str, max_prompt_tokens: int | N
                 + ("set by you" if "gradient_checkpointing" in config.explicit(args) else f"{mode}: TRL's default") + ")")
     import torch
 
-    free = None
-    if torch.cuda.is_available():
-        free, total = torch.cuda.mem_get_info()
-        if args.use_vllm and args.vllm_mode == "colocate":  # vLLM takes its share of the whole GPU at start
-            free -= int(args.vllm_gpu_memory_utilization * total)
+    free = memplan.free_memory()  # this rank's GPU (TRAINBOX_GPU_FREE_GIB caps it); the ranks agree in choose_memory
+    if free is not None and args.use_vllm and args.vllm_mode == "colocate":
+        total = torch.cuda.mem_get_info(torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))[1]
+        free -= int(args.vllm_gpu_memory_utilization * total)  # vLLM takes its share of the whole GPU at start
     tokens = args.per_device_train_batch_size * ((max_prompt_tokens or 512) + args.max_completion_length)
     # TRL loads a reference model like the policy (float32 here) only when the KL term is on.
     ref = 4 * facts.params if args.beta else 0
