@@ -27,13 +27,15 @@ import jinja2
 
 from builder.errors import UserError, reports_user_errors, shorten
 from builder.options import check_file_target
-from entrypoints import atomic, launch
+from entrypoints import atomic, commands, launch
 
 TEMPLATES = Path(__file__).resolve().parent / "templates" / "slurm"
 # verl's job kinds -> the module each runs by default (--module: another, e.g. a verl recipe's main).
 VERL_JOBS = {"verl-ppo": "verl.trainer.main_ppo", "verl-sft": "verl.trainer.sft_trainer"}
-ENTRYPOINTS = ("sft", "grpo", "nccl-check", "ray", *VERL_JOBS)
-NO_CONFIG = ("nccl-check", "ray", *VERL_JOBS)  # entrypoints that take no YAML config (their options go after --)
+# The in-image commands with a job script (entrypoints/commands.py, the command table), then verl's job kinds.
+ENTRYPOINTS = (*commands.names(slurm=True), *VERL_JOBS)
+# Entrypoints that take no YAML config (their options go after --): all but the trainers.
+NO_CONFIG = (*commands.names(slurm=True, trainer=False), *VERL_JOBS)
 _MODULE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 MODES = ("pyxis", "enroot", "bare")
 # Where the convenience mounts land in the image (CONTRIBUTING.md: outputs default /workspace/outputs).

@@ -18,17 +18,14 @@ import sys
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
+from entrypoints import commands
+
 PROG = "trainbox"
-# The public entrypoints in the order --help shows them; hidden ones run but aren't listed.
-PUBLIC = ("jupyter", "grpo", "qlora", "sft", "plan", "doctor", "nccl-check", "ray")
-HIDDEN = ("healthcheck",)
-# Entrypoints whose module is not their name: entrypoints/ray.py would shadow the `ray` package for a script run.
-MODULES = {"ray": "ray_cluster"}
 
 
 def module_name(name: str) -> str:
-    """The module of an entrypoint: `nccl-check` lives in entrypoints/nccl_check.py, `ray` in ray_cluster.py."""
-    return MODULES.get(name, name.replace("-", "_"))
+    """The module of an entrypoint (the command table's: `nccl-check` lives in nccl_check.py)."""
+    return commands.module(name)
 
 
 def module_file(name: str) -> Path:
@@ -47,7 +44,7 @@ def summary(name: str) -> str | None:
 
 def usage() -> str:
     lines = [f"usage: {PROG} NAME [ARGS...]   ({PROG} NAME --help for an entrypoint's options)", "", "entrypoints:"]
-    for name in PUBLIC:
+    for name in commands.names(public=True):
         line = summary(name)
         lines.append(f"  {name:<10} {line if line is not None else '(not installed in this image)'}")
     lines += ["", "Same command inside Docker (`docker run IMAGE NAME ...`) and under Slurm/pyxis "
@@ -94,7 +91,7 @@ def main(argv: list[str]) -> int:
     if name in ("-h", "--help", "help"):
         print(usage())
         return 0
-    if name not in PUBLIC + HIDDEN:
+    if name not in commands.BY_NAME:
         # The image's ENTRYPOINT is this dispatcher, and enroot's /etc/rc passes its arguments to it: a program
         # on PATH (bash, python) runs as given, like in any other image.
         program = shutil.which(name) if not name.startswith("-") else None
@@ -107,7 +104,8 @@ def main(argv: list[str]) -> int:
         print(f"{PROG}: entrypoint {name!r} is not installed in this image ({module_file(name)} is missing); "
               f"`{PROG} --help` lists what is", file=sys.stderr)
         return 2
-    if name in PUBLIC:
+    public = commands.BY_NAME[name].public
+    if public:
         # First of all: without a usable temp folder (`docker run --read-only`) tempfile raises in whatever asks.
         from entrypoints import cachedirs
         from entrypoints.errors import UsageError, line
@@ -119,12 +117,12 @@ def main(argv: list[str]) -> int:
             return 2
     from entrypoints import helpcache
 
-    if name in PUBLIC and helpcache.asked(args) and "--config" not in args:
+    if public and helpcache.asked(args) and "--config" not in args:
         text = helpcache.load(name)  # the trainers' --help without importing TRL (helpcache.py)
         if text is not None:
             print(text, end="")
             return 0
-    if name in PUBLIC:
+    if public:
         # Before the entrypoint imports HF/torch: under enroot/pyxis defaults $HOME is read-only (cachedirs.py).
         from entrypoints import cachedirs
 

@@ -19,9 +19,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from entrypoints import (attention, config, data, launch, lifecycle, memplan, rewards, runlog, speed, throughput,
+from entrypoints import (attention, config, data, launch, lifecycle, memplan, rewards, runner, speed, throughput,
                          vllm_server)
-from entrypoints import errors
 from entrypoints.errors import UsageError
 
 PROG = "trainbox grpo"
@@ -364,37 +363,38 @@ def drop_long_prompts(ds, model_ref: str, limit: int, revision=None):
 
 
 def main(argv: list[str]) -> int:
-    try:
-        # Handlers first: a SIGTERM during start-up or model loading is remembered, not fatal.
-        lifecycle.install_signal_handlers()
-        script, launch_args, raw, model_args = parse(argv)
-        roles = arrange_server(script, raw, launch_args, os.environ)
-        if roles is not None and roles.role == "server":
-            cmd = vllm_server.serve_command(model_args.model_name_or_path, roles, script.vllm_serve_args)
-            return vllm_server.serve(cmd, roles, script.vllm_server_wait)
-        if roles is not None:
-            argv = [*argv, *roles.trainer_args()]
-        plan = launch.plan(launch_args, {**os.environ, **(roles.trainer_env if roles else {})})
-        with runlog.for_command("grpo", config.configured_output_dir(raw), plan, argv):
-            if plan.mode == "torchrun":
-                # Judge the options against the processes torchrun will start, before starting any.
-                validate(script, finalize(raw, plan.nnodes * plan.nproc_per_node, launcher=True), model_args)
-                if roles is not None:
-                    return run_beside_server(script, roles, model_args, plan, argv)
-                return launch.run_torchrun(plan, "entrypoints.grpo", argv)
-            if plan.env:  # one Slurm task per rank: RANK/WORLD_SIZE/... before the Trainer's device setup
-                launch.apply_env(plan, os.environ)
-            args = finalize(raw, world_size())
-            with lifecycle.ends_on_crash():
-                return train(script, args, model_args, validate(script, args, model_args))
-    except UsageError as e:
-        print(f"error: {errors.line(e)}", file=sys.stderr)
-        return 2
-    except vllm_server.ServerDown as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 1
-    except lifecycle.Crashed as e:  # after the run log was closed and copied: leave now, whatever still runs
-        return lifecycle.exit_now(e.code)
+    # No expandable segments: colocated vLLM's sleep mode (on by default, resolve_rollouts) allocates through
+    # vLLM's CuMemAllocator, which asserts that PYTORCH_CUDA_ALLOC_CONF does not turn them on (pytorch#147851);
+    # `trl vllm-serve` beside the trainers would inherit the variable too.
+    return runner.run_trainer("grpo", argv, parse, _check_before_launch, _train, arrange=_arrange,
+                              reparse=False, failures={vllm_server.ServerDown: 1}, expandable_segments=False)
+
+
+def _arrange(options, argv):
+    """A vLLM server beside the trainers: this process serves (its exit code), or the trainers' argv, plan
+    variables and launch (run_beside_server)."""
+    script, launch_args, raw, model_args = options
+    roles = arrange_server(script, raw, launch_args, os.environ)
+    if roles is None:
+        return argv, {}, None
+    if roles.role == "server":
+        cmd = vllm_server.serve_command(model_args.model_name_or_path, roles, script.vllm_serve_args)
+        return vllm_server.serve(cmd, roles, script.vllm_server_wait)
+    return ([*argv, *roles.trainer_args()], roles.trainer_env,
+            lambda plan, argv: run_beside_server(script, roles, model_args, plan, argv))
+
+
+def _check_before_launch(options, plan) -> None:
+    # Judge the options against the processes torchrun will start, before starting any.
+    script, _, raw, model_args = options
+    validate(script, finalize(raw, plan.nnodes * plan.nproc_per_node, launcher=True), model_args)
+
+
+def _train(options) -> int:
+    # No second parse after a Slurm task's rank variables are set: TRL's checks run here, for the real world size.
+    script, _, raw, model_args = options
+    args = finalize(raw, world_size())
+    return train(script, args, model_args, validate(script, args, model_args))
 
 
 def arrange_server(script, raw, launch_args, env):

@@ -16,6 +16,8 @@ import os
 from importlib import metadata
 from pathlib import Path
 
+from . import commands
+
 IMAGE_DIR = "/opt/trainbox/help"  # written at image build (the entrypoints' folder's sibling)
 LIBRARIES = ("trl", "transformers", "peft", "accelerate")
 
@@ -54,7 +56,7 @@ def _imports(path: Path) -> frozenset[str]:
 
 def sources(name: str) -> list[Path]:
     """The entrypoint's module, every package module it imports (transitively) and the package's __init__."""
-    seen, todo = set(), [name.replace("-", "_"), "__init__"]
+    seen, todo = set(), [commands.module(name), "__init__"]
     while todo:
         m = todo.pop()
         if m in seen or not (PACKAGE / f"{m}.py").is_file():
@@ -126,10 +128,10 @@ def render_all() -> list[str]:
     done = []
     if importlib.util.find_spec("trl") is None:  # a light image (jupyter, doctor): no trainer to ask
         return done
-    for name in ("sft", "qlora", "grpo"):
-        if not (Path(__file__).parent / f"{name}.py").is_file():
+    for name in commands.names(trainer=True):
+        if not (Path(__file__).parent / f"{commands.module(name)}.py").is_file():
             continue
-        module = importlib.import_module(f"entrypoints.{name}")
+        module = importlib.import_module(f"entrypoints.{commands.module(name)}")
         with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
             module.parse(["--help"])
         if load(name) is None:

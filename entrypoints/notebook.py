@@ -14,17 +14,16 @@ import importlib
 import signal
 from pathlib import Path
 
-from . import lifecycle, runlog
+from . import commands, lifecycle, runlog
 
-NAMES = ("grpo", "qlora", "sft")
 _SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 def run(name: str, args: list[str], *, output_dir: str) -> int:
     """`trainbox NAME ARGS --output_dir OUTPUT_DIR` in this kernel; returns 0 or raises RuntimeError."""
-    if name not in NAMES:
-        raise ValueError(f"unknown entrypoint {name!r}; one of {', '.join(NAMES)}")
-    module = importlib.import_module(f"entrypoints.{name}")
+    if name not in commands.names(trainer=True):
+        raise ValueError(f"unknown entrypoint {name!r}; one of {', '.join(commands.names(trainer=True))}")
+    module = importlib.import_module(f"entrypoints.{commands.module(name)}")
     argv = [*map(str, args), "--output_dir", str(output_dir)]
     handlers = {s: signal.getsignal(s) for s in _SIGNALS}
     # The same log file and artifact copy as a command run (runlog.py), teeing Python's streams: the kernel's

@@ -17,8 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from . import config as cfg
-from . import atomic, helpcache, launch, lifecycle, runlog, sft
-from . import errors
+from . import atomic, helpcache, launch, lifecycle, runner, sftlib
 from .errors import UsageError
 
 
@@ -38,7 +37,7 @@ def qlora_defaults(gpu: bool | None = None) -> dict:
         # Across GPUs: FSDP2 shards the base too. It can shard 4-bit weights only when they are stored in a float
         # dtype (bf16 storage: same bytes, two nf4 values per byte pair), and bitsandbytes' 8-bit optimizers don't
         # step sharded (DTensor) parameters; the LoRA states are small, so fused AdamW costs little memory.
-        **(dict(sft.FSDP2_GPU, bnb_4bit_quant_storage="bfloat16", optim="adamw_torch_fused",
+        **(dict(sftlib.FSDP2_GPU, bnb_4bit_quant_storage="bfloat16", optim="adamw_torch_fused",
                 gradient_checkpointing_kwargs={"use_reentrant": False}) if sharded else {}),
         "load_in_4bit": True,
         "bnb_4bit_quant_type": "nf4",
@@ -63,7 +62,7 @@ def parse(argv: list[str], prog: str = "trainbox qlora"):
     from trl import ModelConfig, SFTConfig
 
     return cfg.parse_args(
-        (sft.DataArguments, QLoRAArguments, launch.LaunchArguments, ModelConfig, SFTConfig),
+        (sftlib.DataArguments, QLoRAArguments, launch.LaunchArguments, ModelConfig, SFTConfig),
         argv,
         prog=prog,
         legacy={**cfg.LEGACY_TRAINING, **cfg.LEGACY_SFT},
@@ -72,7 +71,7 @@ def parse(argv: list[str], prog: str = "trainbox qlora"):
 
 
 def validate(data_args, model_args, training_args):
-    sft.validate(data_args, model_args, training_args)
+    sftlib.validate(data_args, model_args, training_args)
     if model_args.load_in_4bit and model_args.load_in_8bit:
         raise UsageError("--load_in_4bit and --load_in_8bit exclude each other; pick one")
     if not model_args.use_peft:
@@ -163,11 +162,11 @@ def train(data_args, q_args, model_args, training_args, name: str = "qlora") -> 
     started = time.time()
     training_args.output_dir = lifecycle.output_dir(cfg.configured_output_dir(training_args))
     validate(data_args, model_args, training_args)
-    tokenizer = sft.load_tokenizer(model_args.model_name_or_path, training_args)
+    tokenizer = sftlib.load_tokenizer(model_args.model_name_or_path, training_args)
     with training_args.main_process_first(local=False, desc="dataset"):
-        train_ds = sft.prepare_dataset(data_args, training_args)
+        train_ds = sftlib.prepare_dataset(data_args, training_args)
     ckpt = lifecycle.resolve_resume(data_args.resume, training_args.output_dir, training_args, name)
-    choice, facts = sft.tune(model_args, training_args, shards=sft.shards(training_args), checkpointing=False)
+    choice, facts = sftlib.tune(model_args, training_args, shards=sftlib.shards(training_args), checkpointing=False)
     dropout = choose_lora_dropout(model_args, facts)
     peft_config = _peft_config(model_args)
     if lifecycle.is_main_process():
@@ -181,8 +180,8 @@ def train(data_args, q_args, model_args, training_args, name: str = "qlora") -> 
         if dropout:
             print(f"[trainbox] {name}: {dropout}", flush=True)
     model = load_quantized(model_args, choice.impl)
-    trainer = sft.build_trainer(model, training_args, train_ds, tokenizer, peft_config=peft_config)
-    sft.finish_tuning(trainer, facts, qlora=True)
+    trainer = sftlib.build_trainer(model, training_args, train_ds, tokenizer, peft_config=peft_config)
+    sftlib.finish_tuning(trainer, facts, qlora=True)
     trainer.train(resume_from_checkpoint=ckpt)
     if not lifecycle.was_preempted():
         save_adapter(trainer, training_args.output_dir)
@@ -196,25 +195,18 @@ def train(data_args, q_args, model_args, training_args, name: str = "qlora") -> 
 
 
 def main(argv: list[str]) -> int:
-    try:
-        lifecycle.install_signal_handlers()
-        data_args, q_args, launch_args, model_args, training_args = parse(argv)
-        plan = launch.plan(launch_args, os.environ)
-        with runlog.for_command("qlora", cfg.configured_output_dir(training_args), plan, argv):
-            if plan.mode == "torchrun":
-                validate(data_args, model_args, training_args)
-                sft.check_before_launch(data_args, model_args, training_args)
-                return launch.run_torchrun(plan, "entrypoints.qlora", argv)
-            if plan.env:
-                launch.apply_env(plan, os.environ)
-                data_args, q_args, launch_args, model_args, training_args = parse(argv)
-            with lifecycle.ends_on_crash():
-                return train(data_args, q_args, model_args, training_args)
-    except UsageError as e:
-        print(f"error: {errors.line(e)}", file=sys.stderr)
-        return 2
-    except lifecycle.Crashed as e:  # after the run log was closed and copied: leave now, whatever still runs
-        return lifecycle.exit_now(e.code)
+    return runner.run_trainer("qlora", argv, parse, _check_before_launch, _train)
+
+
+def _check_before_launch(options, plan) -> None:
+    data_args, _, _, model_args, training_args = options
+    validate(data_args, model_args, training_args)
+    sftlib.check_before_launch(data_args, model_args, training_args)
+
+
+def _train(options) -> int:
+    data_args, q_args, _, model_args, training_args = options
+    return train(data_args, q_args, model_args, training_args)
 
 
 if __name__ == "__main__":

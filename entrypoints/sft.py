@@ -12,60 +12,12 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 
-from . import attention, data, launch, lifecycle, precision, runlog, speed, throughput
+from . import launch, lifecycle, precision, runner
 from . import config as cfg
-from . import errors
-from .errors import UsageError
-
-
-@dataclass
-class DataArguments:
-    dataset: str | None = field(
-        default=None, metadata={"help": "local .parquet/.jsonl/.json/.csv file or directory, or a hub id name[:config]"}
-    )
-    dataset_split: str = field(default="train", metadata={"help": "split to train on"})
-    dataset_format: str = field(default="auto", metadata={"help": f"one of {', '.join(data.FORMATS)}"})
-    prompt_key: str | None = field(default=None, metadata={"help": "prompt column; dotted for dicts (extra_info.question)"})
-    response_key: str | None = field(default=None, metadata={"help": "response column; dotted (extra_info.answer)"})
-    messages_key: str = field(default="messages", metadata={"help": "column with chat messages"})
-    system_prompt: str | None = field(default=None, metadata={"help": "system message prepended to every example"})
-    max_samples: int | None = field(default=None, metadata={"help": "use only the first N rows"})
-    resume: str = field(
-        default="auto", metadata={"help": "auto: last complete checkpoint in output_dir if any; never; or a checkpoint path"}
-    )
-
-
-def load_tokenizer(model_path: str, training_args):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_path)
-    if tok.chat_template is None and getattr(training_args, "chat_template_path", None) is None:
-        raise UsageError(
-            f"the tokenizer in {model_path} has no chat template; conversational data needs one "
-            "(use an instruct model or --chat_template_path FILE)"
-        )
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    return tok
-
-
-def prepare_dataset(data_args: DataArguments, training_args, rows: int | None = None):
-    """The dataset as SFT rows; `rows` (or --max_samples) keeps only the first ones."""
-    ds = data.load_table(data_args.dataset, split=data_args.dataset_split)
-    rows = rows or data_args.max_samples
-    if rows:
-        ds = ds.select(range(min(rows, len(ds))))
-    return data.to_sft(
-        ds,
-        fmt=data_args.dataset_format,
-        prompt_key=data_args.prompt_key,
-        response_key=data_args.response_key,
-        messages_key=data_args.messages_key,
-        system_prompt=data_args.system_prompt,
-        where=f"dataset {data_args.dataset}",
-    )
+# The SFT-style trainers' library (qlora uses it too); its names stay reachable here (sft.DataArguments).
+from .sftlib import (FSDP2_GPU, DataArguments, build_trainer, check_before_launch, finish_tuning, load_tokenizer,
+                     prepare_dataset, shards, tune, validate)
 
 
 def distributed_strategy(training_args) -> str:
@@ -81,18 +33,6 @@ def distributed_strategy(training_args) -> str:
             print("warning: --fsdp is ignored by the Trainer on CPU; running DDP over gloo", file=sys.stderr)
         return f"DDP over gloo, {world} processes (CPU)"
     return f"FSDP2, {world} processes (GPU)"
-
-
-FSDP2_GPU = {
-    "fsdp": "full_shard auto_wrap",
-    "fsdp_config": {
-        "version": 2,
-        "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-        "reshard_after_forward": True,
-        # Sharded checkpoints: every rank writes its shard to the shared output dir; fast and resumable.
-        "state_dict_type": "SHARDED_STATE_DICT",
-    },
-}
 
 
 def sft_defaults() -> dict:
@@ -115,72 +55,6 @@ def parse(argv: list[str], prog: str = "trainbox sft"):
         defaults=sft_defaults(),
     )
 
-
-def validate(data_args, model_args, training_args):
-    """Checks that need neither the model nor the data: model path, report_to, dataset given, resume target."""
-    if training_args.resume_from_checkpoint:
-        # TrainingArguments' own option means the same as our --resume PATH.
-        data_args.resume = training_args.resume_from_checkpoint
-    cfg.check_model_path(model_args.model_name_or_path)
-    cfg.check_report_to(training_args.report_to)
-    if not data_args.dataset:
-        raise UsageError("no dataset given: pass --dataset PATH (.parquet/.jsonl/.json/.csv file or directory) or a hub id")
-    if data_args.resume not in ("auto", "never"):
-        lifecycle.resolve_resume(data_args.resume, training_args.output_dir)
-
-
-def shards(training_args) -> int:
-    """Ranks the weights and optimizer states are sharded over (FSDP on GPUs), 1 otherwise."""
-    import torch
-
-    if training_args.fsdp and torch.cuda.is_available() and not training_args.use_cpu:
-        return int(os.environ.get("WORLD_SIZE", "1"))
-    return 1
-
-
-def tune(model_args, training_args, shards: int, checkpointing: bool = True):
-    """Attention kernel and speed defaults (speed.py) for this model and GPU, printed once; returns (choice, facts)."""
-    requested = model_args.attn_implementation if "attn_implementation" in cfg.explicit(model_args) else None
-    facts = speed.model_facts(model_args.model_name_or_path, model_args.model_revision)
-    choice = attention.choose(requested, model=facts.attention)
-    lines = speed.apply(training_args, model_args, choice, facts, shards=shards, checkpointing=checkpointing)
-    if lifecycle.is_main_process():
-        for line in lines:
-            print(f"[trainbox] {line}", flush=True)
-    return choice, facts
-
-
-def build_trainer(model, training_args, train_ds, tokenizer, **extra):
-    """TRL's SFTTrainer with our callbacks (preemption, steady-state throughput); `extra`: peft_config, optimizer."""
-    from trl import SFTTrainer
-
-    # TRL tokenizes and packs inside the constructor, on every rank at once, into one datasets cache (shared by
-    # the nodes of a job on shared storage): the first process fills it, the others then read it.
-    with training_args.main_process_first(local=False, desc="tokenize and pack"):
-        return SFTTrainer(model=model, args=training_args, train_dataset=train_ds, processing_class=tokenizer,
-                          callbacks=[lifecycle.PreemptionCallback(), throughput.Throughput()], **extra)
-
-
-def finish_tuning(trainer, facts, qlora: bool = False) -> None:
-    """After the trainer is built: FSDP2 policies on accelerate's plugin, FLOPs per token for the summary's MFU.
-    qlora: checkpointing stays the model's own (PEFT prepared the 4-bit model for it), and memory comes first."""
-    line = speed.tune_fsdp(trainer, activation_checkpointing=not qlora and bool(trainer.args.gradient_checkpointing),
-                           memory_first=qlora)
-    if line and lifecycle.is_main_process():
-        print(f"[trainbox] {line}", flush=True)
-    if getattr(trainer.args, "trainbox_liger", False):
-        speed.apply_liger(trainer.model, facts.model_type)
-    cb = lifecycle.find_callback(trainer, throughput.Throughput)
-    if cb:
-        cb.flops_per_token = throughput.flops_per_token(facts, throughput.example_lengths(trainer.train_dataset))
-
-
-def check_before_launch(data_args, model_args, training_args) -> None:
-    """In the launcher, before torchrun: the tokenizer's chat template and the dataset's columns (on a few rows),
-    so a bad config is one `error:` line and exit 2 here, not a failure in every rank."""
-    validate(data_args, model_args, training_args)
-    load_tokenizer(model_args.model_name_or_path, training_args)
-    prepare_dataset(data_args, training_args, rows=8)
 
 
 def train(data_args, model_args, training_args, name: str = "sft") -> int:
@@ -229,31 +103,23 @@ def train(data_args, model_args, training_args, name: str = "sft") -> int:
 
 
 def main(argv: list[str]) -> int:
-    # Before CUDA starts (torchrun's workers inherit it): freed blocks are remapped, not left as holes, so what the
-    # memory plan counts is close to what the allocator reserves (measured on 2 x H100, 8B shape, without it:
-    # 63.7 GiB allocated, 74.9 GiB reserved).
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    try:
-        lifecycle.install_signal_handlers()
-        data_args, launch_args, model_args, training_args = parse(argv)
-        cfg.check_full_training(model_args)  # LoRA/4-bit options: refused, not ignored (qlora has its own main)
-        plan = launch.plan(launch_args, os.environ)
-        with runlog.for_command("sft", cfg.configured_output_dir(training_args), plan, argv):
-            if plan.mode == "torchrun":
-                check_before_launch(data_args, model_args, training_args)
-                return launch.run_torchrun(plan, "entrypoints.sft", argv)
-            if plan.env:
-                # One Slurm task per rank: set RANK/WORLD_SIZE/... first, then parse again so the
-                # distributed defaults (FSDP2 on GPUs) and the Trainer's device setup see them.
-                launch.apply_env(plan, os.environ)
-                data_args, launch_args, model_args, training_args = parse(argv)
-            with lifecycle.ends_on_crash():
-                return train(data_args, model_args, training_args)
-    except UsageError as e:
-        print(f"error: {errors.line(e)}", file=sys.stderr)
-        return 2
-    except lifecycle.Crashed as e:  # after the run log was closed and copied: leave now, whatever still runs
-        return lifecycle.exit_now(e.code)
+    return runner.run_trainer("sft", argv, _parse_full, _check_before_launch, _train)
+
+
+def _parse_full(argv: list[str]):
+    options = parse(argv)
+    cfg.check_full_training(options[2])  # LoRA/4-bit options: refused, not ignored (qlora has its own main)
+    return options
+
+
+def _check_before_launch(options, plan) -> None:
+    data_args, _, model_args, training_args = options
+    check_before_launch(data_args, model_args, training_args)
+
+
+def _train(options) -> int:
+    data_args, _, model_args, training_args = options
+    return train(data_args, model_args, training_args)
 
 
 if __name__ == "__main__":

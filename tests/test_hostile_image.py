@@ -431,7 +431,7 @@ def test_help_cache_is_keyed_on_what_the_trainer_imports():
     assert {"sft.py", "config.py", "launch.py", "data.py", "__init__.py"} <= names
     assert not names & {"doctor.py", "nccl_check.py", "jupyter.py", "dispatch.py", "grpo.py"}
     assert "vllm_server.py" in {p.name for p in helpcache.sources("grpo")}
-    assert "sft.py" in {p.name for p in helpcache.sources("qlora")}  # qlora's options include sft's
+    assert "sftlib.py" in {p.name for p in helpcache.sources("qlora")}  # qlora's options include sftlib's
 
 
 def test_help_kept_in_a_checkout_is_found_with_a_fresh_home(tmp_path, monkeypatch):

@@ -1,0 +1,52 @@
+"""The command table: every in-image command (`trainbox NAME`), the one home of their names and kinds.
+
+The dispatcher (listing, what runs), the help cache (which commands keep a rendered --help), the notebook helper
+(what `notebook.run` may run) and the host's Slurm renderer (builder/slurm.py: which commands get a job script,
+which take --config) all read this table; a new command is its module plus one line here. Pure data: no import of
+the package or of a library (builder/ imports it on the host), and a command's summary is read from its module's
+docstring by the dispatcher, only when it lists them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Command(NamedTuple):
+    name: str
+    module: str  # entrypoints/<module>.py
+    public: bool = True  # listed by `trainbox --help`; a hidden one runs but isn't listed
+    # A trainer takes --config YAML, keeps a rendered --help (helpcache.py), starts torchrun itself
+    # (runner.run_trainer) and may run from a notebook (notebook.run).
+    trainer: bool = False
+    slurm: bool = False  # builder/slurm.py renders a job script for it (job.sh.j2: one task per node)
+
+
+# In the order `trainbox --help` lists them.
+TABLE = (
+    Command("jupyter", "jupyter"),
+    Command("grpo", "grpo", trainer=True, slurm=True),
+    Command("qlora", "qlora", trainer=True),  # no Slurm job script offered yet
+    Command("sft", "sft", trainer=True, slurm=True),
+    Command("plan", "plan"),
+    Command("doctor", "doctor"),
+    Command("nccl-check", "nccl_check", slurm=True),
+    # entrypoints/ray.py would shadow the `ray` package for a script run.
+    Command("ray", "ray_cluster", slurm=True),
+    Command("healthcheck", "healthcheck", public=False),
+)
+BY_NAME = {c.name: c for c in TABLE}
+
+
+def names(*, public: bool | None = None, trainer: bool | None = None, slurm: bool | None = None) -> tuple[str, ...]:
+    """The commands' names, in table order, filtered by kind (None: either)."""
+    return tuple(c.name for c in TABLE
+                 if (public is None or c.public == public) and (trainer is None or c.trainer == trainer)
+                 and (slurm is None or c.slurm == slurm))
+
+
+def module(name: str) -> str:
+    """The module of a command (`nccl-check` lives in nccl_check.py, `ray` in ray_cluster.py); a name not in the
+    table maps as `-` -> `_`."""
+    c = BY_NAME.get(name)
+    return c.module if c else name.replace("-", "_")
