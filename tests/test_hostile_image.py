@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -32,10 +33,14 @@ def _can_unshare() -> bool:
 needs_mount = pytest.mark.skipif(not _can_unshare(), reason="needs root and unshare -m (a private mount namespace)")
 
 # /tmp becomes a read-only tmpfs holding `ro` (cwd, home) and `out` (its own writable tmpfs: the outputs volume).
+# What the run needs from under the old /tmp (a checkout or venv there: CI's clone may live in /tmp) is bound back
+# in, read-only like the rest, from a view of the old /tmp kept in $KEEP (a folder outside /tmp).
 READ_ONLY_BOX = """set -e
+mount --bind /tmp "$KEEP"
 mount -t tmpfs tmpfs /tmp
 mkdir -p /tmp/out /tmp/ro
 mount -t tmpfs tmpfs /tmp/out
+for p in $KEEP_PATHS; do mkdir -p "/tmp/$p"; mount --bind "$KEEP/$p" "/tmp/$p"; done
 mount -o remount,ro /tmp
 mount -t tmpfs -o ro tmpfs /var/tmp
 cd /tmp/ro
@@ -43,11 +48,26 @@ exec "$@"
 """
 
 
+def _under_tmp(paths) -> str:
+    """The parts of `paths` under /tmp, relative to it (the box binds them back in)."""
+    out = []
+    for p in paths:
+        real = Path(p).resolve()
+        if real.is_relative_to("/tmp") and real != Path("/tmp"):
+            out.append(str(real.relative_to("/tmp")).split("/")[0])
+    return " ".join(sorted(set(out)))
+
+
 def in_read_only_box(args: list[str], output_dir: str = "/tmp/out", timeout: int = 300):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TMP", "TEMP", "XDG_", "HF_", "OUTPUT_DIR"))}
     env.update(HOME="/tmp/ro/home", OUTPUT_DIR=output_dir, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", READ_ONLY_BOX, "box", *args],
-                          capture_output=True, text=True, env=env, timeout=timeout)
+    keep = tempfile.mkdtemp(prefix="trainbox-box-", dir="/dev/shm" if os.path.isdir("/dev/shm") else "/run")
+    env.update(KEEP=keep, KEEP_PATHS=_under_tmp([ROOT, sys.prefix, sys.base_prefix, PY]))
+    try:
+        return subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", READ_ONLY_BOX, "box", *args],
+                              capture_output=True, text=True, env=env, timeout=timeout)
+    finally:
+        os.rmdir(keep)
 
 
 @needs_mount
