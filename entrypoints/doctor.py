@@ -63,7 +63,15 @@ def max_cuda_for_driver(driver: str) -> str | None:
     return max(ok, key=vkey) if ok else None
 
 
-def generation(cc: tuple[int, int]) -> str:
+def generation(cc: tuple[int, int], table: dict | None = None) -> str:
+    """The GPU generation of compute capability `cc`: from the image record's `gpu_generations` (matrix.toml's GPU
+    axis, written at render: an exact SM first, then the same major), else (no record: a CPU or older image) the
+    generations this code knows."""
+    sm = f"{cc[0]}.{cc[1]}"
+    for exact in (True, False):
+        for name, sms in (table or {}).items():
+            if any(s == sm if exact else str(s).split(".")[0] == str(cc[0]) for s in sms or ()):
+                return name
     return {8: "ampere", 9: "hopper", 10: "blackwell", 12: "blackwell"}.get(cc[0], f"sm{cc[0]}{cc[1]}")
 
 
@@ -332,9 +340,10 @@ def evaluate(info: dict | None, smi: dict, probes: dict[str, dict], installed: d
 
     # -- GPU generation, attention -----------------------------------------------------------------------------
     want = (info or {}).get("gpu")
-    if cc and want and generation(cc) != want:
-        add("gpu generation", "fallback", f"image built for {want}, this GPU is {generation(cc)} "
-                                          f"(sm{cc[0]}{cc[1]}); use the {generation(cc)} image for full speed")
+    found = generation(cc, (info or {}).get("gpu_generations")) if cc else None
+    if cc and want and found != want:
+        add("gpu generation", "fallback", f"image built for {want}, this GPU is {found} "
+                                          f"(sm{cc[0]}{cc[1]}); use the {found} image for full speed")
     if info is not None and cc:
         choice = attention.decide(info, cc, lambda name: probed_usable(name, probes))
         add("attention", "ok" if choice.name == info.get("attention_backend") else "fallback", choice.line())

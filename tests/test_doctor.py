@@ -330,3 +330,16 @@ def test_doctor_warns_about_a_package_changed_against_the_constraints():
     assert warn.status == "warn" and "torch 2.12.0 (pinned 2.13.0+cpu)" in warn.detail and "peft" not in warn.detail
     assert warn.detail.endswith("`pip install torch==2.13.0+cpu`")
     assert doctor.exit_code([warn]) == doctor.EXIT_OK
+
+
+def test_gpu_generation_comes_from_the_image_record():
+    """The record's gpu_generations (matrix.toml's GPU axis, written by render) names the GPU: a generation this
+    code has no table entry for is still named, and the rendered record of a real cell is what doctor reads."""
+    table = {"hopper": ["9.0"], "nextgen": ["13.0"]}
+    assert doctor.generation((13, 0), table) == "nextgen" and doctor.generation((13, 0)) == "sm130"
+    assert doctor.generation((9, 0), table) == "hopper" and doctor.generation((8, 6), {"ampere": ["8.0"]}) == "ampere"
+    checks = evaluate(record(gpu_generations=table), smi("NVIDIA Next", (13, 0)), probes(cc=(13, 0)), INSTALLED)
+    assert "this GPU is nextgen (sm130); use the nextgen image" in rows(checks)["gpu generation"].detail
+    rendered = json.loads((ROOT / "images" / "cu130-hopper-x86_64" / "image.json").read_text())
+    assert doctor.generation((12, 0), rendered["gpu_generations"]) == "blackwell"
+    assert doctor.generation((9, 0), rendered["gpu_generations"]) == "hopper"
