@@ -196,30 +196,28 @@ def _vllm_pins_torch(ctx: Context, pins: dict) -> str | None:
     return None
 
 
+def _range_fact(ctx: Context, pins: dict, table: str, key: str, other: str, label: str) -> str | None:
+    """[facts] TABLE maps a version of `key` to the range of `other` it accepts; None when the stack's pins agree.
+    `label` names the requirement in the reason (e.g. "trl X[vllm]")."""
+    kv, ov = pins.get(key), pins.get(other)
+    if kv is None or ov is None:
+        return None
+    spec = ctx.facts.get(table, {}).get(kv)
+    if spec is None:
+        return f"no recorded {other} range for {key} {kv} (add it to [facts] {table})"
+    if not satisfies(ov, spec, f"{ctx.file}: facts.{table}.{kv}"):
+        return f"{label.format(kv)} needs {other}{spec}, stack has {other} {ov}"
+    return None
+
+
 @rule("trl-vllm-extra", "stack", facts={"trl_vllm_extra": "range"})
 def _trl_vllm_extra(ctx: Context, pins: dict) -> str | None:
-    vllm, trl = pins.get("vllm"), pins.get("trl")
-    if vllm is None or trl is None:
-        return None
-    spec = ctx.facts.get("trl_vllm_extra", {}).get(trl)
-    if spec is None:
-        return f"no recorded vllm range for trl {trl} (add it to [facts] trl_vllm_extra)"
-    if not satisfies(vllm, spec, f"{ctx.file}: facts.trl_vllm_extra.{trl}"):
-        return f"trl {trl}[vllm] needs vllm{spec}, stack has vllm {vllm}"
-    return None
+    return _range_fact(ctx, pins, "trl_vllm_extra", "trl", "vllm", "trl {}[vllm]")
 
 
 @rule("vllm-transformers", "stack", facts={"vllm_transformers": "range"})
 def _vllm_transformers(ctx: Context, pins: dict) -> str | None:
-    vllm, transformers = pins.get("vllm"), pins.get("transformers")
-    if vllm is None or transformers is None:
-        return None
-    spec = ctx.facts.get("vllm_transformers", {}).get(vllm)
-    if spec is None:
-        return f"no recorded transformers range for vllm {vllm}"
-    if not satisfies(transformers, spec, f"{ctx.file}: facts.vllm_transformers.{vllm}"):
-        return f"vllm {vllm} needs transformers{spec}, stack has transformers {transformers}"
-    return None
+    return _range_fact(ctx, pins, "vllm_transformers", "vllm", "transformers", "vllm {}")
 
 
 def ids(kind: str) -> tuple[str, ...]:
