@@ -346,7 +346,7 @@ def export_image(image_ref: str, dest_path, *, compression: str | None = None, b
         raise UserError(f"destination {str(dest)!r}: {why}", fix="write the .sqsh to a folder on a real disk")
     if why:
         raise UserError(f"cannot create the destination directory {str(dest.parent)!r}: {why}")
-    options.check_file_name(dest, "destination")   # the output-target check sbom --output shares
+    options.check_file_target(dest, "destination")   # the writers' one rule (atomic.file_target)
     if not dest.name.isprintable():   # the .sha256 sidecar names it on one line (`sha256sum -c` format)
         raise UserError(f"destination {str(dest)!r} has a control character in its name",
                         fix="name the .sqsh with printable characters, e.g. the image's tag")

@@ -77,11 +77,6 @@ def check_file_target(path: str | Path, flag: str) -> Path:
     return Path(path)
 
 
-def check_file_name(path: str | Path, flag: str) -> Path:
-    """The same check as check_file_target (one rule for every file target; this name stays for its callers)."""
-    return check_file_target(path, flag)
-
-
 def parse_build_args(pairs: list[str] | None) -> dict[str, str]:
     out = {}
     for p in pairs or []:

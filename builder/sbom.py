@@ -426,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     why = atomic.why_not_a_folder(Path(a.output).absolute().parent)
     if why:
         raise UserError(f"--output {a.output}: cannot write there: {why}", fix="give a writable path")
-    options.check_file_name(a.output, "--output")   # not a folder, a name the file system holds
+    options.check_file_target(a.output, "--output")   # the writers' one rule (atomic.file_target)
     reference.check_image(a.image, "image")   # bad input before any work
     if a.attach is not None:   # `--attach ''` too: an option given is honoured or refused, never ignored
         split_ref(a.attach)

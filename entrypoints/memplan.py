@@ -77,10 +77,6 @@ class Job:
     fsdp: bool = False  # FSDP2 (GPUs, more than one process)
     liger: bool = False  # Liger's fused RMSNorm/RoPE/SwiGLU: the MLP keeps half its activations
 
-    @property
-    def micro_tokens(self) -> int:
-        return self.tokens or self.batch * self.max_length
-
 
 @dataclass(frozen=True)
 class Settings:
@@ -159,7 +155,11 @@ def usable(free: int) -> int:
 
 
 def ladder(job: Job) -> list[Settings]:
-    """Candidate settings, fastest first, honouring what the user fixed."""
+    """Candidate settings, fastest first, honouring what the user fixed. The loops give the order: the micro-batch
+    as asked before its splits (smaller ones do less work per kernel and more collectives), then no checkpointing
+    before checkpointing (it recomputes every layer: a third of a step), keeping the gathered layers before
+    resharding them (one more all-gather per layer in backward), unsharded accumulation before one reduce-scatter
+    per micro-batch, and bf16 weights with float32 masters before the float32 weights (TRL's path)."""
     fx = job.fixed
     ckpts = [fx["checkpointing"]] if "checkpointing" in fx else [False, True]
     out: list[Settings] = []
@@ -178,14 +178,7 @@ def ladder(job: Job) -> list[Settings]:
             else:
                 for m in ([True, False] if job.masters_ok else [False]):
                     out.append(Settings(c, masters=m, batch=b, grad_accum=g))
-    return sorted(out, key=_cost)
-
-
-def _cost(s: Settings) -> tuple:
-    """Fast first: smaller micro-batches last (less work per kernel, more collectives), then
-    checkpointing (recomputes every layer: a third of a step), resharding (one more all-gather per layer in
-    backward), one reduce-scatter per micro-batch, and the float32 weights without masters (TRL's path)."""
-    return (-s.batch, s.checkpointing, s.reshard, s.sync_each_batch, not s.masters)
+    return out
 
 
 @dataclass(frozen=True)
@@ -224,8 +217,7 @@ def decide(job: Job, free: int) -> Plan:
         t = estimate(job, s)
         if t["total"] <= usable(free):
             return Plan(s, t, free, job, i)
-    last = estimate(job, rungs[-1])
-    raise UsageError(refusal(job, free, last["total"]))
+    raise UsageError(refusal(job, free, t["total"]))  # t: the last rung's, the least memory the ladder offers
 
 
 def fits(job: Job, free: int) -> bool:
@@ -275,15 +267,14 @@ def advice(job: Job, free: int) -> str:
     return "it fits with " + ", or ".join(options)
 
 
-def free_memory(device=None) -> int | None:
-    """This process's GPU's free bytes (the device it trains on), or None without a GPU. TRAINBOX_GPU_FREE_GIB caps it."""
+def free_memory() -> int | None:
+    """This process's GPU's free bytes (the device of its LOCAL_RANK, read explicitly: the current device may not be
+    set yet), or None without a GPU. TRAINBOX_GPU_FREE_GIB caps it."""
     import torch
 
     if not torch.cuda.is_available():
         return None
-    if device is None:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    free, _total = torch.cuda.mem_get_info(device)
+    free, _total = torch.cuda.mem_get_info(torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
     return cap(free)
 
 
@@ -295,12 +286,12 @@ def cap(free: int) -> int:
         gib = float(raw)
     except ValueError:
         raise UsageError(f"{FREE_ENV}={raw!r}: not a number (GiB of free memory per GPU to plan for)") from None
-    if not gib > 0 or gib != gib or gib == float("inf"):
+    if not 0 < gib < float("inf"):  # (NaN compares false)
         raise UsageError(f"{FREE_ENV}={raw!r}: must be a positive number of GiB")
     return min(free, int(gib * GiB))
 
 
-def agree(local_free: int | None, decide_fn, device=None):
+def agree(local_free: int | None, decide_fn):
     """One decision for the whole process group: every rank's free memory is reduced to the smallest, rank 0 runs
     `decide_fn(smallest, (smallest, largest, ranks))` and broadcasts its result (or its refusal) to every rank.
     Without a process group of more than one rank, decides locally. Returns decide_fn's result; raises the same
@@ -311,8 +302,7 @@ def agree(local_free: int | None, decide_fn, device=None):
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
         return decide_fn(local_free, (local_free, local_free, 1))
     backend = dist.get_backend()
-    dev = device if device is not None else (torch.device("cuda", torch.cuda.current_device())
-                                             if backend == "nccl" else torch.device("cpu"))
+    dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     known = -1 if local_free is None else int(local_free)
     lo = torch.tensor([known], dtype=torch.int64, device=dev)
     hi = lo.clone()

@@ -135,13 +135,9 @@ def choose_memory(args, f: ModelFacts, shards: int, free: int | None, *, tokens:
     args.trainbox_reshard = s.reshard
     if s.batch != args.per_device_train_batch_size:
         args.per_device_train_batch_size, args.gradient_accumulation_steps = s.batch, s.grad_accum
-    if s.sync_each_batch:
+    if s.sync_each_batch:  # (TrainingArguments has made accelerator_config an AcceleratorConfig by now)
         acc = args.accelerator_config
-        kwargs = dict(getattr(acc, "gradient_accumulation_kwargs", None) or {}, sync_each_batch=True)
-        if isinstance(acc, dict):
-            acc["gradient_accumulation_kwargs"] = kwargs
-        else:
-            acc.gradient_accumulation_kwargs = kwargs
+        acc.gradient_accumulation_kwargs = dict(acc.gradient_accumulation_kwargs or {}, sync_each_batch=True)
     masters_off = None
     if masters_ok and not s.masters:
         with_masters = memplan.estimate(job, replace(s, masters=True))["total"]
