@@ -53,6 +53,7 @@ def compute(argv: list[str]):
     gib, rest = split_argv(argv)
     if gib is None:
         raise UsageError("--gpu-memory GIB is required: the free memory of one GPU (e.g. 77.7 for an H100 80GB)")
+    # Here, not at the top: importing sft takes about 4 s (transformers), which `trainbox plan --help` need not pay.
     from . import config as cfg
     from . import sft, speed
 
