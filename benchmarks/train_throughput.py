@@ -28,6 +28,7 @@ import json
 import math
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -226,6 +227,8 @@ def run(label: str, argv: list[str], work: Path, log: Path) -> dict:
         f.write(f"\n===== {label}: {' '.join(argv)}\n")
         f.flush()
         r = subprocess.run(argv, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+    if "--output_dir" in argv:  # only the figures are kept: four 8B runs' saved weights (32 GB each) fill a disk
+        shutil.rmtree(argv[argv.index("--output_dir") + 1], ignore_errors=True)
     if r.returncode != 0 or not out.is_file():
         print(f"{label}: FAILED (exit {r.returncode}); see {log}", flush=True)
         os.system(f"tail -n 30 {log}")

@@ -39,6 +39,8 @@ MEASURED = [
     ("8B, 2 GPUs, GA 1", F8, dict(shards=2, fsdp=True), S(True, reshard=True, batch=8), 63.7),
     ("8B, 2 GPUs, GA 4", F8, dict(shards=2, fsdp=True, grad_accum=4),
      S(True, reshard=True, sync_each_batch=True, batch=4, grad_accum=8), 66.4),
+    # 2 x H200 (137.9 GiB free): the plan left checkpointing off; estimate 117.1 GiB, largest rank 123.8 GiB.
+    ("8B, 2 GPUs, GA 1, no ckpt (H200)", F8, dict(shards=2, fsdp=True), S(False, reshard=True, batch=8), 123.8),
 ]
 
 
