@@ -3,7 +3,7 @@ flash-wheels.yml: builder/flashwheels.py): the checkout/python/install steps and
 module so the two generators import it, not each other."""
 from __future__ import annotations
 
-from builder.matrix import INDEX_NAMES
+from builder.matrix.schema import INDEX_NAMES
 
 PYTHON = "3.11"
 # A mirror of an index: the repository variable TRAINBOX_INDEX_<NAME> replaces matrix.toml's URL (build.py reads it).

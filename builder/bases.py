@@ -20,7 +20,8 @@ import tomllib
 from pathlib import Path
 
 from builder.errors import UserError
-from builder.matrix import ROOT, Cell
+from builder.matrix import Cell
+from builder.paths import ROOT
 from entrypoints import atomic
 
 PATH = Path("locks/bases.toml")

@@ -10,9 +10,10 @@ from pathlib import Path
 from types import MappingProxyType
 
 from builder.errors import UserError, reports_user_errors
-from builder.matrix import DEFAULT_MATRIX, ROOT, Cell, Matrix, load_matrix
+from builder.matrix import DEFAULT_MATRIX, Cell, Matrix, load_matrix
 from builder.options import (BuildOptions, check_dir, check_file_target, check_registry, parse_bases,
                              parse_build_args, parse_secrets)
+from builder.paths import ROOT
 
 
 def parser() -> argparse.ArgumentParser:

@@ -12,7 +12,7 @@ import os
 import re
 from pathlib import Path, PurePosixPath
 
-ROOT = Path(__file__).resolve().parent.parent
+from builder.paths import ROOT
 
 
 def _regex(pattern: str) -> re.Pattern:

@@ -27,8 +27,8 @@ from builder import indexes, lock
 from builder.docker import Builder, choose_builder, host_arch, platform_arch  # noqa: F401 (choose_builder: engine.X)
 from builder.errors import UserError
 from builder.options import BuildOptions  # noqa: F401 (engine.BuildOptions, as callers knew it)
+from builder.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 WHEELHOUSE = "wheelhouse"
 
 

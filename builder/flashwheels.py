@@ -26,9 +26,9 @@ from builder import indexes, lock
 from builder.actions import INDEX_ENV, setup_steps
 from builder.errors import UserError, reports_user_errors
 from builder.matrix import DEFAULT_MATRIX, load_matrix
+from builder.paths import ROOT
 from entrypoints import atomic
 
-ROOT = Path(__file__).resolve().parents[1]
 # Runner label per arch for the source builds (an FA3 compile is about 1 h at MAX_JOBS=8 and wants RAM: a large
 # runner). Change these to your organisation's larger-runner labels, or set the repository variables
 # TRAINBOX_FLASH_RUNNER_X86_64 / TRAINBOX_FLASH_RUNNER_AARCH64, which win over these defaults without regenerating.

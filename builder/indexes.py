@@ -12,7 +12,8 @@ import re
 
 from builder import templating
 from builder.errors import UserError
-from builder.matrix import INDEX_NAMES, Cell
+from builder.matrix import Cell
+from builder.matrix.schema import INDEX_NAMES
 from entrypoints import redact as _redact
 
 ARGS = {"default": "INDEX_URL", "torch": "TORCH_INDEX_URL", "vllm": "VLLM_INDEX_URL", "flash": "FLASH_INDEX_URL"}

@@ -24,7 +24,9 @@ from typing import NamedTuple
 from builder import bases as base_lock, indexes
 from entrypoints import atomic
 from builder.errors import UserError
-from builder.matrix import ROOT, Cell, lock_names
+from builder.matrix import Cell
+from builder.matrix.locknames import lock_names
+from builder.paths import ROOT
 
 HEADER = "# trainbox lock for {name} ({platform}, python {python}); regenerate: python build.py --lock {tag}\n"
 INPUTS = "# inputs-sha256: {digest}\n"

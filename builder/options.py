@@ -11,7 +11,7 @@ from typing import Mapping
 
 from builder import reference
 from builder.errors import UserError, shorten
-from builder.matrix import ROOT
+from builder.paths import ROOT
 from entrypoints import atomic
 
 

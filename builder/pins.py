@@ -32,8 +32,10 @@ from packaging.version import Version
 
 from entrypoints import atomic
 from builder.errors import UserError, reports_user_errors, shorten
-from builder import matrix as m, rules
-from builder.matrix import DEFAULT_MATRIX
+from builder import rules
+from builder.matrix import DEFAULT_MATRIX, read_document
+from builder.matrix.facts import check_facts_tables, check_rule_entries
+from builder.matrix.packages import extras_table, packages_table
 
 # Requires-Dist markers are read for the GPU cells' interpreter and OS (python 3.12, Linux); the arch matters to a few
 # markers only, x86_64 is the reference.
@@ -386,7 +388,7 @@ def read_matrix(path: Path) -> dict:
     checks it, before pip is asked anything: a bad value is one error naming its key, never a traceback, and no
     name reaches pip's command line unless it is a package name (one starting with '-' would be read as an option)."""
     where = str(path)
-    data = m.read_document(path)
+    data = read_document(path)
     for section in ("stack", "flavour"):
         tables = data.get(section, {})
         if not isinstance(tables, dict):
@@ -394,10 +396,10 @@ def read_matrix(path: Path) -> dict:
         for name, t in tables.items():
             if not isinstance(t, dict):
                 raise UserError("must be a table", where=f"{where}: {section}.{name}")
-            m.packages_table(f"{where}: {section}.{name}.packages", t.get("packages", {}))
-    m.check_rule_entries(where, data)
-    m.check_facts_tables(where, data)
-    m.extras_table(where, data)
+            packages_table(f"{where}: {section}.{name}.packages", t.get("packages", {}))
+    check_rule_entries(where, data)
+    check_facts_tables(where, data)
+    extras_table(where, data)
     return data
 
 

@@ -23,7 +23,8 @@ from builder import reference, registry as reg, sbom
 from builder.docker import Builder, choose_builder, platform_arch
 from builder.engine import BuildResult, cell_refs
 from builder.errors import UserError, reports_user_errors
-from builder.matrix import ROOT, load_matrix
+from builder.matrix import load_matrix
+from builder.paths import ROOT
 
 MANIFEST_LIST_TYPES = reg.INDEX_TYPES
 

@@ -13,7 +13,9 @@ import jinja2
 from builder import bases, indexes
 from entrypoints import atomic
 from builder.errors import UserError
-from builder.matrix import PLUGIN_PREFIX, ROOT, Cell
+from builder.matrix import Cell
+from builder.matrix.fabric import PLUGIN_PREFIX
+from builder.paths import ROOT
 
 # Package data next to this module, so an installed host package finds it too.
 TEMPLATES = Path(__file__).resolve().parent / "templates"

@@ -280,7 +280,7 @@ def flavour_conflicts(package: str, spec: dict, pins: dict, file: str = "matrix.
     """What keeps PINS from installing PACKAGE at its recorded version: the package's own pin, then each pin outside
     its Requires-Dist range (SPEC: [facts] PACKAGE)."""
     out = []
-    own = pins.get(canonicalize_name(package))   # PINS are keyed by canonical names (matrix.packages_table)
+    own = pins.get(canonicalize_name(package))   # PINS are keyed by canonical names (matrix/packages.py)
     if "version" in spec and own != spec["version"]:
         out.append(f"{package} is pinned {own or 'nowhere'}, its facts are for {spec['version']}")
     return out + (requirement_conflicts(package, spec, pins, file) or [])

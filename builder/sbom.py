@@ -35,11 +35,11 @@ from builder import options, reference
 from builder.docker import docker_cli, inspect_image
 from builder.errors import UserError, reports_user_errors
 from builder.matrix import load_matrix
+from builder.paths import ROOT
 from builder.registry import (INDEX_TYPES, OCI_EMPTY, OCI_INDEX, OCI_MANIFEST, Registry, shown,  # noqa: F401
                               split_ref)
 from entrypoints import atomic
 
-ROOT = Path(__file__).resolve().parents[1]
 MEDIA_TYPE = "application/vnd.cyclonedx+json"
 VENV_PYTHON = "/opt/venv/bin/python"
 

@@ -40,8 +40,8 @@ from builder import flashwheels, lock   # flash-wheels.yml
 from builder.actions import INDEX_ENV, PYTHON, setup_steps as _setup_steps
 from builder.errors import UserError, reports_user_errors
 from builder.matrix import DEFAULT_MATRIX, load_matrix
+from builder.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 WORKFLOWS = ROOT / ".github" / "workflows"
 WORKFLOW = WORKFLOWS / "build.yml"
 RUNNERS = {"x86_64": "ubuntu-24.04", "aarch64": "ubuntu-24.04-arm"}

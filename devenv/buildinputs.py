@@ -20,7 +20,8 @@ from pathlib import Path
 
 from entrypoints import atomic
 from builder.errors import UserError, reports_user_errors
-from builder.matrix import ROOT, load_matrix
+from builder.matrix import load_matrix
+from builder.paths import ROOT
 from devenv.common import cache_dir, logger
 
 HOST_CERTS = Path("/usr/local/share/ca-certificates")

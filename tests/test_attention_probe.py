@@ -19,7 +19,8 @@ import simpleindex
 from enginefix import engine, install_certs, test_base  # noqa: F401
 from builder import cli, engine as eng, lock
 from builder.errors import UserError
-from builder.matrix import ROOT, load_matrix
+from builder.matrix import load_matrix
+from builder.paths import ROOT
 
 M = load_matrix(ROOT / "matrix.toml")
 CELLS = {c.tag: c for c in M.cells}

@@ -15,7 +15,8 @@ import pytest
 from enginefix import docker, engine, registry, test_base  # noqa: F401
 from builder import bases, lock, render
 from builder.errors import UserError
-from builder.matrix import ROOT, load_matrix
+from builder.matrix import load_matrix
+from builder.paths import ROOT
 
 CELLS = {c.tag: c for c in load_matrix(ROOT / "matrix.toml").cells}
 GPU = sorted(t for t, c in CELLS.items() if c.cuda and not getattr(c, "flavour", None))   # a flavour: FROM our image

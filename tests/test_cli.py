@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from builder import cli
-from builder.matrix import ROOT, load_matrix
+from builder.matrix import load_matrix
+from builder.paths import ROOT
 from brokenmatrix import write_broken
 
 M = load_matrix(ROOT / "matrix.toml")

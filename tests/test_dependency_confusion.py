@@ -14,7 +14,8 @@ import pytest
 
 import simpleindex
 from builder import lock
-from builder.matrix import ROOT, load_matrix
+from builder.matrix import load_matrix
+from builder.paths import ROOT
 
 CELL = {c.tag: c for c in load_matrix(ROOT / "matrix.toml").cells}["cu129-blackwell-x86_64"]
 

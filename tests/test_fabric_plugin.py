@@ -8,7 +8,8 @@ import pytest
 from builder import engine as eng
 from builder import render
 from builder.errors import UserError
-from builder.matrix import ROOT, load_matrix
+from builder.matrix import load_matrix
+from builder.paths import ROOT
 from tests.test_render import hadolint, instructions
 
 MATRIX = (ROOT / "matrix.toml").read_text()

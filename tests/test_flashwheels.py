@@ -18,7 +18,8 @@ from enginefix import BUILD_TIMEOUT, engine  # noqa: F401
 from builder import flashwheels, lock, workflow
 from builder.engine import choose_builder
 from builder.errors import UserError
-from builder.matrix import ROOT, load_matrix
+from builder.matrix import load_matrix
+from builder.paths import ROOT
 
 M = load_matrix(ROOT / "matrix.toml")
 CELLS = {c.tag: c for c in M.cells}

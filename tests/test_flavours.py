@@ -16,7 +16,8 @@ from builder import engine as eng
 from builder import render
 from builder.errors import UserError
 from builder.lock import state
-from builder.matrix import ROOT, load_matrix
+from builder.matrix import load_matrix
+from builder.paths import ROOT
 from enginefix import BUILD_TIMEOUT, docker, engine, smoke_build, smoke_image, torch_wheelhouse  # noqa: F401
 
 M = load_matrix(ROOT / "matrix.toml")

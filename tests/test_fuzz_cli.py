@@ -27,9 +27,11 @@ from packaging.requirements import Requirement
 
 from test_fuzz_inputs import toml_str
 from test_fuzz_matrix import mutate, paths   # the matrix fuzzer's document mutations
-from builder import bases, cli, enroot, matrix, pins, publish, reference, sbom
+from builder import bases, cli, enroot, pins, publish, reference, sbom
 from builder.errors import UserError
-from builder.matrix import ROOT, load_matrix
+from builder.matrix import load_matrix
+from builder.matrix.grammar import PACKAGE
+from builder.paths import ROOT
 from entrypoints import atomic
 
 EXAMPLES = int(os.environ.get("TRAINBOX_FUZZ_EXAMPLES", "60"))   # the whole file: about 40 s on 2 busy cores
@@ -614,7 +616,7 @@ def test_flavour_hostile_strings(tmp_path_factory, fname, key, value, keep_valid
         if key == "cmd":
             assert all(PLAIN_WORD.fullmatch(w) for w in c.cmd), c.cmd
         elif key == "sdists":
-            assert all(matrix._PACKAGE.fullmatch(p) for p in c.sdists), c.sdists
+            assert all(PACKAGE.fullmatch(p) for p in c.sdists), c.sdists
         elif key.startswith("files"):
             for src, dest in c.files:
                 assert not src.startswith("/") and ".." not in src.split("/"), src

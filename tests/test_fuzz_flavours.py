@@ -15,9 +15,10 @@ from packaging.utils import canonicalize_name
 
 from test_fuzz_cli import hostile, toml_doc
 from test_fuzz_matrix import mutate   # the matrix fuzzer's document mutations
-from builder import matrix
 from builder.errors import UserError
-from builder.matrix import ROOT, load_matrix
+from builder.matrix import load_matrix
+from builder.matrix.locknames import lock_names
+from builder.paths import ROOT
 
 SETTINGS = settings(max_examples=int(os.environ.get("TRAINBOX_FUZZ_EXAMPLES", "60")), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -76,7 +77,7 @@ def check(doc: dict, tmp_path_factory) -> None:
             assert not any(p.is_symlink() for p in real.rglob("*")), src
         if c.flavour:
             lock = ROOT / "locks" / f"{c.venv}.txt"
-            locked = matrix.lock_names(lock.read_text()) if lock.is_file() else set()
+            locked = lock_names(lock.read_text()) if lock.is_file() else set()
             for pkg in c.sdists:
                 assert pkg == canonicalize_name(pkg) and (pkg in c.pins or pkg in locked or not lock.is_file()), pkg
 

@@ -19,7 +19,8 @@ from packaging.version import InvalidVersion, Version
 
 from builder import cli, reference
 from builder.errors import UserError
-from builder.matrix import ROOT, load_matrix
+from builder.matrix import load_matrix
+from builder.paths import ROOT
 
 SETTINGS = settings(max_examples=int(os.environ.get("TRAINBOX_FUZZ_EXAMPLES", "150")), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -160,7 +161,7 @@ def test_a_facts_range_loads_exactly_when_packaging_reads_it(spec, tmp_path_fact
     except UserError as e:
         msg = str(e)
         assert "\n" not in msg
-        if "holds a control character" in msg:  # refused before any range is read (matrix._check_tree)
+        if "holds a control character" in msg:  # refused before any range is read (builder/matrix/document.py)
             assert "facts.trl_vllm_extra.1.16.0" in msg and any(not ch.isprintable() for ch in spec), msg
         elif parsed is None:
             assert "facts.trl_vllm_extra.1.16.0: cannot read the version range" in msg, msg

@@ -17,9 +17,10 @@ import pytest
 
 from test_fuzz_cli import toml_doc
 from test_pins import MATRIX as PINS_MATRIX, index, pip_env  # noqa: F401  (pytest fixtures: a local PEP 503 index)
-from builder import dockerignore, lock, matrix, pins
+from builder import dockerignore, lock, pins
 from builder.errors import UserError
-from builder.matrix import ROOT, load_matrix
+from builder.matrix import load_matrix
+from builder.paths import ROOT
 
 DOC = tomllib.loads((ROOT / "matrix.toml").read_text())
 

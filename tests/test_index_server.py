@@ -14,7 +14,8 @@ import pytest
 import liveindex
 import simpleindex
 from builder import engine as eng
-from builder.matrix import ROOT, load_matrix
+from builder.matrix import load_matrix
+from builder.paths import ROOT
 from devenv import engine as devengine
 
 # the wheels come from the live default index (downloaded once, cached)

@@ -52,8 +52,15 @@ def reachable(roots: set[str]) -> set[str]:
     return seen
 
 
+def module_name(path: Path) -> str:
+    """builder/matrix/model.py -> builder.matrix.model; a package's __init__.py is the package."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
 def builder_modules() -> set[str]:
-    return {f"{PACKAGE}.{p.stem}" if p.stem != "__init__" else PACKAGE for p in (ROOT / PACKAGE).glob("*.py")}
+    """Every module of the package, its subpackages' (builder.matrix.*) included."""
+    return {module_name(p) for p in (ROOT / PACKAGE).rglob("*.py")}
 
 
 def test_the_entry_points_are_found():
@@ -69,7 +76,7 @@ def test_every_builder_module_is_reached_from_what_a_user_runs():
 
 
 def test_builder_never_imports_devenv_or_tests():
-    for path in sorted((ROOT / PACKAGE).glob("*.py")):
+    for path in sorted((ROOT / PACKAGE).rglob("*.py")):
         bad = {n for n in imports_of(path) if n.split(".")[0] in ("devenv", "tests", "enginefix", "conftest")}
         assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
 
@@ -101,12 +108,14 @@ SHARED_WITH_ENTRYPOINTS = {"entrypoints.atomic", "entrypoints.redact", "entrypoi
 KNOWN_CYCLES: list[set[str]] = []  # none; a cycle found here is a bug, not an exception to list
 
 
-def module_imports(path: Path, package: str = PACKAGE) -> set[str]:
-    """imports_of PATH plus its relative imports, resolved against PACKAGE (a module of it)."""
+def module_imports(path: Path) -> set[str]:
+    """imports_of PATH plus its relative imports, resolved against the package PATH is in."""
     names = imports_of(path)
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            mod = f"{package}.{node.module}" if node.module else package
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1])
+            mod = f"{base}.{node.module}" if node.module else base
             names |= {mod} | {f"{mod}.{a.name}" for a in node.names}
     return names
 
@@ -162,7 +171,7 @@ def test_builder_has_no_import_cycle():
 
 
 def test_builder_imports_only_the_shared_entrypoints_modules():
-    for path in sorted((ROOT / PACKAGE).glob("*.py")):
+    for path in sorted((ROOT / PACKAGE).rglob("*.py")):
         names = module_imports(path)
         bad = {n for n in names if n.split(".")[0] == "entrypoints" and n != "entrypoints"
                and ".".join(n.split(".")[:2]) not in SHARED_WITH_ENTRYPOINTS}
@@ -181,9 +190,14 @@ def test_the_checks_catch_a_planted_cycle_and_an_entrypoints_import(tmp_path, mo
     (fake / "b.py").write_text("import builder.c\n")
     (fake / "c.py").write_text("def f():\n    from builder.a import x\n    return x\n")
     (fake / "d.py").write_text("from . import a\nfrom entrypoints import atomic, doctor\n")
+    (fake / "sub").mkdir()   # a subpackage's modules are in the graph, their relative imports resolved
+    (fake / "sub" / "__init__.py").write_text("")
+    (fake / "sub" / "e.py").write_text("from . import f\nfrom .. import a\nfrom .f import g\n")
+    (fake / "sub" / "f.py").write_text("")
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     assert cycles(import_graph()) == [{"builder.a", "builder.b", "builder.c"}]
     assert import_graph()["builder.d"] == {"builder.a"}
+    assert import_graph()["builder.sub.e"] == {"builder.sub", "builder.sub.f", "builder.a"}
     with pytest.raises(AssertionError, match=r"imports \['entrypoints.doctor'\]"):
         test_builder_imports_only_the_shared_entrypoints_modules()
     with pytest.raises(AssertionError, match="import circles"):

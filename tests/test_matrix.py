@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from builder.errors import UserError
-from builder.matrix import ROOT, Cell, load_matrix
+from builder.matrix import Cell, load_matrix
+from builder.paths import ROOT
 from brokenmatrix import defect_line, write_broken
 
 

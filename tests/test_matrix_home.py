@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 from builder import pins, rules
-from builder.matrix import ROOT, load_matrix
+from builder.matrix import load_matrix
+from builder.paths import ROOT
 
 FLAVOUR = '''
 [flavour.axo]

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from builder import cli
-from builder.matrix import ROOT
+from builder.paths import ROOT
 
 BASE_TEXT = (ROOT / "matrix.toml").read_text()
 # Every basic string literal outside comments: (start, end) in the text.

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from builder import render
-from builder.matrix import ROOT, load_matrix
+from builder.matrix import load_matrix
+from builder.paths import ROOT
 from entrypoints import atomic
 
 PY = sys.executable

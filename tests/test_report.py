@@ -30,7 +30,7 @@ def test_the_workflow_reports_join_into_the_whole_matrix(tmp_path):
     import subprocess
     import sys
 
-    from builder.matrix import ROOT
+    from builder.paths import ROOT
 
     def venv(n):
         return {f"sha256:venv-{n}": 4_000_000_000, f"sha256:base-{n}": 100_000_000}

@@ -5,7 +5,8 @@ import pytest
 
 from builder import rules
 from builder.errors import UserError
-from builder.matrix import ROOT, load_matrix
+from builder.matrix import load_matrix
+from builder.paths import ROOT
 
 
 @pytest.fixture(scope="module")
