@@ -21,7 +21,7 @@ from pathlib import Path
 
 from builder.errors import UserError
 from builder.matrix import ROOT, Cell
-from entrypoints import atomic
+from common import atomic
 
 PATH = Path("locks/bases.toml")
 DIGEST = re.compile(r"sha256:[0-9a-f]{64}")

@@ -26,7 +26,7 @@ from builder import indexes, lock
 from builder.actions import INDEX_ENV, setup_steps
 from builder.errors import UserError, reports_user_errors
 from builder.matrix import DEFAULT_MATRIX, load_matrix
-from entrypoints import atomic
+from common import atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 # Runner label per arch for the source builds (an FA3 compile is about 1 h at MAX_JOBS=8 and wants RAM: a large

@@ -37,7 +37,7 @@ from builder.errors import UserError, reports_user_errors
 from builder.matrix import load_matrix
 from builder.registry import (INDEX_TYPES, OCI_EMPTY, OCI_INDEX, OCI_MANIFEST, Registry, shown,  # noqa: F401
                               split_ref)
-from entrypoints import atomic
+from common import atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 MEDIA_TYPE = "application/vnd.cyclonedx+json"

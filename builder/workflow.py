@@ -35,7 +35,7 @@ from pathlib import Path, PurePosixPath
 
 import yaml
 
-from entrypoints import atomic
+from common import atomic
 from builder import flashwheels, lock   # flash-wheels.yml
 from builder.actions import INDEX_ENV, PYTHON, setup_steps as _setup_steps
 from builder.errors import UserError, reports_user_errors

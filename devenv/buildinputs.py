@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from entrypoints import atomic
+from common import atomic
 from builder.errors import UserError, reports_user_errors
 from builder.matrix import ROOT, load_matrix
 from devenv.common import cache_dir, logger

@@ -30,7 +30,7 @@ from test_fuzz_matrix import mutate, paths   # the matrix fuzzer's document muta
 from builder import bases, cli, enroot, matrix, pins, publish, reference, sbom
 from builder.errors import UserError
 from builder.matrix import ROOT, load_matrix
-from entrypoints import atomic
+from common import atomic
 
 EXAMPLES = int(os.environ.get("TRAINBOX_FUZZ_EXAMPLES", "60"))   # the whole file: about 40 s on 2 busy cores
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None,

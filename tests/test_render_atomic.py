@@ -18,7 +18,7 @@ import pytest
 
 from builder import render
 from builder.matrix import ROOT, load_matrix
-from entrypoints import atomic
+from common import atomic
 
 PY = sys.executable
 
