@@ -22,7 +22,7 @@ from pathlib import Path
 from builder.errors import UserError
 from builder.matrix import Cell
 from builder.paths import ROOT
-from entrypoints import atomic
+from common import atomic
 
 PATH = Path("locks/bases.toml")
 DIGEST = re.compile(r"sha256:[0-9a-f]{64}")

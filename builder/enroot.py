@@ -17,7 +17,7 @@ interrupted export leaves none of them (only a SIGKILL between the three renames
 then shows it).
 
 Differences from enroot, on purpose: SOURCE_DATE_EPOCH adds `-mkfs-time/-all-time` (enroot does that only for
-`docker://`, not `dockerd://`) so rebuilds are byte-identical; the file is written through `entrypoints.atomic`
+`docker://`, not `dockerd://`) so rebuilds are byte-identical; the file is written through `common.atomic`
 (a temporary sibling named with host and pid, fsync, rename), so an interrupted export never leaves a `.sqsh` and
 exports from several nodes into one shared folder never delete each other's temporaries; symlinked
 /etc/{rc,fstab,...} are replaced, never followed out of the rootfs.
@@ -43,7 +43,7 @@ from pathlib import Path
 from builder import options, reference, sbom
 from builder.docker import check_arch, docker_cli, inspect_image
 from builder.errors import UserError, reports_user_errors
-from entrypoints import atomic
+from common import atomic
 
 # mksquashfs compressor options. "lzo" is enroot's default (ENROOT_SQUASH_OPTIONS, enroot.in:88): data blocks are
 # left uncompressed (-noD). "zstd" is ours: faster to write and smaller (see the module docstring).

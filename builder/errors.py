@@ -3,7 +3,7 @@
 import functools
 import sys
 
-from entrypoints import redact as _redact
+from common import redact as _redact
 
 
 class UserError(Exception):

@@ -27,7 +27,7 @@ from builder.actions import INDEX_ENV, setup_steps
 from builder.errors import UserError, reports_user_errors
 from builder.matrix import DEFAULT_MATRIX, load_matrix
 from builder.paths import ROOT
-from entrypoints import atomic
+from common import atomic
 
 # Runner label per arch for the source builds (an FA3 compile is about 1 h at MAX_JOBS=8 and wants RAM: a large
 # runner). Change these to your organisation's larger-runner labels, or set the repository variables

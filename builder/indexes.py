@@ -14,7 +14,7 @@ from builder import templating
 from builder.errors import UserError
 from builder.matrix import Cell
 from builder.matrix.schema import INDEX_NAMES
-from entrypoints import redact as _redact
+from common import redact as _redact
 
 ARGS = {"default": "INDEX_URL", "torch": "TORCH_INDEX_URL", "vllm": "VLLM_INDEX_URL", "flash": "FLASH_INDEX_URL"}
 
@@ -97,5 +97,5 @@ def build_args(cell: Cell, overrides: dict[str, str] | None = None) -> dict[str,
 
 
 def redact(text: str) -> str:
-    """Credentials out of every URL in `text` (user-info, secret query values): entrypoints.redact, the one home."""
+    """Credentials out of every URL in `text` (user-info, secret query values): common.redact, the one home."""
     return _redact.text(text)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from builder import bases as base_lock, indexes
-from entrypoints import atomic
+from common import atomic
 from builder.errors import UserError
 from builder.matrix import Cell
 from builder.matrix.locknames import lock_names

@@ -12,7 +12,7 @@ from typing import Mapping
 from builder import reference
 from builder.errors import UserError, shorten
 from builder.paths import ROOT
-from entrypoints import atomic
+from common import atomic
 
 
 def parse_bases(pairs: list[str] | None, table: Mapping | None = None, where: str = "--config") -> dict[str, str]:
@@ -108,7 +108,7 @@ CACHE_EXAMPLE = f"type=registry,ref={reference.EXAMPLE}-cache:smoke"
 
 def _shown_spec(spec: str) -> str:
     """SPEC as an error may echo it: secret fields' values (s3's secret_access_key, session_token...) masked."""
-    from entrypoints import redact
+    from common import redact
 
     fields = []
     for item in spec.split(","):

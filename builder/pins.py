@@ -30,7 +30,7 @@ from packaging.specifiers import Specifier, SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from entrypoints import atomic
+from common import atomic
 from builder.errors import UserError, reports_user_errors, shorten
 from builder import rules
 from builder.matrix import DEFAULT_MATRIX, read_document

@@ -11,7 +11,7 @@ from pathlib import Path
 import jinja2
 
 from builder import bases, indexes
-from entrypoints import atomic
+from common import atomic
 from builder.errors import UserError
 from builder.matrix import Cell
 from builder.matrix.fabric import PLUGIN_PREFIX

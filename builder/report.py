@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from entrypoints import atomic
+from common import atomic
 
 COLUMNS = [  # (header, field, formatter)
     ("cell", "cell", str),

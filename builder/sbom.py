@@ -38,7 +38,7 @@ from builder.matrix import load_matrix
 from builder.paths import ROOT
 from builder.registry import (INDEX_TYPES, OCI_EMPTY, OCI_INDEX, OCI_MANIFEST, Registry, shown,  # noqa: F401
                               split_ref)
-from entrypoints import atomic
+from common import atomic
 
 MEDIA_TYPE = "application/vnd.cyclonedx+json"
 VENV_PYTHON = "/opt/venv/bin/python"

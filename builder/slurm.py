@@ -4,7 +4,7 @@
  --gpus-per-node 8 [--partition P] [--time 04:00:00] [--data DIR] [--outputs DIR] [--hf-cache DIR]
  [--mount SRC:DST[:ro]] [--mode pyxis|enroot|bare] [-o job.sh]` writes the script (stdout without -o).
 Every mode runs one task per node; each task runs the dispatcher (`trainbox ENTRYPOINT ... --nproc-per-node N`),
-whose launcher (entrypoints/launch.py, the one home of the rendezvous rule) reads the step's Slurm variables and
+whose launcher (common/launch.py, the one home of the rendezvous rule) reads the step's Slurm variables and
 starts torchrun: nothing depends on hooks that may or may not set RANK/LOCAL_RANK in the container, and the script
 computes no address or port of its own.
 verl jobs (`--entrypoint verl-ppo|verl-sft`, pyxis or bare) come from their own template, verl.sh.j2: PPO runs
@@ -27,12 +27,12 @@ import jinja2
 
 from builder.errors import UserError, reports_user_errors, shorten
 from builder.options import check_file_target
-from entrypoints import atomic, commands, launch
+from common import atomic, commands, launch
 
 TEMPLATES = Path(__file__).resolve().parent / "templates" / "slurm"
 # verl's job kinds -> the module each runs by default (--module: another, e.g. a verl recipe's main).
 VERL_JOBS = {"verl-ppo": "verl.trainer.main_ppo", "verl-sft": "verl.trainer.sft_trainer"}
-# The in-image commands with a job script (entrypoints/commands.py, the command table), then verl's job kinds.
+# The in-image commands with a job script (common/commands.py, the command table), then verl's job kinds.
 ENTRYPOINTS = (*commands.names(slurm=True), *VERL_JOBS)
 # Entrypoints that take no YAML config (their options go after --): all but the trainers.
 NO_CONFIG = (*commands.names(slurm=True, trainer=False), *VERL_JOBS)
@@ -111,7 +111,7 @@ class JobSpec:
     log_dir: str = "."
     grace: int | None = None  # job.sh: default GRACE; verl jobs get no warning signal (refused)
     python: str | None = None  # bare mode (default "python3")
-    workdir: str | None = None  # bare mode: dir holding entrypoints/ (the repo root)
+    workdir: str | None = None  # bare mode: dir holding entrypoints/ and common/ (the repo root)
     env: tuple[tuple[str, str], ...] = ()
     args: tuple[str, ...] = field(default=())  # extra entrypoint options
     vllm_nodes: int = 0  # grpo: the last node(s) run `trl vllm-serve`, the others train (entrypoints/vllm_server.py)
@@ -230,7 +230,7 @@ def _check(spec: JobSpec) -> None:
             raise UserError("bare mode runs on the nodes without a container: drop --sqsh/--mount/--data/--outputs/"
                             "--hf-cache and give host paths in the config")
         if not spec.workdir or not spec.workdir.startswith("/"):
-            raise UserError("bare mode needs --workdir ABS_DIR (the directory that holds entrypoints/)")
+            raise UserError("bare mode needs --workdir ABS_DIR (the directory that holds entrypoints/ and common/)")
     else:
         # pyxis takes a path only if it starts with / or ./ (else it pulls from a registry); be strict: absolute.
         if not spec.sqsh or not spec.sqsh.startswith("/") or not spec.sqsh.endswith(".sqsh"):
@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grace", type=int, help=f"seconds before the time limit to send SIGUSR1 (default {GRACE}; "
                    "not for verl jobs)")
     p.add_argument("--python", help="bare mode: the Python with the training stack (default python3)")
-    p.add_argument("--workdir", help="bare mode: directory holding entrypoints/ (e.g. the repo root)")
+    p.add_argument("--workdir", help="bare mode: directory holding entrypoints/ and common/ (e.g. the repo root)")
     p.add_argument("--vllm-nodes", type=int, default=0,
                    help="grpo: the last node runs `trl vllm-serve`, the others train with vllm_mode server (1 or 0)")
     p.add_argument("--module", help=f"verl jobs: the module to run (default: {', '.join(VERL_JOBS.values())}; "

@@ -35,7 +35,7 @@ from pathlib import Path, PurePosixPath
 
 import yaml
 
-from entrypoints import atomic
+from common import atomic
 from builder import flashwheels, lock   # flash-wheels.yml
 from builder.actions import INDEX_ENV, PYTHON, setup_steps as _setup_steps
 from builder.errors import UserError, reports_user_errors
@@ -122,7 +122,8 @@ def notices(matrix_path: str | Path = DEFAULT_MATRIX) -> list[str]:
 def plan(changed: list[str] | None = None, matrix_path: str | Path = DEFAULT_MATRIX) -> list[dict]:
     """The build jobs: every venv when CHANGED is None (a push), else only the venvs whose inputs a changed path
     touches: images/<tag>/ and locks/<venv>.txt, locks/<tag>.* select their own venv; tests, benchmarks, devenv, CI
-    scripts and Markdown select none; any other path (builder/, entrypoints/, matrix.toml, build.py...) every venv.
+    scripts and Markdown select none; any other path (builder/, entrypoints/, common/, matrix.toml, build.py...) every
+    venv.
     A cell whose --frozen build would refuse a lock (blocked()) is never planned, nor a venv left with no cell."""
     groups = venv_groups(matrix_path)
     waiting = set(blocked(matrix_path))

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from entrypoints import atomic
+from common import atomic
 from builder.errors import UserError, reports_user_errors
 from devenv import engine
 from devenv.common import cache_dir, logger, which

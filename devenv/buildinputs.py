@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from entrypoints import atomic
+from common import atomic
 from builder.errors import UserError, reports_user_errors
 from builder.matrix import load_matrix
 from builder.paths import ROOT

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psutil
 
-from entrypoints import atomic
+from common import atomic
 from builder.errors import UserError
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .errors import UsageError
+from common.errors import UsageError
 
 
 class OneLineParser(argparse.ArgumentParser):

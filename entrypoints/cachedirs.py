@@ -68,7 +68,7 @@ def temp_plan(env) -> tuple[dict[str, str], str | None]:
     outputs = env.get("OUTPUT_DIR") or DEFAULT_OUTPUT_DIR
     base = os.path.join(outputs, f".tmp-{os.getuid()}")
     if not writable_dir(base):
-        from entrypoints.errors import UsageError
+        from common.errors import UsageError
 
         raise UsageError(f"no writable folder for temporary files: TMPDIR ({env.get('TMPDIR') or 'unset'}), /tmp, "
                          f"/var/tmp, the working directory and {outputs} are all read-only or not writable by uid "

@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from common.errors import UsageError
 from . import helpcache
-from .errors import UsageError
 
 Translator = Callable[[Any], dict]
 

@@ -14,7 +14,7 @@ import re
 import sys
 from pathlib import Path
 
-from entrypoints.errors import UsageError
+from common.errors import UsageError
 
 PATH = "/etc/trainbox/constraints.txt"
 _PIN = re.compile(r"(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?\s*===?\s*(?P<version>[^\s;]+)\s*(?P<marker>;.*)?")
@@ -112,7 +112,7 @@ def main(argv: list[str]) -> int:
         raise UsageError(f"cannot read the lock {args.lock}: {e.strerror}; give the venv's lock file") from None
     out = render(from_lock(text, args.lock), args.lock)
     if args.output:
-        from entrypoints import atomic
+        from common import atomic
 
         atomic.write_text(args.output, out)
     else:

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .errors import UsageError
+from common.errors import UsageError
 
 LOCAL_SUFFIXES = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
 FORMATS = ("auto", "messages", "dolly", "verl", "prompt_completion", "keys")

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-from entrypoints import commands
+from common import commands
 
 PROG = "trainbox"
 
@@ -70,12 +70,12 @@ def child_env() -> dict[str, str]:
 
 def run_main(main, argv: list[str] | None = None, prog: str | None = None) -> int:
     """For an entrypoint's `if __name__ == "__main__":` — a UsageError becomes one line on stderr and exit 2."""
-    from entrypoints.errors import UsageError
+    from common.errors import UsageError
 
     try:
         return main(sys.argv[1:] if argv is None else argv)
     except UsageError as e:
-        from entrypoints.errors import line
+        from common.errors import line
 
         print(f"{prog or PROG}: error: {line(e)}", file=sys.stderr)
         return e.exit_code
@@ -108,7 +108,7 @@ def main(argv: list[str]) -> int:
     if public:
         # First of all: without a usable temp folder (`docker run --read-only`) tempfile raises in whatever asks.
         from entrypoints import cachedirs
-        from entrypoints.errors import UsageError, line
+        from common.errors import UsageError, line
 
         try:
             cachedirs.apply_temp()

@@ -19,9 +19,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from entrypoints import (attention, config, data, launch, lifecycle, memplan, rewards, runner, speed, throughput,
-                         vllm_server)
-from entrypoints.errors import UsageError
+from common import launch
+from common.errors import UsageError
+from entrypoints import attention, config, data, lifecycle, memplan, rewards, runner, speed, throughput, vllm_server
 
 PROG = "trainbox grpo"
 MODES = ("full", "lora", "qlora")

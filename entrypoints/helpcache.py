@@ -16,7 +16,7 @@ import os
 from importlib import metadata
 from pathlib import Path
 
-from . import commands
+from common import commands
 
 IMAGE_DIR = "/opt/trainbox/help"  # written at image build (the entrypoints' folder's sibling)
 LIBRARIES = ("trl", "transformers", "peft", "accelerate")
@@ -29,41 +29,48 @@ def asked(argv: list[str]) -> bool:
 
 
 PACKAGE = Path(__file__).resolve().parent
+# Our packages, by import name: this one and its sibling `common` (the launcher's options are common/launch.py's).
+OURS = ("entrypoints", "common")
 
 
-def _imports(path: Path) -> frozenset[str]:
-    """Modules of this package that `path` imports, anywhere in it (`from . import a`, `from .b import c`,
-    `from entrypoints import a`, `import entrypoints.a`)."""
+def _imports(path: Path) -> frozenset[Path]:
+    """Files of our packages that `path` imports, anywhere in it (`from . import a`, `from .b import c`,
+    `from entrypoints import a`, `import common.a`): a relative import is of PATH's own package."""
     try:
         tree = ast.parse(path.read_text(encoding="utf-8"))
     except (OSError, SyntaxError, ValueError):
         return frozenset()
-    out = set()
+    out = set()  # (folder, module)
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level == 1 or base == PACKAGE.name:
-                if base and base != PACKAGE.name:
-                    out.add(base.split(".")[0])
-                else:
-                    out.update(a.name for a in node.names)
-            elif base.startswith(PACKAGE.name + "."):
-                out.add(base.split(".")[1])
+            base = (node.module or "").split(".")
+            if node.level == 1:
+                folder, inner = path.parent, base
+            elif node.level == 0 and base[0] in OURS:
+                folder, inner = PACKAGE.parent / base[0], base[1:]
+            else:
+                continue
+            if inner and inner[0]:
+                out.add((folder, inner[0]))
+            else:
+                out.update((folder, a.name) for a in node.names)
         elif isinstance(node, ast.Import):
-            out.update(a.name.split(".")[1] for a in node.names if a.name.startswith(PACKAGE.name + "."))
-    return frozenset(m for m in out if (PACKAGE / f"{m}.py").is_file())
+            out.update((PACKAGE.parent / a.name.split(".")[0], a.name.split(".")[1]) for a in node.names
+                       if a.name.split(".")[0] in OURS and "." in a.name)
+    files = (folder / f"{m}.py" for folder, m in out)
+    return frozenset(f for f in files if f.is_file())
 
 
 def sources(name: str) -> list[Path]:
-    """The entrypoint's module, every package module it imports (transitively) and the package's __init__."""
-    seen, todo = set(), [commands.module(name), "__init__"]
+    """The entrypoint's module, every module of ours it imports (transitively) and the package's __init__."""
+    seen, todo = set(), [PACKAGE / f"{commands.module(name)}.py", PACKAGE / "__init__.py"]
     while todo:
-        m = todo.pop()
-        if m in seen or not (PACKAGE / f"{m}.py").is_file():
+        f = todo.pop()
+        if f in seen or not f.is_file():
             continue
-        seen.add(m)
-        todo += _imports(PACKAGE / f"{m}.py")
-    return sorted(PACKAGE / f"{m}.py" for m in seen)
+        seen.add(f)
+        todo += _imports(f)
+    return sorted(seen)
 
 
 def key(name: str) -> str:
@@ -74,7 +81,7 @@ def key(name: str) -> str:
         except metadata.PackageNotFoundError:
             h.update(f"{lib}=none\n".encode())
     for src in sources(name):
-        h.update(src.name.encode() + b"\0" + src.read_bytes())
+        h.update(f"{src.parent.name}/{src.name}".encode() + b"\0" + src.read_bytes())
     return h.hexdigest()[:32]
 
 
@@ -107,7 +114,7 @@ def load(name: str) -> str | None:
 
 def store(name: str, text: str) -> None:
     """Keep `text` in the first folder that takes it (whole or not at all); nowhere is fine too."""
-    from . import atomic
+    from common import atomic
 
     for d in _dirs():
         try:

@@ -11,7 +11,7 @@ import json
 import os
 from pathlib import Path
 
-from entrypoints.errors import UsageError
+from common.errors import UsageError
 
 DEFAULT_PATH = "/etc/trainbox/image.json"
 ENV_VAR = "TRAINBOX_IMAGE_INFO"

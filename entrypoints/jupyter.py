@@ -43,7 +43,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from entrypoints.errors import UsageError
+from common.errors import UsageError
 
 DEFAULT_PORT = 8888
 DEFAULT_ROOT = "/workspace"
@@ -156,7 +156,7 @@ def prepare_state_dir(path: Path) -> None:
 
 
 def write_state(path: Path, state: dict) -> None:
-    from entrypoints import atomic
+    from common import atomic
 
     atomic.write_text(path, json.dumps(state), mode=0o600)
 
@@ -225,7 +225,7 @@ def seed_examples(root_dir: Path, source: Path = EXAMPLES) -> Path | None:
         return None
     import shutil
 
-    from entrypoints import atomic
+    from common import atomic
 
     try:
         with atomic.replacing_dir(dest, replace=False) as tmp:  # a user's own examples/ is never replaced

@@ -28,8 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-from . import atomic
-from .errors import UsageError
+from common import atomic
+from common.errors import UsageError
 
 DEFAULT_OUTPUT_DIR = "/workspace/outputs"
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)

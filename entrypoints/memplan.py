@@ -47,7 +47,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 
-from .errors import UsageError
+from common.errors import UsageError
 
 GiB = 2**30
 FIT = 0.92  # of the free memory: the allocator's fragmentation (expandable segments keep it small)

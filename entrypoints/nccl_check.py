@@ -23,9 +23,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import fabric, launch
+from common import launch
+from common.errors import UsageError
+from . import fabric
 from .argtypes import OneLineParser, not_negative, port, positive
-from .errors import UsageError
 
 PROG = "trainbox nccl-check"
 OPS = ("all_reduce", "all_gather")

@@ -14,7 +14,8 @@ import importlib
 import signal
 from pathlib import Path
 
-from . import commands, lifecycle, runlog
+from common import commands
+from . import lifecycle, runlog
 
 _SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 import os
 import sys
 
-from . import errors, memplan
-from .errors import UsageError
+from common import errors
+from common.errors import UsageError
+from . import memplan
 
 
 def split_argv(argv: list[str]) -> tuple[float | None, list[str]]:

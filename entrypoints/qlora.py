@@ -16,9 +16,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from common import atomic, launch
+from common.errors import UsageError
 from . import config as cfg
-from . import atomic, helpcache, launch, lifecycle, runner, sftlib
-from .errors import UsageError
+from . import helpcache, lifecycle, runner, sftlib
 
 
 @dataclass

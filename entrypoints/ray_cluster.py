@@ -9,7 +9,7 @@ exit 1), then runs the command with RAY_ADDRESS=HEAD_IP:GCS_PORT (its `ray.init(
 node when the command ends and exits with the command's code. Workers leave (exit 0) once the head's GCS is gone.
 
 Ports: one block of 256 per job, the same on every node, below the kernel's ephemeral range (like the torchrun
-launcher's port, entrypoints/launch.py): base B = --port-base, else 10000 + 256 * (job id modulo the number of
+launcher's port, common/launch.py): base B = --port-base, else 10000 + 256 * (job id modulo the number of
 blocks that fit below the ephemeral range, skipping blocks holding torch's 29400/29500). B+0 GCS (RAY_ADDRESS),
 B+1 Ray client server (ray://HEAD:B+1), B+2 dashboard (with --dashboard and ray[default]'s extra packages; the
 image has Ray core), B+3 node manager, B+4 object manager, B+5 runtime-env agent, B+6 metrics export, B+7 dashboard agent gRPC,
@@ -30,9 +30,9 @@ import sys
 import threading
 import time
 
-from . import launch
+from common import launch
+from common.errors import UsageError
 from .argtypes import OneLineParser, not_negative, positive
-from .errors import UsageError
 
 PROG = "trainbox ray"
 BLOCK = 256

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from entrypoints.errors import UsageError
+from common.errors import UsageError
 
 # The notebook's system prompt, verbatim (leading and trailing newline included).
 SYSTEM_PROMPT = """

@@ -18,8 +18,9 @@ import sys
 import threading
 from pathlib import Path
 
-from . import atomic, lifecycle, redact
-from .errors import UsageError
+from common import atomic, redact
+from common.errors import UsageError
+from . import lifecycle
 
 _active: Path | None = None  # the log being kept by this process (nested runs add nothing)
 

@@ -13,8 +13,9 @@ import os
 import sys
 from typing import Callable
 
-from . import commands, config, errors, launch, lifecycle, runlog
-from .errors import UsageError
+from common import commands, errors, launch
+from common.errors import UsageError
+from . import config, lifecycle, runlog
 
 # One trainer's steps: `parse(argv)` gives the tuple of its option objects (one launch.LaunchArguments, one with
 # output_dir: TrainingArguments), which the others take.

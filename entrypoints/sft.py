@@ -13,7 +13,8 @@ import os
 import sys
 import time
 
-from . import launch, lifecycle, precision, runner
+from common import launch
+from . import lifecycle, precision, runner
 from . import config as cfg
 # The SFT-style trainers' library (qlora uses it too); its names stay reachable here (sft.DataArguments).
 from .sftlib import (FSDP2_GPU, DataArguments, build_trainer, check_before_launch, finish_tuning, load_tokenizer,

@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from common.errors import UsageError
 from . import attention, data, lifecycle, speed, throughput
 from . import config as cfg
-from .errors import UsageError
 
 
 @dataclass

@@ -20,9 +20,9 @@ import importlib.util
 import os
 from dataclasses import dataclass, replace
 
+from common.errors import UsageError
 from . import attention, memplan
 from . import config as cfg
-from .errors import UsageError
 
 GiB = 2**30
 

@@ -51,8 +51,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-from . import launch
-from .errors import UsageError
+from common import launch
+from common.errors import UsageError
 
 HTTP_PORT = 8000  # TRL's GRPOConfig.vllm_server_port / `trl vllm-serve --port`
 GROUP_PORT = 51216  # TRL's GRPOConfig.vllm_group_port

@@ -1,4 +1,4 @@
-"""entrypoints.atomic: the one writer of locks, Dockerfiles, job scripts, .sqsh files, artifact copies, merged models.
+"""common.atomic: the one writer of locks, Dockerfiles, job scripts, .sqsh files, artifact copies, merged models.
 
 Crashes are real SIGKILLs of real writer processes; "another host" is another UTS name (unshare --uts) in this pid
 space, which is what a second node writing into one shared Lustre/NFS folder looks like from here."""
@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from entrypoints import atomic
+from common import atomic
 
 PY = sys.executable
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +51,7 @@ def test_temp_names_carry_host_and_pid(tmp_path):
 
 WRITER = """
 import os, signal, sys
-from entrypoints import atomic
+from common import atomic
 dest, kind = sys.argv[1], sys.argv[2]
 if kind == "file":
     with atomic.replacing(dest) as tmp:
@@ -149,7 +149,7 @@ def test_failed_write_leaves_nothing(tmp_path):
 
 HOLDER = """
 import sys, time
-from entrypoints import atomic
+from common import atomic
 with atomic.replacing(sys.argv[1]) as tmp:
     tmp.write_text("in flight on " + atomic.host())
     print(tmp, flush=True)
@@ -177,7 +177,7 @@ def test_another_hosts_write_in_flight_survives_our_cleaner(tmp_path):
 
 
 def test_pseudo_filesystems_are_refused_but_dev_shm_is_a_folder(tmp_path):
-    from entrypoints.atomic import why_not_a_folder
+    from common.atomic import why_not_a_folder
 
     for bad in ("/proc/trainbox", "/sys/x", "/dev/trainbox-out", "/dev/null/x"):
         assert "holds no files" in why_not_a_folder(bad)

@@ -1,6 +1,6 @@
-"""The command table (entrypoints/commands.py) is the one list of in-image commands (issue 30 item 3).
+"""The command table (common/commands.py) is the one list of in-image commands (issue 30 item 3).
 
-A dummy trainer registered by adding one module and one table entry, in a copy of the package, is listed by
+A dummy trainer registered by adding one module and one table entry, in a copy of the packages, is listed by
 `trainbox --help`, runs through the one trainer skeleton (runner.run_trainer: a log kept, bad input one line and
 exit 2), may run from a notebook and gets a Slurm job script: no other list needed an edit. A second list of command
 names anywhere in the product fails here.
@@ -17,18 +17,20 @@ from pathlib import Path
 
 import pytest
 
-from entrypoints import commands, dispatch, notebook
+from common import commands
+from entrypoints import dispatch, notebook
 
 ROOT = Path(__file__).resolve().parents[1]
-PRODUCT = ("entrypoints", "builder", "devenv")
-TABLE_FILE = ROOT / "entrypoints" / "commands.py"
+PRODUCT = ("entrypoints", "common", "builder", "devenv")
+TABLE_FILE = ROOT / "common" / "commands.py"
 
 DUMMY = '''"""Dummy trainer: one module and one table entry (tests/test_command_table.py)."""
 
 import sys
 
-from . import config, launch, runner
-from .errors import UsageError
+from common import launch
+from common.errors import UsageError
+from . import config, runner
 
 
 class Options:
@@ -62,15 +64,16 @@ if __name__ == "__main__":
 
 
 def add_dummy(tmp_path: Path) -> Path:
-    """A copy of the package with the dummy trainer's module and its one table entry; returns the copy's parent."""
+    """A copy of the packages with the dummy trainer's module and its one table entry; returns the copy's parent."""
     home = tmp_path / "pkg"
-    shutil.copytree(ROOT / "entrypoints", home / "entrypoints", ignore=shutil.ignore_patterns("__pycache__"))
+    for package in ("entrypoints", "common"):
+        shutil.copytree(ROOT / package, home / package, ignore=shutil.ignore_patterns("__pycache__"))
     (home / "entrypoints" / "dummy.py").write_text(DUMMY)
     # The skeleton's signal set-up shields transformers' DataLoader workers if transformers is there; the dummy has
     # none to shield, and the import costs 6 s a run on a busy host: an unimportable stub stands in for it.
     (home / "transformers").mkdir()
     (home / "transformers" / "__init__.py").write_text("raise ImportError('not for the dummy trainer')\n")
-    table = home / "entrypoints" / "commands.py"
+    table = home / "common" / "commands.py"
     text = table.read_text()
     assert text.count("TABLE = (\n") == 1
     table.write_text(text.replace("TABLE = (\n", 'TABLE = (\n    Command("dummy", "dummy", trainer=True, slurm=True),\n'))
@@ -81,7 +84,7 @@ def run(home: Path, *args: str, env: dict | None = None) -> subprocess.Completed
     """python ARGS in HOME (`-m` puts the working folder first on sys.path: the copy, not the checkout)."""
     clean = {k: v for k, v in os.environ.items()
              if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    clean["PYTHONPATH"] = os.pathsep.join([str(home), str(ROOT)])  # the copy's entrypoints, the checkout's builder
+    clean["PYTHONPATH"] = os.pathsep.join([str(home), str(ROOT)])  # the copies first, then the checkout's builder
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120, cwd=home,
                           env={**clean, **(env or {})})
 
@@ -148,7 +151,7 @@ def test_the_table_is_pure_data():
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert imported <= {"__future__", "typing"}, imported
-    probe = subprocess.run([sys.executable, "-c", "import sys, entrypoints.commands; "
+    probe = subprocess.run([sys.executable, "-c", "import sys, common.commands; "
                             "print(sorted(m for m in ('torch', 'trl', 'transformers') if m in sys.modules))"],
                            capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert probe.stdout.strip() == "[]", probe.stderr
@@ -173,7 +176,7 @@ def test_no_second_list_of_command_names():
             found = name_lists(path.read_text())
             if found:
                 bad[str(path.relative_to(ROOT))] = found
-    assert not bad, f"command names listed outside entrypoints/commands.py (read the table instead): {bad}"
+    assert not bad, f"command names listed outside common/commands.py (read the table instead): {bad}"
 
 
 def test_the_list_check_catches_a_planted_list():

@@ -5,8 +5,8 @@ from dataclasses import dataclass, field
 import pytest
 from transformers import TrainingArguments
 
+from common.errors import UsageError
 from entrypoints import config
-from entrypoints.errors import UsageError
 
 
 @dataclass

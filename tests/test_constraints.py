@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from enginefix import BUILD_TIMEOUT, docker, engine, smoke_build, smoke_image  # noqa: F401
+from common.errors import UsageError
 from entrypoints import constraints, pipwrap
-from entrypoints.errors import UsageError
 from simpleindex import serve, stand_in_wheel, write_index
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -81,9 +81,10 @@ def run(args, env=None, cwd=ROOT, **kw):
 
 @pytest.fixture
 def pkg(tmp_path):
-    """A copy of the package whose `sft` entrypoint is the marker stand-in (the real dispatcher runs it)."""
+    """A copy of the packages whose `sft` entrypoint is the marker stand-in (the real dispatcher runs it)."""
     dst = tmp_path / "pkg" / "entrypoints"
-    shutil.copytree(ROOT / "entrypoints", dst, ignore=shutil.ignore_patterns("__pycache__"))
+    for package in ("entrypoints", "common"):
+        shutil.copytree(ROOT / package, dst.parent / package, ignore=shutil.ignore_patterns("__pycache__"))
     (dst / "sft.py").write_text(MARKER_ENTRYPOINT)
     return dst.parent
 

@@ -407,7 +407,7 @@ def test_failed_export_leaves_no_sidecar(test_image, tmp_path, monkeypatch):
 
 def _sqsh_temps(folder: Path, name: str, pid: int, host: str | None = None) -> list[Path]:
     """The squashfs temporaries (not the unpack folders) that export PID on HOST writes next to NAME."""
-    from entrypoints import atomic
+    from common import atomic
 
     host = host or atomic.host()
     return [p for p in folder.glob(f".{name}.tmp.{host}.{pid}.*") if not p.name.endswith("_work")]
@@ -427,7 +427,7 @@ def test_two_hosts_exporting_into_one_shared_folder(slow_image, test_image, tmp_
     """Node A's export dies mid-write (SIGKILL): its pid is gone here, which is how a LIVE export of another node
     looks from this one. This host's export of the same file must leave A's temporary alone (only A may judge its
     own pids); A's next export cleans it."""
-    from entrypoints import atomic
+    from common import atomic
 
     shared = tmp_path / "shared"
     shared.mkdir()
@@ -547,7 +547,8 @@ def test_smoke_sqsh_rootfs_and_enroot_files(smoke_sqsh, smoke_root, smoke_image,
     listing = subprocess.run(["unsquashfs", "-l", str(smoke_sqsh)], capture_output=True, text=True,
                              check=True).stdout.splitlines()
     for p in ("etc/rc", "etc/rc.local", "etc/fstab", "etc/environment", "opt/venv/bin/python",
-              "usr/local/bin/trainbox", "etc/trainbox/image.json", "opt/trainbox/entrypoints/__main__.py"):
+              "usr/local/bin/trainbox", "etc/trainbox/image.json", "opt/trainbox/entrypoints/__main__.py",
+              "opt/trainbox/common/launch.py"):
         assert f"squashfs-root/{p}" in listing, p
     assert not [x for x in listing if x.startswith("squashfs-root/dev/") or x == "squashfs-root/.dockerenv"]
     inspect = json.loads(subprocess.run([engine["docker"], "image", "inspect", smoke_image], capture_output=True,

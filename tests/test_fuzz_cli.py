@@ -32,7 +32,7 @@ from builder.errors import UserError
 from builder.matrix import load_matrix
 from builder.matrix.grammar import PACKAGE
 from builder.paths import ROOT
-from entrypoints import atomic
+from common import atomic
 
 EXAMPLES = int(os.environ.get("TRAINBOX_FUZZ_EXAMPLES", "60"))   # the whole file: about 40 s on 2 busy cores
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None,

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from common.errors import UsageError
 from entrypoints import grpo, rewards
-from entrypoints.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -125,7 +125,7 @@ def test_batch_must_hold_whole_groups(no_model, capsys, monkeypatch, tiny_model,
 
 
 def test_batch_is_judged_for_the_processes_torchrun_will_start(no_model, capsys, monkeypatch, tiny_model, gsm8k_file):
-    from entrypoints import launch
+    from common import launch
 
     def no_torchrun(*a, **k):
         raise AssertionError("torchrun started despite bad input")

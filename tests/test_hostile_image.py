@@ -103,7 +103,7 @@ def test_temp_plan_without_mounts(tmp_path, monkeypatch):
     import tempfile
 
     from entrypoints import cachedirs
-    from entrypoints.errors import UsageError
+    from common.errors import UsageError
 
     ro = tmp_path / "file"
     ro.write_text("")
@@ -186,7 +186,7 @@ def test_unused_options_are_still_checked_when_parsed(tiny_model, entrypoint, ar
     """The options are judged when parsed, whether or not this run will use them (vLLM is not installed here)."""
     import importlib
 
-    from entrypoints.errors import UsageError
+    from common.errors import UsageError
 
     module = importlib.import_module(f"entrypoints.{entrypoint}")
     with pytest.raises(UsageError) as e:
@@ -196,7 +196,7 @@ def test_unused_options_are_still_checked_when_parsed(tiny_model, entrypoint, ar
 
 def test_yaml_values_meet_the_same_checks(tiny_model, tmp_path):
     from entrypoints import grpo
-    from entrypoints.errors import UsageError
+    from common.errors import UsageError
 
     (tmp_path / "a.yaml").write_text("vllm_mode: banana\n")
     with pytest.raises(UsageError, match="vllm_mode .*'banana' is not one of"):
@@ -213,7 +213,8 @@ def test_every_numeric_option_has_a_range():
 
     from trl import GRPOConfig, ModelConfig, SFTConfig
 
-    from entrypoints import config, grpo, launch, qlora, sft
+    from common import launch
+    from entrypoints import config, grpo, qlora, sft
 
     missing = []
     for cls in (SFTConfig, GRPOConfig, ModelConfig, sft.DataArguments, grpo.GRPOScriptArgs, launch.LaunchArguments,
@@ -335,7 +336,7 @@ def test_sft_refuses_lora_options_it_would_ignore(tiny_model, tmp_path):
 
 def test_model_options_refused_only_when_set_to_something_else(tiny_model):
     from entrypoints import config, grpo, sft
-    from entrypoints.errors import UsageError
+    from common.errors import UsageError
 
     *_, model_args, _ = sft.parse(["--model_name_or_path", str(tiny_model), "--use_peft", "false", "--lora_r", "16"])
     config.check_full_training(model_args)  # the defaults, said out loud: nothing ignored
@@ -403,7 +404,7 @@ def test_resume_decisions(tmp_path):
     from types import SimpleNamespace
 
     from entrypoints import lifecycle
-    from entrypoints.errors import UsageError
+    from common.errors import UsageError
 
     def ckpt(out, step, max_steps, epochs=3.0, trainer=None):
         c = out / f"checkpoint-{step}"
@@ -449,6 +450,8 @@ def test_help_cache_is_keyed_on_what_the_trainer_imports():
 
     names = {p.name for p in helpcache.sources("sft")}
     assert {"sft.py", "config.py", "launch.py", "data.py", "__init__.py"} <= names
+    # The launcher's options (part of every trainer's --help) live in the shared package: followed there too.
+    assert helpcache.PACKAGE.parent / "common" / "launch.py" in helpcache.sources("sft")
     assert not names & {"doctor.py", "nccl_check.py", "jupyter.py", "dispatch.py", "grpo.py"}
     assert "vllm_server.py" in {p.name for p in helpcache.sources("grpo")}
     assert "sftlib.py" in {p.name for p in helpcache.sources("qlora")}  # qlora's options include sftlib's

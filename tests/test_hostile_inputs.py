@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from entrypoints.errors import UsageError
+from common.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}

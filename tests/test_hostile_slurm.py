@@ -13,7 +13,7 @@ import pytest
 
 from builder import options, sbom, slurm
 from builder.errors import UserError
-from entrypoints import atomic
+from common import atomic
 from test_fuzz_cli import call  # noqa: E402  (the one in-process CLI runner of the tests)
 
 SL = ["--tag", "smoke-x86_64", "--entrypoint", "sft", "--sqsh", "/shared/x.sqsh", "--nodes", "2",

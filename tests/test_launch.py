@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from entrypoints import launch
-from entrypoints.errors import UsageError
+from common import launch
+from common.errors import UsageError
 
 
 def flags(**kw):

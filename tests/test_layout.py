@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -97,13 +98,15 @@ def test_the_check_catches_an_orphan(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------ one-way imports (issue 30)
-# builder/ may import these in-image modules only: the utilities host and image share (atomic writes, redaction) and
-# the launcher's Slurm step variables the job renderer passes on. Issue 30 item 3 moves them to a shared package;
-# then this set shrinks to nothing.
-SHARED_WITH_ENTRYPOINTS = {"entrypoints.atomic", "entrypoints.redact", "entrypoints.launch",
-                           # the command table (Slurm renderer: which commands get a job script); pure data, no
-                           # import of torch/TRL (tests/test_command_table.py keeps it so)
-                           "entrypoints.commands"}
+# What host and image share lives in one neutral package, common/: builder/ and devenv/ import it, never the in-image
+# package (whose __init__ installs logging filters). common/ imports the standard library and itself; the only other
+# names, each imported inside the one function that needs it (so importing common costs the standard library alone):
+COMMON_LAZY_LIBRARIES = {
+    "psutil",  # process lookups (atomic: a dead writer's temporary; launch: torchrun's ranks); host and images have it
+    "torch",   # launch.torchrun_has_option asks torchrun's own parser, only when torchrun is about to run (in-image)
+}
+HOST_PACKAGES = ("builder", "devenv")
+COMMON = "common"
 # Import circles known and being removed elsewhere, each as the set of its modules.
 KNOWN_CYCLES: list[set[str]] = []  # none; a cycle found here is a bug, not an exception to list
 
@@ -170,26 +173,62 @@ def test_builder_has_no_import_cycle():
     assert not found, f"import circles in builder/ (imports inside functions count): {found}"
 
 
-def test_builder_imports_only_the_shared_entrypoints_modules():
-    for path in sorted((ROOT / PACKAGE).rglob("*.py")):
-        names = module_imports(path)
-        bad = {n for n in names if n.split(".")[0] == "entrypoints" and n != "entrypoints"
-               and ".".join(n.split(".")[:2]) not in SHARED_WITH_ENTRYPOINTS}
-        bad |= {"entrypoints"} if "import entrypoints" in path.read_text() else set()
-        assert not bad, (f"{path.relative_to(ROOT)} imports {sorted(bad)} from the in-image package; builder/ may use "
-                         f"only {sorted(SHARED_WITH_ENTRYPOINTS)}")
+def package_imports(package: str) -> dict[Path, set[str]]:
+    """{file of PACKAGE: the absolute names it imports (relative imports resolved), inside functions too}."""
+    return {path: module_imports(path) for path in sorted((ROOT / package).rglob("*.py"))}
+
+
+def test_the_host_never_imports_the_in_image_package():
+    for package in HOST_PACKAGES:
+        for path, names in package_imports(package).items():
+            bad = {n for n in names if n.split(".")[0] == "entrypoints"}
+            assert not bad, (f"{path.relative_to(ROOT)} imports {sorted(bad)}: the host may not import the in-image "
+                             f"package; what both sides need belongs in {COMMON}/")
+
+
+def top_level_imports(path: Path) -> set[str]:
+    """Top-level package names imported outside any function or class (what importing PATH runs)."""
+    names = set()
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            names.add(COMMON if node.level else node.module.split(".")[0])
+    return names
+
+
+def test_common_imports_only_the_standard_library_and_itself():
+    assert (ROOT / COMMON / "__init__.py").is_file()
+    for path, names in package_imports(COMMON).items():
+        tops = {n.split(".")[0] for n in names}
+        bad = tops - set(sys.stdlib_module_names) - {COMMON} - COMMON_LAZY_LIBRARIES
+        bad |= top_level_imports(path) - set(sys.stdlib_module_names) - {COMMON}
+        assert not bad, (f"{path.relative_to(ROOT)} imports {sorted(bad)}: {COMMON}/ (shared by host and image) may "
+                         f"import only the standard library and itself (and {sorted(COMMON_LAZY_LIBRARIES)} inside a "
+                         "function)")
+
+
+def test_common_init_runs_nothing():
+    """Importing common (every host command does) has no side effect: its __init__ is a docstring only."""
+    body = ast.parse((ROOT / COMMON / "__init__.py").read_text()).body
+    assert len(body) == 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value.value, str), body
 
 
 def test_the_checks_catch_a_planted_cycle_and_an_entrypoints_import(tmp_path, monkeypatch):
-    """The cycle check is real: a circle closed by an import inside a function is reported, and so is a builder
-    module importing an in-image command."""
+    """The checks are real: a circle closed by an import inside a function is reported, and so are a builder module
+    importing the in-image package (even inside a function) and a common module importing it or a library."""
     fake = tmp_path / PACKAGE
     fake.mkdir()
     (fake / "__init__.py").write_text("")
     (fake / "a.py").write_text("from builder import b\n")
     (fake / "b.py").write_text("import builder.c\n")
     (fake / "c.py").write_text("def f():\n    from builder.a import x\n    return x\n")
-    (fake / "d.py").write_text("from . import a\nfrom entrypoints import atomic, doctor\n")
+    (fake / "d.py").write_text("from . import a\nfrom common import atomic\n\ndef f():\n    import entrypoints.doctor\n")
+    (tmp_path / COMMON).mkdir()
+    (tmp_path / COMMON / "__init__.py").write_text('"""Shared."""\nfrom entrypoints import quiet\n')
+    (tmp_path / COMMON / "ok.py").write_text("import os\nfrom . import x\n\ndef f():\n    import psutil\n")
+    (tmp_path / COMMON / "lazy.py").write_text("import psutil\n")  # a listed library, but at import time
+    (tmp_path / COMMON / "lib.py").write_text("def f():\n    import jinja2\n")
     (fake / "sub").mkdir()   # a subpackage's modules are in the graph, their relative imports resolved
     (fake / "sub" / "__init__.py").write_text("")
     (fake / "sub" / "e.py").write_text("from . import f\nfrom .. import a\nfrom .f import g\n")
@@ -198,7 +237,20 @@ def test_the_checks_catch_a_planted_cycle_and_an_entrypoints_import(tmp_path, mo
     assert cycles(import_graph()) == [{"builder.a", "builder.b", "builder.c"}]
     assert import_graph()["builder.d"] == {"builder.a"}
     assert import_graph()["builder.sub.e"] == {"builder.sub", "builder.sub.f", "builder.a"}
-    with pytest.raises(AssertionError, match=r"imports \['entrypoints.doctor'\]"):
-        test_builder_imports_only_the_shared_entrypoints_modules()
+    with pytest.raises(AssertionError, match=r"builder/d.py imports \['entrypoints.doctor'\]: the host may not"):
+        test_the_host_never_imports_the_in_image_package()
     with pytest.raises(AssertionError, match="import circles"):
         test_builder_has_no_import_cycle()
+    with pytest.raises(AssertionError, match=r"common/__init__.py imports \['entrypoints'\]"):
+        test_common_imports_only_the_standard_library_and_itself()
+    (tmp_path / COMMON / "__init__.py").write_text('"""Shared."""\n')
+    with pytest.raises(AssertionError, match=r"common/lazy.py imports \['psutil'\]"):
+        test_common_imports_only_the_standard_library_and_itself()
+    (tmp_path / COMMON / "lazy.py").unlink()
+    with pytest.raises(AssertionError, match=r"common/lib.py imports \['jinja2'\]"):
+        test_common_imports_only_the_standard_library_and_itself()
+    (tmp_path / COMMON / "lib.py").unlink()
+    test_common_imports_only_the_standard_library_and_itself()  # what is left (ok.py) passes
+    (tmp_path / COMMON / "__init__.py").write_text('"""Shared."""\nimport logging\nlogging.basicConfig()\n')
+    with pytest.raises(AssertionError):
+        test_common_init_runs_nothing()

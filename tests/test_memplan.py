@@ -15,8 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from common.errors import UsageError
 from entrypoints import config, memplan, speed
-from entrypoints.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30

@@ -14,7 +14,8 @@ import pytest
 
 from builder.errors import UserError
 from builder.slurm import JobSpec, render, write
-from entrypoints import launch, ray_cluster
+from common import launch
+from entrypoints import ray_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 

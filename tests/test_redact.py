@@ -1,4 +1,4 @@
-"""One redaction (entrypoints/redact.py) for every URL and secret option the tool prints: any scheme case,
+"""One redaction (common/redact.py) for every URL and secret option the tool prints: any scheme case,
 user-info and query-string secrets, malformed URLs (never raises), secret options in command lines; through the real
 CLI (--dry-run, TRAINBOX_INDEX_*, --lock's error path with an unreachable index) and fuzzed with hypothesis."""
 
@@ -14,7 +14,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from builder.errors import UserError
-from entrypoints import redact
+from common import redact
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "s3cret"

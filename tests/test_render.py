@@ -134,11 +134,13 @@ def test_image_contract(tag):
         assert k in labels
     for pkg, ver in cell.pins.items():
         assert f'io.trainbox.version.{pkg}="{cell.requirement(pkg).split("==")[1]}"' in labels
-    # The entrypoints layer is the last COPY; only the help texts rendered from it (one RUN, as root), the constraints
-    # file (one RUN + ENV, test_constraints_step_in_every_image) and ARG/LABEL (no layers) follow it, so a code change
-    # rebuilds three small layers.
+    # Our packages are the last COPYs (common/, then entrypoints/, beside each other on PYTHONPATH); only the help
+    # texts rendered from them (one RUN, as root), the constraints file (one RUN + ENV,
+    # test_constraints_step_in_every_image) and ARG/LABEL (no layers) follow, so a code change rebuilds a few small
+    # layers.
     last_copy = max(i for i, (w, r) in enumerate(ins) if w in ("COPY", "ADD"))
-    assert ins[last_copy] == ("COPY", "entrypoints/ /opt/trainbox/entrypoints/")
+    assert ins[last_copy - 1: last_copy + 1] == [("COPY", "common/ /opt/trainbox/common/"),
+                                                  ("COPY", "entrypoints/ /opt/trainbox/entrypoints/")]
     assert ins[last_copy + 1: last_copy + 3] == [("USER", "root"), (
         "RUN", "HOME=/tmp/help-home TRAINBOX_HELP_DIR=/opt/trainbox/help python -m entrypoints.helpcache && rm -rf "
                "/tmp/help-home")]
@@ -296,7 +298,7 @@ def test_write_leaves_no_temp_files(tmp_path):
 def test_dockerignore_keeps_junk_out_and_inputs_in():
     lines = (ROOT / ".dockerignore").read_text().splitlines()
     assert "**" in lines
-    for keep in ("!locks/*.txt", "!entrypoints/**", "!wheelhouse/**", "!images/**"):
+    for keep in ("!locks/*.txt", "!entrypoints/**", "!common/**", "!wheelhouse/**", "!images/**"):
         assert keep in lines
     assert "**/__pycache__" in lines
     assert not any(re.match(r"!\.(venv|git)", ln) for ln in lines)

@@ -19,7 +19,7 @@ import pytest
 from builder import render
 from builder.matrix import load_matrix
 from builder.paths import ROOT
-from entrypoints import atomic
+from common import atomic
 
 PY = sys.executable
 

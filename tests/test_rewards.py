@@ -6,8 +6,8 @@ tag, 0.001 per trailing character), not by calling the functions under test.
 
 import pytest
 
+from common.errors import UsageError
 from entrypoints import rewards
-from entrypoints.errors import UsageError
 
 FUNCS = {
     "correctness": rewards.correctness,

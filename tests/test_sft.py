@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from entrypoints.launch import descendants
+from common.launch import descendants
 from test_data import write_dolly, write_messages, write_verl_gsm8k
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from builder.slurm import JobSpec, UserError, parse_mount, render, sqsh_name, write
-from entrypoints import launch
+from common import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 PYXIS = JobSpec(tag="smoke-x86_64", entrypoint="sft", mode="pyxis", config="/data/sft.yaml",

@@ -20,7 +20,7 @@ import pytest
 
 from devenv import slurm as devslurm
 from builder.slurm import JobSpec, parse_mount, write
-from entrypoints import launch
+from common import launch
 from test_slurm_job import _sft_setup, enroot_path, submit, wait_job
 
 pytestmark = pytest.mark.slurm

@@ -213,7 +213,7 @@ dist.destroy_process_group()
 def test_verl_sft_job_on_two_nodes_runs_one_torchrun_per_node(slurm2, verl_python, tmp_path):
     from test_slurm_job import submit, wait_job
 
-    from entrypoints import launch
+    from common import launch
 
     env, partition = slurm2
     (tmp_path / "verl_sft_probe.py").write_text(SFT_PROBE)

@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 
 from builder import slurm as job
-from entrypoints import launch, vllm_server
-from entrypoints.errors import UsageError
+from common import launch
+from common.errors import UsageError
+from entrypoints import vllm_server
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from common import ROOT, build_model, report, run_entrypoint, write_chat_data
-from entrypoints.launch import descendants
+from common.launch import descendants
 
 
 def _watchdog(p: subprocess.Popen, seconds: float) -> None:

@@ -2,9 +2,9 @@
 
 The dispatcher (listing, what runs), the help cache (which commands keep a rendered --help), the notebook helper
 (what `notebook.run` may run) and the host's Slurm renderer (builder/slurm.py: which commands get a job script,
-which take --config) all read this table; a new command is its module plus one line here. Pure data: no import of
-the package or of a library (builder/ imports it on the host), and a command's summary is read from its module's
-docstring by the dispatcher, only when it lists them.
+which take --config) all read this table; a new command is its module (entrypoints/NAME.py) plus one line here.
+Pure data: no import of a package or of a library (builder/ imports it on the host), and a command's summary is read
+from its module's docstring by the dispatcher, only when it lists them.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Every write of a lock, Dockerfile, job script, `.sqsh`, artifact copy or merged model goes through here: a temporary
 sibling in the same folder (so the rename stays on one file system), the data fsynced, a rename, the folder fsynced
-(so the rename itself survives a power loss). Lives in `entrypoints/` because only that package ships in the image
-(the trainers write through it there); the host package installs both, so `builder` imports it from here.
+(so the rename itself survives a power loss). Lives in `common/`, the package host and image share: the trainers
+write through it in the image, builder/ and devenv/ on the host.
 
 Temporary names are `.NAME.tmp.HOST.PID.RANDOM`: on a shared (Lustre/NFS) folder several nodes write at once and
 their pids mean nothing to each other, so `clean_stale` removes only temporaries of THIS host whose process is gone.

@@ -1,4 +1,7 @@
-"""The one error type the in-image side raises for bad input: the dispatcher prints it on one line and exits 2."""
+"""The one error type the in-image side raises for bad input: the dispatcher prints it on one line and exits 2.
+Here, not in entrypoints/, because the launch planner (launch.py) raises it too."""
+
+from . import redact
 
 
 class UsageError(Exception):
@@ -9,8 +12,6 @@ class UsageError(Exception):
 
 def line(e: BaseException) -> str:
     """How a UsageError is printed: one line (every non-printable character escaped), no credentials, bounded."""
-    from entrypoints import redact
-
     text = redact.text(" ".join(str(e).split()))
     text = "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
     return text if len(text) <= 2000 else f"{text[:2000]}... ({len(text)} characters)"
