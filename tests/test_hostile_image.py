@@ -235,7 +235,7 @@ def test_doctor_fails_on_a_pinned_package_that_is_gone(tmp_path, monkeypatch, ca
     import json
     from importlib import metadata
 
-    from entrypoints import constraints, doctor
+    from entrypoints import constraints, doctor, doctorchecks
 
     pins = tmp_path / "constraints.txt"
     pins.write_text(f"tqdm=={metadata.version('tqdm')}\nno-such-pinned-package==1.0\n"
@@ -244,7 +244,7 @@ def test_doctor_fails_on_a_pinned_package_that_is_gone(tmp_path, monkeypatch, ca
     code = doctor.main(["--json"])
     report = json.loads(capsys.readouterr().out)
     row = next(c for c in report["checks"] if c["name"] == "constraints")
-    assert row["status"] == "fail" and code == doctor.EXIT_BROKEN
+    assert row["status"] == "fail" and code == doctorchecks.EXIT_BROKEN
     assert "pinned but not installed: no-such-pinned-package 1.0" in row["detail"]
     assert "tqdm" not in row["detail"] and "other-platform-only" not in row["detail"]  # a pin for elsewhere
     assert row["detail"].endswith("`pip install no-such-pinned-package==1.0`")
