@@ -19,8 +19,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from entrypoints import (attention, config, data, launch, lifecycle, memplan, rewards, runner, speed, throughput,
-                         vllm_server)
+from entrypoints import (attention, config, data, launch, memplan, outputs, preemption, resume, rewards, runner,
+                         runsummary, speed, throughput, vllm_server)
 from entrypoints.errors import UsageError
 
 PROG = "trainbox grpo"
@@ -476,23 +476,23 @@ def validate(script, args, model_args) -> Checked:
             if script.vllm_server_nodes or script.vllm_server_gpus else None)
     rollouts = resolve_rollouts(args, ours)
     config.check_report_to(args.report_to)
-    args.output_dir = lifecycle.output_dir(config.configured_output_dir(args))
+    args.output_dir = outputs.output_dir(config.configured_output_dir(args))
     if args.resume_from_checkpoint:  # TrainingArguments' own option wins over --resume
         script.resume = args.resume_from_checkpoint
-    resume = lifecycle.resolve_resume(script.resume, args.output_dir, args, "grpo")
+    ckpt = resume.resolve_resume(script.resume, args.output_dir, args, "grpo")
     ds = prepare_dataset(script, refs, funcs)
     if script.max_prompt_tokens is not None:
         ds = drop_long_prompts(ds, model_args.model_name_or_path, script.max_prompt_tokens, model_args.model_revision)
         if args.use_vllm and args.vllm_max_model_length is None:
             args.vllm_max_model_length = script.max_prompt_tokens + args.max_completion_length
-    return Checked(mode, refs, funcs, rollouts, ds, resume)
+    return Checked(mode, refs, funcs, rollouts, ds, ckpt)
 
 
 def train(script, args, model_args, checked: Checked) -> int:
     started = time.time()
     out = args.output_dir
-    preemption = lifecycle.PreemptionCallback()
-    if lifecycle.is_main_process():
+    preempt_cb = preemption.PreemptionCallback()
+    if outputs.is_main_process():
         print(
             f"[trainbox] grpo: model {model_args.model_name_or_path} mode {checked.mode}; data {script.dataset} "
             f"({len(checked.dataset)} rows); rewards {', '.join(checked.refs)}; {checked.rollouts}; "
@@ -503,18 +503,18 @@ def train(script, args, model_args, checked: Checked) -> int:
     facts = speed.model_facts(model_args.model_name_or_path, model_args.model_revision)
     line = choose_checkpointing(args, model_args, checked.mode, script.max_prompt_tokens, facts)
     lines = [line, *choose_policy_forward(script, args, model_args, facts.attention)]
-    if lifecycle.is_main_process():
+    if outputs.is_main_process():
         for line in lines:
             print(f"[trainbox] grpo: {line}", flush=True)
-    trainer = build_trainer(args, model_args, checked.mode, checked.funcs, checked.dataset, preemption,
+    trainer = build_trainer(args, model_args, checked.mode, checked.funcs, checked.dataset, preempt_cb,
                             padding_free=script.padding_free)
-    if lifecycle.is_main_process():
+    if outputs.is_main_process():
         print(f"[trainbox] grpo: {describe_model(trainer.model)}", flush=True)
     trainer.train(resume_from_checkpoint=checked.resume)
-    if not lifecycle.was_preempted():
+    if not preemption.was_preempted():
         trainer.save_model(out)
-    lifecycle.finish(trainer, out, started, "grpo")
-    return lifecycle.exit_code()
+    runsummary.finish(trainer, out, started, "grpo")
+    return preemption.exit_code()
 
 
 def choose_checkpointing(args, model_args, mode: str, max_prompt_tokens: int | None, facts) -> str:
@@ -581,7 +581,7 @@ def describe_model(model) -> str:
     return f"loaded: base weights {weights}{lora}; trainable {trainable:,} of {total:,} parameters"
 
 
-def build_trainer(args, model_args, mode, funcs, ds, preemption, padding_free: bool = False):
+def build_trainer(args, model_args, mode, funcs, ds, preempt_cb, padding_free: bool = False):
     from trl import GRPOTrainer, get_peft_config, get_quantization_config
 
     if padding_free:
@@ -609,7 +609,7 @@ def build_trainer(args, model_args, mode, funcs, ds, preemption, padding_free: b
         peft_config=get_peft_config(model_args) if mode != "full" else None,
         quantization_config=quant,
         # Steady steps/s and tokens/s for the summary (no MFU: rollouts are most of a GRPO step's work).
-        callbacks=[preemption, throughput.Throughput()],
+        callbacks=[preempt_cb, throughput.Throughput()],
     )
 
 

@@ -402,7 +402,7 @@ def test_resume_decisions(tmp_path):
     """The same rules on planted checkpoints (no training): epochs as the target, the run record, --resume PATH."""
     from types import SimpleNamespace
 
-    from entrypoints import lifecycle
+    from entrypoints import resume
     from entrypoints.errors import UsageError
 
     def ckpt(out, step, max_steps, epochs=3.0, trainer=None):
@@ -417,27 +417,27 @@ def test_resume_decisions(tmp_path):
     epochs3 = SimpleNamespace(max_steps=-1, num_train_epochs=3.0)
     out = tmp_path / "a"
     c = ckpt(out, 24, 24)  # an old checkpoint without a record: epochs done
-    with pytest.raises(lifecycle.Finished) as e:
-        lifecycle.resolve_resume("auto", str(out), epochs3, "sft")
+    with pytest.raises(resume.Finished) as e:
+        resume.resolve_resume("auto", str(out), epochs3, "sft")
     assert e.value.code == 0
-    assert lifecycle.resolve_resume("auto", str(out), SimpleNamespace(max_steps=-1, num_train_epochs=4.0), "sft") == c
-    assert lifecycle.resolve_resume("auto", str(out), SimpleNamespace(max_steps=30, num_train_epochs=3.0), "sft") == c
-    assert lifecycle.resolve_resume("never", str(out), epochs3, "sft") is None
+    assert resume.resolve_resume("auto", str(out), SimpleNamespace(max_steps=-1, num_train_epochs=4.0), "sft") == c
+    assert resume.resolve_resume("auto", str(out), SimpleNamespace(max_steps=30, num_train_epochs=3.0), "sft") == c
+    assert resume.resolve_resume("never", str(out), epochs3, "sft") is None
 
     out = tmp_path / "b"  # finished, no checkpoint kept: the run record says so
     out.mkdir()
-    (out / lifecycle.RUN_FILE).write_text(json.dumps({"trainer": "qlora", "finished": True, "global_step": 8,
-                                                      "max_steps": -1, "num_train_epochs": 3.0}))
-    with pytest.raises(lifecycle.Finished):
-        lifecycle.resolve_resume("auto", str(out), epochs3, "qlora")
-    assert lifecycle.resolve_resume("auto", str(out), epochs3, "sft") is None  # nothing to resume: a fresh run
+    (out / resume.RUN_FILE).write_text(json.dumps({"trainer": "qlora", "finished": True, "global_step": 8,
+                                                   "max_steps": -1, "num_train_epochs": 3.0}))
+    with pytest.raises(resume.Finished):
+        resume.resolve_resume("auto", str(out), epochs3, "qlora")
+    assert resume.resolve_resume("auto", str(out), epochs3, "sft") is None  # nothing to resume: a fresh run
 
     c = ckpt(tmp_path / "c", 1, 5, trainer="grpo")
     with pytest.raises(UsageError, match="holds a grpo run"):
-        lifecycle.resolve_resume("auto", str(tmp_path / "c"), epochs3, "qlora")
+        resume.resolve_resume("auto", str(tmp_path / "c"), epochs3, "qlora")
     with pytest.raises(UsageError, match="a grpo checkpoint; sft can't resume from it"):
-        lifecycle.resolve_resume(c, str(tmp_path / "elsewhere"), epochs3, "sft")
-    assert lifecycle.resolve_resume(c, str(tmp_path / "elsewhere"), epochs3, "grpo") == c
+        resume.resolve_resume(c, str(tmp_path / "elsewhere"), epochs3, "sft")
+    assert resume.resolve_resume(c, str(tmp_path / "elsewhere"), epochs3, "grpo") == c
 
 
 # ------------------------------------------------------------------------------- #26 --help fast with a fresh HOME
