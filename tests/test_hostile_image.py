@@ -213,10 +213,10 @@ def test_every_numeric_option_has_a_range():
 
     from trl import GRPOConfig, ModelConfig, SFTConfig
 
-    from entrypoints import config, grpo, launch, qlora, sft
+    from entrypoints import config, grpo_options, launch, qlora, sft
 
     missing = []
-    for cls in (SFTConfig, GRPOConfig, ModelConfig, sft.DataArguments, grpo.GRPOScriptArgs, launch.LaunchArguments,
+    for cls in (SFTConfig, GRPOConfig, ModelConfig, sft.DataArguments, grpo_options.GRPOScriptArgs, launch.LaunchArguments,
                 qlora.QLoRAArguments):
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
@@ -334,7 +334,7 @@ def test_sft_refuses_lora_options_it_would_ignore(tiny_model, tmp_path):
 
 
 def test_model_options_refused_only_when_set_to_something_else(tiny_model):
-    from entrypoints import config, grpo, sft
+    from entrypoints import config, grpo, grpo_options, sft
     from entrypoints.errors import UsageError
 
     *_, model_args, _ = sft.parse(["--model_name_or_path", str(tiny_model), "--use_peft", "false", "--lora_r", "16"])
@@ -344,12 +344,12 @@ def test_model_options_refused_only_when_set_to_something_else(tiny_model):
         config.check_full_training(model_args)
     script, _, _, model_args = grpo.parse(["--mode", "full", "--lora_r", "8"])
     with pytest.raises(UsageError, match="--lora_r: --mode full trains every weight and would ignore it"):
-        grpo.resolve_mode(script, model_args)
+        grpo_options.resolve_mode(script, model_args)
     script, _, _, model_args = grpo.parse(["--mode", "lora", "--bnb_4bit_quant_type", "fp4"])
     with pytest.raises(UsageError, match="--bnb_4bit_quant_type: --mode lora keeps the base unquantized"):
-        grpo.resolve_mode(script, model_args)
+        grpo_options.resolve_mode(script, model_args)
     script, _, _, model_args = grpo.parse(["--mode", "lora", "--lora_r", "8"])
-    assert grpo.resolve_mode(script, model_args) == "lora"
+    assert grpo_options.resolve_mode(script, model_args) == "lora"
 
 
 # ------------------------------------------------------- #22 resume never overshoots, #23 nor crosses trainers
