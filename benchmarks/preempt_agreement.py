@@ -1,5 +1,5 @@
 """Figures, not a test: what the preemption agreement costs each optimizer step, across two "nodes" (network
-namespaces, gloo over their veth link), blocking all-reduce (before) vs the overlapped one (lifecycle.FlagAgreement).
+namespaces, gloo over their veth link), blocking all-reduce (before) vs the overlapped one (preemption.FlagAgreement).
 
     python -m devenv.slurm up --netns-nodes 2      # the namespaces trainbox-slurm-1/2 (root)
     python benchmarks/preempt_agreement.py [--steps 200] [--grad-mb 4] [--jitter-ms 2] [--phase sleep|busy]
@@ -8,8 +8,9 @@ namespaces, gloo over their veth link), blocking all-reduce (before) vs the over
 One process per namespace (nsenter --net), world 2, gloo on eth0. Each simulated step: a gradient all-reduce on the
 default group (what DDP/FSDP does in backward: the ranks leave it together), then a local "optimizer" phase of
 random length per rank (0..jitter ms; sleeping or busy), then the agreement call at the step end, timed alone
-(perf_counter_ns). The blocking variant is lifecycle's code before the change, verbatim: its time includes waiting for
-the slowest rank. The overlapped one's is local: enqueueing the next reduction and collecting the previous one.
+(perf_counter_ns). The blocking variant is the preemption code before the change (then lifecycle.py's), verbatim: its
+time includes waiting for the slowest rank. The overlapped one's is local: enqueueing the next reduction and collecting
+the previous one.
 Rank 0 sets its flag at step `--signal-at`: the last lines say at which step each variant stopped on each rank.
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ PORT = 29650
 
 
 def blocking_agree(flag: bool, group=None) -> bool:
-    """lifecycle._agree before the change (one blocking MAX all-reduce at every step end)."""
+    """lifecycle._agree (now preemption.py) before the change (one blocking MAX all-reduce at every step end)."""
     import torch
     import torch.distributed as dist
 
@@ -52,16 +53,16 @@ def worker(a) -> None:
     import torch
     import torch.distributed as dist
 
-    from entrypoints import lifecycle
+    from entrypoints import preemption
 
     rank = a.rank
     dist.init_process_group("gloo", init_method=f"tcp://{a.master}:{PORT}", rank=rank, world_size=2)
-    group = dist.new_group(backend="gloo")  # the flag's own group, as lifecycle.flag_group() gives it
+    group = dist.new_group(backend="gloo")  # the flag's own group, as preemption.flag_group() gives it
     grad = torch.ones(a.grad_mb * 1024 * 1024 // 4)
     rng = random.Random(1000 + rank)
     out = {}
     for variant in ("blocking", "overlapped"):
-        agreement = None if variant == "blocking" else lifecycle.FlagAgreement(group)
+        agreement = None if variant == "blocking" else preemption.FlagAgreement(group)
         costs, steps, stopped = [], [], None
         dist.barrier()
         for step in range(1, a.warmup + a.steps + 1):

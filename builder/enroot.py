@@ -11,7 +11,7 @@ and under half the size (benchmarks/sqsh_export.py); every squashfs reader of th
 CONFIG_SQUASHFS_ZSTD since 4.14, squashfs-tools/unsquashfs since 4.4, squashfuse built with zstd; README says how to
 check a cluster). `--compression lzo` writes exactly what enroot writes.
 
-Beside every X.sqsh go X.sqsh.sha256 (`sha256sum -c` format) and X.sqsh.cdx.json (the image's SBOM, builder.sbom):
+Beside every X.sqsh go X.sqsh.sha256 (`sha256sum -c` format) and X.sqsh.cdx.json (the image's SBOM, builder.sbomgen):
 all three are staged under temporary names and renamed together, signals held, the .sqsh last, so a failed or
 interrupted export leaves none of them (only a SIGKILL between the three renames could split them; the checksum
 then shows it).
@@ -40,7 +40,7 @@ import time
 import uuid
 from pathlib import Path
 
-from builder import options, reference, sbom
+from builder import options, reference, sbomgen
 from builder.docker import check_arch, docker_cli, inspect_image
 from builder.errors import UserError, reports_user_errors
 from common import atomic
@@ -382,7 +382,7 @@ def export_image(image_ref: str, dest_path, *, compression: str | None = None, b
             _export_ours(image_ref, tmp_file, work, opts, sde, progress, docker, arch)
         if progress:
             _log(f"Reading the contents of {image_ref} for its SBOM")
-        sbom_text = sbom.dumps(sbom.generate(image_ref, docker=docker))
+        sbom_text = sbomgen.dumps(sbomgen.generate(image_ref, docker=docker))
         os.chmod(tmp_file, 0o644)
         atomic.fsync_path(tmp_file)
         _write_staged(staged[0][0], f"{_sha256(tmp_file)}  {dest.name}\n")

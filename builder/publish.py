@@ -19,7 +19,7 @@ from pathlib import Path
 from python_on_whales import DockerClient
 from python_on_whales.exceptions import DockerException
 
-from builder import reference, registry as reg, sbom
+from builder import reference, referrers, registry as reg, sbomgen
 from builder.docker import Builder, choose_builder, platform_arch
 from builder.engine import BuildResult, cell_refs
 from builder.errors import UserError, reports_user_errors
@@ -165,7 +165,7 @@ def push_all(cells, results: list[BuildResult], lists: dict[str, str], registry:
     for res in results:
         push_result(res, builder, quiet)
         cell = next(c for c in cells if c.tag == res.tag)
-        referrer = sbom.attach(sbom.generate(res.refs[0], cell, root=lock_root or ROOT), res.pushed_ref)
+        referrer = referrers.attach(sbomgen.generate(res.refs[0], cell, root=lock_root or ROOT), res.pushed_ref)
         if not quiet:
             print(f"[{res.tag}] SBOM attached: {res.pushed_ref.rsplit('@', 1)[0]}@{referrer}", flush=True)
     by_name: dict[str, list[BuildResult]] = {}

@@ -404,7 +404,7 @@ def explicit(obj) -> frozenset[str]:
 
 
 def configured_output_dir(args) -> str | None:
-    """`args.output_dir` if the user set it, else None (so lifecycle.output_dir applies $OUTPUT_DIR / the default)."""
+    """`args.output_dir` if the user set it, else None (so outputs.output_dir applies $OUTPUT_DIR / the default)."""
     return args.output_dir if "output_dir" in explicit(args) else None
 
 

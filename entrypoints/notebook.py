@@ -15,7 +15,7 @@ import signal
 from pathlib import Path
 
 from common import commands
-from . import lifecycle, runlog
+from . import crash, runlog
 
 _SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -30,11 +30,11 @@ def run(name: str, args: list[str], *, output_dir: str) -> int:
     # The same log file and artifact copy as a command run (runlog.py), teeing Python's streams: the kernel's
     # output goes to the notebook, not to file descriptor 1.
     with runlog.kept(name, output_dir, streams=True, argv=argv) as log_path:
-        lifecycle.in_kernel = True
+        crash.in_kernel = True
         try:
             code = module.main(argv)
         finally:
-            lifecycle.in_kernel = False
+            crash.in_kernel = False
             for s, h in handlers.items():
                 if h is not None:
                     signal.signal(s, h)

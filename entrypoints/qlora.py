@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from common import atomic, launch
 from common.errors import UsageError
 from . import config as cfg
-from . import helpcache, lifecycle, runner, sftlib
+from common import atomic, launch
+from . import helpcache, outputs, preemption, resume, runner, runsummary, sftlib
+from common.errors import UsageError
 
 
 @dataclass
@@ -161,16 +163,16 @@ def save_adapter(trainer, output_dir: str) -> None:
 
 def train(data_args, q_args, model_args, training_args, name: str = "qlora") -> int:
     started = time.time()
-    training_args.output_dir = lifecycle.output_dir(cfg.configured_output_dir(training_args))
+    training_args.output_dir = outputs.output_dir(cfg.configured_output_dir(training_args))
     validate(data_args, model_args, training_args)
     tokenizer = sftlib.load_tokenizer(model_args.model_name_or_path, training_args)
     with training_args.main_process_first(local=False, desc="dataset"):
         train_ds = sftlib.prepare_dataset(data_args, training_args)
-    ckpt = lifecycle.resolve_resume(data_args.resume, training_args.output_dir, training_args, name)
+    ckpt = resume.resolve_resume(data_args.resume, training_args.output_dir, training_args, name)
     choice, facts = sftlib.tune(model_args, training_args, shards=sftlib.shards(training_args), checkpointing=False)
     dropout = choose_lora_dropout(model_args, facts)
     peft_config = _peft_config(model_args)
-    if lifecycle.is_main_process():
+    if outputs.is_main_process():
         bits = "4-bit " + model_args.bnb_4bit_quant_type if model_args.load_in_4bit else ("8-bit" if model_args.load_in_8bit else "unquantized")
         print(
             f"[trainbox] {name}: model {model_args.model_name_or_path} ({bits}, LoRA r={model_args.lora_r} on "
@@ -184,15 +186,15 @@ def train(data_args, q_args, model_args, training_args, name: str = "qlora") -> 
     trainer = sftlib.build_trainer(model, training_args, train_ds, tokenizer, peft_config=peft_config)
     sftlib.finish_tuning(trainer, facts, qlora=True)
     trainer.train(resume_from_checkpoint=ckpt)
-    if not lifecycle.was_preempted():
+    if not preemption.was_preempted():
         save_adapter(trainer, training_args.output_dir)
         if q_args.merge:
             trainer.accelerator.wait_for_everyone()
-            if lifecycle.is_main_process():
+            if outputs.is_main_process():
                 merged = save_merged(model_args, training_args.output_dir, tokenizer)
                 print(f"[trainbox] {name}: merged model in {merged}", flush=True)
-    lifecycle.finish(trainer, training_args.output_dir, started, name)
-    return lifecycle.exit_code()
+    runsummary.finish(trainer, training_args.output_dir, started, name)
+    return preemption.exit_code()
 
 
 def main(argv: list[str]) -> int:

@@ -2,7 +2,7 @@
 
 `trainbox sft|qlora|grpo` and `notebook.run` both keep OUTPUT_DIR/logs/NAME.log (NAME.nodeN.log on node N > 0 of a
 multi-node run) and, at the end, copy it to ARTIFACT_DIR/<basename of OUTPUT_DIR>/logs/ — after the entrypoint's
-own copy of the outputs (lifecycle.finish), which ran while the log was still being written.
+own copy of the outputs (runsummary.finish), which ran while the log was still being written.
 
 Command runs tee at the file-descriptor level: torchrun's workers inherit the descriptors, so every rank's lines, and
 what native libraries print, land in the one file. A notebook run tees Python's streams instead (the kernel's output
@@ -19,8 +19,8 @@ import threading
 from pathlib import Path
 
 from common import atomic, redact
+from . import outputs
 from common.errors import UsageError
-from . import lifecycle
 
 _active: Path | None = None  # the log being kept by this process (nested runs add nothing)
 
@@ -31,7 +31,7 @@ def log_path(output_dir: str | Path, name: str, node_rank: int = 0) -> Path:
 
 def copy_to_artifacts(log: Path, output_dir: str | Path) -> Path | None:
     """ARTIFACT_DIR/<basename of OUTPUT_DIR>/logs/<log's name>, written atomically; None without an artifact dir."""
-    dest = lifecycle.artifact_dir()
+    dest = outputs.artifact_dir()
     if not dest or not log.is_file():
         return None
     return atomic.copy_file(log, Path(dest) / Path(output_dir).name / "logs" / log.name)
@@ -188,5 +188,5 @@ def for_command(name: str, configured_output_dir: str | None, plan, argv):
     if not keeps_log_here(plan):
         yield None
         return
-    with kept(name, lifecycle.output_dir(configured_output_dir), node_rank=plan.node_rank, argv=argv) as path:
+    with kept(name, outputs.output_dir(configured_output_dir), node_rank=plan.node_rank, argv=argv) as path:
         yield path

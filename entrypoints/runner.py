@@ -4,7 +4,7 @@
 launch planned (launch.py); the run's log kept (runlog.py) around either the torchrun hand-off (outside torchrun:
 the checks that need no GPU run here first, so a bad config is one line here, not a failure in every rank) or the
 training in this process (a Slurm task per rank: its RANK/WORLD_SIZE set first, the options parsed again). Bad input
-(UsageError) is one `error:` line and exit 2; a crash in training ends the run at once (lifecycle.ends_on_crash).
+(UsageError) is one `error:` line and exit 2; a crash in training ends the run at once (crash.ends_on_crash).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import sys
 from typing import Callable
 
 from common import commands, errors, launch
+from . import config, crash, preemption, runlog
 from common.errors import UsageError
-from . import config, lifecycle, runlog
 
 # One trainer's steps: `parse(argv)` gives the tuple of its option objects (one launch.LaunchArguments, one with
 # output_dir: TrainingArguments), which the others take.
@@ -45,7 +45,7 @@ def run_trainer(name: str, argv: list[str], parse: Callable[[list[str]], Options
     handled = tuple(failures or ())
     try:
         # Handlers first: a SIGTERM during start-up or model loading is remembered, not fatal.
-        lifecycle.install_signal_handlers()
+        preemption.install_signal_handlers()
         options = parse(argv)
         env, torchrun = {}, None
         if arrange is not None:
@@ -67,7 +67,7 @@ def run_trainer(name: str, argv: list[str], parse: Callable[[list[str]], Options
                 launch.apply_env(plan, os.environ)
                 if reparse:
                     options = parse(argv)
-            with lifecycle.ends_on_crash():
+            with crash.ends_on_crash():
                 return train(options)
     except UsageError as e:
         print(f"error: {errors.line(e)}", file=sys.stderr)
@@ -75,10 +75,10 @@ def run_trainer(name: str, argv: list[str], parse: Callable[[list[str]], Options
     except handled as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return next(code for cls, code in failures.items() if isinstance(e, cls))
-    except lifecycle.Crashed as e:  # after the run log was closed and copied: leave now, whatever still runs
-        return lifecycle.exit_now(e.code)
+    except crash.Crashed as e:  # after the run log was closed and copied: leave now, whatever still runs
+        return crash.exit_now(e.code)
 
 
 def output_dir(options: Options) -> str | None:
-    """The --output_dir the user set (in the options that have one), else None (lifecycle.output_dir decides)."""
+    """The --output_dir the user set (in the options that have one), else None (outputs.output_dir decides)."""
     return next((config.configured_output_dir(o) for o in options if hasattr(o, "output_dir")), None)

@@ -14,7 +14,7 @@ import sys
 import time
 
 from common import launch
-from . import lifecycle, precision, runner
+from . import outputs, preemption, precision, resume, runner, runsummary
 from . import config as cfg
 # The SFT-style trainers' library (qlora uses it too); its names stay reachable here (sft.DataArguments).
 from .sftlib import (FSDP2_GPU, DataArguments, build_trainer, check_before_launch, finish_tuning, load_tokenizer,
@@ -64,14 +64,14 @@ def train(data_args, model_args, training_args, name: str = "sft") -> int:
     from trl import SFTTrainer
 
     started = time.time()
-    training_args.output_dir = lifecycle.output_dir(cfg.configured_output_dir(training_args))
+    training_args.output_dir = outputs.output_dir(cfg.configured_output_dir(training_args))
     validate(data_args, model_args, training_args)
     tokenizer = load_tokenizer(model_args.model_name_or_path, training_args)
     with training_args.main_process_first(local=False, desc="dataset"):
         train_ds = prepare_dataset(data_args, training_args)
-    ckpt = lifecycle.resolve_resume(data_args.resume, training_args.output_dir, training_args, name)
+    ckpt = resume.resolve_resume(data_args.resume, training_args.output_dir, training_args, name)
     strategy = distributed_strategy(training_args)
-    if lifecycle.is_main_process():
+    if outputs.is_main_process():
         print(
             f"[trainbox] {name}: model {model_args.model_name_or_path}, {len(train_ds)} examples, {strategy}, "
             f"outputs {training_args.output_dir}" + (f", resuming from {ckpt}" if ckpt else ""),
@@ -94,13 +94,13 @@ def train(data_args, model_args, training_args, name: str = "sft") -> int:
         precision.attach(trainer)  # clipping and the logged grad_norm read the float32 gradient sums
     finish_tuning(trainer, facts)
     trainer.train(resume_from_checkpoint=ckpt)
-    if not lifecycle.was_preempted():
+    if not preemption.was_preempted():
         if trainer.is_fsdp_enabled:
             # The final model is one loadable safetensors set, not shards.
             trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
         trainer.save_model(training_args.output_dir)
-    lifecycle.finish(trainer, training_args.output_dir, started, name)
-    return lifecycle.exit_code()
+    runsummary.finish(trainer, training_args.output_dir, started, name)
+    return preemption.exit_code()
 
 
 def main(argv: list[str]) -> int:

@@ -7,8 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from common.errors import UsageError
-from . import attention, data, lifecycle, speed, throughput
+from . import attention, data, outputs, preemption, resume, speed, throughput
 from . import config as cfg
 
 
@@ -82,7 +81,7 @@ def validate(data_args, model_args, training_args):
     if not data_args.dataset:
         raise UsageError("no dataset given: pass --dataset PATH (.parquet/.jsonl/.json/.csv file or directory) or a hub id")
     if data_args.resume not in ("auto", "never"):
-        lifecycle.resolve_resume(data_args.resume, training_args.output_dir)
+        resume.resolve_resume(data_args.resume, training_args.output_dir)
 
 
 def shards(training_args) -> int:
@@ -100,7 +99,7 @@ def tune(model_args, training_args, shards: int, checkpointing: bool = True):
     facts = speed.model_facts(model_args.model_name_or_path, model_args.model_revision)
     choice = attention.choose(requested, model=facts.attention)
     lines = speed.apply(training_args, model_args, choice, facts, shards=shards, checkpointing=checkpointing)
-    if lifecycle.is_main_process():
+    if outputs.is_main_process():
         for line in lines:
             print(f"[trainbox] {line}", flush=True)
     return choice, facts
@@ -114,7 +113,7 @@ def build_trainer(model, training_args, train_ds, tokenizer, **extra):
     # the nodes of a job on shared storage): the first process fills it, the others then read it.
     with training_args.main_process_first(local=False, desc="tokenize and pack"):
         return SFTTrainer(model=model, args=training_args, train_dataset=train_ds, processing_class=tokenizer,
-                          callbacks=[lifecycle.PreemptionCallback(), throughput.Throughput()], **extra)
+                          callbacks=[preemption.PreemptionCallback(), throughput.Throughput()], **extra)
 
 
 def finish_tuning(trainer, facts, qlora: bool = False) -> None:
@@ -122,11 +121,11 @@ def finish_tuning(trainer, facts, qlora: bool = False) -> None:
     qlora: checkpointing stays the model's own (PEFT prepared the 4-bit model for it), and memory comes first."""
     line = speed.tune_fsdp(trainer, activation_checkpointing=not qlora and bool(trainer.args.gradient_checkpointing),
                            memory_first=qlora)
-    if line and lifecycle.is_main_process():
+    if line and outputs.is_main_process():
         print(f"[trainbox] {line}", flush=True)
     if getattr(trainer.args, "trainbox_liger", False):
         speed.apply_liger(trainer.model, facts.model_type)
-    cb = lifecycle.find_callback(trainer, throughput.Throughput)
+    cb = preemption.find_callback(trainer, throughput.Throughput)
     if cb:
         cb.flops_per_token = throughput.flops_per_token(facts, throughput.example_lengths(trainer.train_dataset))
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from entrypoints import doctor, imageinfo
-from entrypoints.doctor import EXIT_BROKEN, EXIT_FALLBACK, EXIT_NO_GPU, EXIT_OK, evaluate, exit_code
+from entrypoints import doctorchecks, doctorprobes, imageinfo
+from entrypoints.doctorchecks import EXIT_BROKEN, EXIT_FALLBACK, EXIT_NO_GPU, EXIT_OK, evaluate, exit_code
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -150,7 +150,7 @@ def test_versions_against_the_record():
     r = rows(evaluate(record(), smi(), probes(), inst))
     assert r["version trl"].status == "fallback" and "found 1.17.0" in r["version trl"].detail
     assert r["version vllm"].status == "fail"
-    assert doctor.same_version("2.13.0", "2.13.0+cu126") and not doctor.same_version("2.13.0+cu129", "2.13.0+cu126")
+    assert doctorchecks.same_version("2.13.0", "2.13.0+cu126") and not doctorchecks.same_version("2.13.0+cu129", "2.13.0+cu126")
 
 
 def test_light_image_without_torch():
@@ -163,14 +163,14 @@ def test_light_image_without_torch():
 
 
 def test_driver_table_and_matrix_agree():
-    assert doctor.max_cuda_for_driver("570.124.06") == "12.8"
-    assert doctor.max_cuda_for_driver("535.104.05") == "12.2"
-    assert doctor.max_cuda_for_driver("580.159.04") == "13.0"
-    assert doctor.max_cuda_for_driver("470.82.01") is None
+    assert doctorchecks.max_cuda_for_driver("570.124.06") == "12.8"
+    assert doctorchecks.max_cuda_for_driver("535.104.05") == "12.2"
+    assert doctorchecks.max_cuda_for_driver("580.159.04") == "13.0"
+    assert doctorchecks.max_cuda_for_driver("470.82.01") is None
     matrix = ROOT / "matrix.toml"
     if matrix.exists():  # the matrix's per-CUDA minimum driver is CUDA minor-version compatibility's floor
         for cuda, spec in tomllib.loads(matrix.read_text())["cuda"].items():
-            assert doctor.MINOR_COMPAT_FLOOR[cuda.split(".")[0]] == spec["min_driver"], cuda
+            assert doctorchecks.MINOR_COMPAT_FLOOR[cuda.split(".")[0]] == spec["min_driver"], cuda
 
 
 @pytest.mark.parametrize("text,err", [
@@ -298,10 +298,10 @@ def test_driver_version_from_proc_when_nvidia_smi_is_absent():
            "GCC version: gcc 12\n")
     open_ = "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build  (dvs-builder@U16)\n"
     arm = "NVRM version: NVIDIA UNIX Open Kernel Module for aarch64  570.124.06  Release Build\n"
-    assert doctor.driver_from_proc(x86) == "550.54.15"
-    assert doctor.driver_from_proc(open_) == "580.159.04"
-    assert doctor.driver_from_proc(arm) == "570.124.06"
-    assert doctor.driver_from_proc("garbage") is None
+    assert doctorprobes.driver_from_proc(x86) == "550.54.15"
+    assert doctorprobes.driver_from_proc(open_) == "580.159.04"
+    assert doctorprobes.driver_from_proc(arm) == "570.124.06"
+    assert doctorprobes.driver_from_proc("garbage") is None
     # torch sees the GPU, nvidia-smi is absent, the driver comes from /proc: the driver check still runs
     checks = evaluate(record(), {"found": False, "gpus": [], "driver": "520.61.05"}, probes(), INSTALLED)
     assert rows(checks)["driver"].status == "fail"
@@ -321,25 +321,25 @@ def test_a_cu129_image_runs_on_the_gh200_570_driver_by_minor_version_compatibili
 def test_doctor_warns_about_a_package_changed_against_the_constraints():
     """A pinned package installed at another version (PIP_CONSTRAINT= pip install ...) is a WARN naming it."""
     pins = {"torch": ("torch", "2.13.0+cpu"), "peft": ("peft", "0.21.2"), "gone": ("gone", "1.0")}
-    assert doctor.constraints_check({}, {}, "/etc/trainbox/constraints.txt") is None  # not an image: no row
-    ok = doctor.constraints_check(pins, {"torch": "2.13.0+cpu", "peft": "0.21.2", "gone": "1.0"},
+    assert doctorchecks.constraints_check({}, {}, "/etc/trainbox/constraints.txt") is None  # not an image: no row
+    ok = doctorchecks.constraints_check(pins, {"torch": "2.13.0+cpu", "peft": "0.21.2", "gone": "1.0"},
                                   "/etc/trainbox/constraints.txt")
     assert ok.status == "ok" and "3 pins" in ok.detail
-    warn = doctor.constraints_check(pins, {"torch": "2.12.0", "peft": "0.21.2", "gone": "1.0"},
+    warn = doctorchecks.constraints_check(pins, {"torch": "2.12.0", "peft": "0.21.2", "gone": "1.0"},
                                     "/etc/trainbox/constraints.txt")
     assert warn.status == "warn" and "torch 2.12.0 (pinned 2.13.0+cpu)" in warn.detail and "peft" not in warn.detail
     assert warn.detail.endswith("`pip install torch==2.13.0+cpu`")
-    assert doctor.exit_code([warn]) == doctor.EXIT_OK
+    assert doctorchecks.exit_code([warn]) == doctorchecks.EXIT_OK
 
 
 def test_gpu_generation_comes_from_the_image_record():
     """The record's gpu_generations (matrix.toml's GPU axis, written by render) names the GPU: a generation this
     code has no table entry for is still named, and the rendered record of a real cell is what doctor reads."""
     table = {"hopper": ["9.0"], "nextgen": ["13.0"]}
-    assert doctor.generation((13, 0), table) == "nextgen" and doctor.generation((13, 0)) == "sm130"
-    assert doctor.generation((9, 0), table) == "hopper" and doctor.generation((8, 6), {"ampere": ["8.0"]}) == "ampere"
+    assert doctorchecks.generation((13, 0), table) == "nextgen" and doctorchecks.generation((13, 0)) == "sm130"
+    assert doctorchecks.generation((9, 0), table) == "hopper" and doctorchecks.generation((8, 6), {"ampere": ["8.0"]}) == "ampere"
     checks = evaluate(record(gpu_generations=table), smi("NVIDIA Next", (13, 0)), probes(cc=(13, 0)), INSTALLED)
     assert "this GPU is nextgen (sm130); use the nextgen image" in rows(checks)["gpu generation"].detail
     rendered = json.loads((ROOT / "images" / "cu130-hopper-x86_64" / "image.json").read_text())
-    assert doctor.generation((12, 0), rendered["gpu_generations"]) == "blackwell"
-    assert doctor.generation((9, 0), rendered["gpu_generations"]) == "hopper"
+    assert doctorchecks.generation((12, 0), rendered["gpu_generations"]) == "blackwell"
+    assert doctorchecks.generation((9, 0), rendered["gpu_generations"]) == "hopper"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from entrypoints import doctor, fabric
+from entrypoints import doctor, doctorchecks, fabric
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -166,12 +166,12 @@ def test_warn_rows_never_change_doctor_exit_code():
 
     f = {"rdma": [], "uverbs": [], "peermem": None, "shm_bytes": 64 << 20, "ibverbs": {"loaded": False, "error": "x"},
          "nccl": {"log": fabric.parse_nccl_log(LOG_NO_VERBS)}}
-    checks = doctor.evaluate(record(), smi(), probes(), INSTALLED, fabric_facts=f)
+    checks = doctorchecks.evaluate(record(), smi(), probes(), INSTALLED, fabric_facts=f)
     warns = {c.name for c in checks if c.status == "warn"}
     assert warns == {"/dev/shm", "libibverbs", "nccl transport"}
-    assert doctor.exit_code(checks) == doctor.EXIT_OK
+    assert doctorchecks.exit_code(checks) == doctorchecks.EXIT_OK
     text = doctor.render(record(), {"hostname": "h", "machine": "x86_64", "python": "3.12", "nvidia_smi": smi()},
-                         checks, doctor.EXIT_OK)
+                         checks, doctorchecks.EXIT_OK)
     assert "WARN" in text and "VERDICT: ok (exit 0)" in text and "3 WARN row(s) name a fix" in text
 
 

@@ -27,7 +27,7 @@ from packaging.requirements import Requirement
 
 from test_fuzz_inputs import toml_str
 from test_fuzz_matrix import mutate, paths   # the matrix fuzzer's document mutations
-from builder import bases, cli, enroot, pins, publish, reference, sbom
+from builder import bases, cli, enroot, matrix, pins, publish, reference, referrers, registry, sbom, sbomgen
 from builder.errors import UserError
 from builder.matrix import load_matrix
 from builder.matrix.grammar import PACKAGE
@@ -405,14 +405,14 @@ attach_refs = st.one_of(st.none(), refs, st.sampled_from(["127.0.0.1:5555/trainb
 def no_engine(monkeypatch):
     """sbom's engine and registry calls replaced by recorders."""
     asked: list = []
-    monkeypatch.setattr(sbom, "generate", lambda image, *a, **k: asked.append(("generate", image)) or {"x": 1})
-    monkeypatch.setattr(sbom, "attach", lambda doc, ref: asked.append(("attach", ref)) or "sha256:" + "c" * 64)
+    monkeypatch.setattr(sbomgen, "generate", lambda image, *a, **k: asked.append(("generate", image)) or {"x": 1})
+    monkeypatch.setattr(referrers, "attach", lambda doc, ref: asked.append(("attach", ref)) or "sha256:" + "c" * 64)
     return asked
 
 
 def split_ok(ref: str) -> bool:
     try:
-        sbom._split_ref(ref)
+        registry.split_ref(ref)
     except UserError:
         return False
     return True
@@ -474,7 +474,7 @@ def fake_export(monkeypatch):
         Path(tmp_file).write_bytes(b"hsqs" + image_ref.encode())
 
     monkeypatch.setattr(enroot, "_export_ours", export)
-    monkeypatch.setattr(sbom, "generate", lambda image, *a, **k: {"image": image})
+    monkeypatch.setattr(sbomgen, "generate", lambda image, *a, **k: {"image": image})
 
 
 @SLOW

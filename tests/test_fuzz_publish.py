@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from builder import publish, reference, registry, sbom
+from builder import publish, reference, referrers, registry, sbom, sbomgen
 from builder.errors import UserError
 from builder.matrix import load_matrix
 from test_fuzz_cli import call  # noqa: E402  (the one in-process CLI runner of the tests)
@@ -157,8 +157,8 @@ def test_sbom_attach(monkeypatch, tmp_path_factory, ref, unreachable):
     doc = {"metadata": {"component": {"properties": [
         {"name": "trainbox:image-id", "value": "sha256:" + hashlib.sha256(amd64).hexdigest()},
         {"name": "trainbox:platform", "value": "linux/amd64"}]}}}
-    monkeypatch.setattr(sbom, "generate", lambda *a, **k: doc)
-    monkeypatch.setattr(sbom, "Registry", MemoryRegistry)
+    monkeypatch.setattr(sbomgen, "generate", lambda *a, **k: doc)
+    monkeypatch.setattr(referrers, "Registry", MemoryRegistry)
     MemoryRegistry.behaviour = "unreachable" if unreachable else "all"
     out = tmp_path_factory.mktemp("attach") / "s.json"
     ref = "x" + ref if ref.startswith("-") else ref

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from entrypoints import grpo, grpo_data, grpo_options, grpo_rollouts, grpo_trainer, rewards
 from common.errors import UsageError
-from entrypoints import grpo, rewards
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,7 +69,7 @@ def log_history(output_dir: Path) -> list[dict]:
 def parsed(argv):
     """(script, GRPOConfig, ModelConfig) as a single-process run sees them."""
     script, _launch, raw, model_args = grpo.parse(argv)
-    return script, grpo.finalize(raw, 1), model_args
+    return script, grpo_options.finalize(raw, 1), model_args
 
 
 # ---------------------------------------------------------------- bad input: one error line, exit 2, no model
@@ -82,7 +82,7 @@ def no_model(monkeypatch):
     def forbidden(*a, **k):
         raise AssertionError("a model was about to load despite bad input")
 
-    monkeypatch.setattr(grpo, "build_trainer", forbidden)
+    monkeypatch.setattr(grpo_trainer, "build_trainer", forbidden)
 
 
 def expect_usage_error(argv, capsys, *fragments):
@@ -201,7 +201,7 @@ def test_yaml_then_cli_overrides_with_trl_names(tmp_path):
     script, args, model_args = parsed(["--config", str(cfg), "--learning_rate", "2e-5"])
     assert (args.num_generations, args.per_device_train_batch_size, args.learning_rate) == (4, 8, 2e-5)
     assert (model_args.model_name_or_path, model_args.lora_r, script.mode) == ("m", 8, "lora")
-    assert grpo.reward_refs(script) == ["rewards:correctness", "rewards:xmlcount"]
+    assert grpo_data.reward_refs(script) == ["rewards:correctness", "rewards:xmlcount"]
     assert type(args).__name__ == "GRPOConfig"  # TRL's own class, so checkpoints pickle it
 
 
@@ -227,9 +227,9 @@ def test_legacy_options_are_translated(capsys, tmp_path):
 def test_reward_refs_commas_spaces_and_preset():
     script, _, _ = parsed(["--reward_funcs", "rewards:correctness,rewards:int_format", "x.py:f",
                                "--num_generations", "4", "--per_device_train_batch_size", "4"])
-    assert grpo.reward_refs(script) == ["rewards:correctness", "rewards:int_format", "x.py:f"]
+    assert grpo_data.reward_refs(script) == ["rewards:correctness", "rewards:int_format", "x.py:f"]
     script, _, _ = parsed(["--preset", "gsm8k", "--num_generations", "4", "--per_device_train_batch_size", "4"])
-    assert grpo.reward_refs(script) == list(rewards.GSM8K)
+    assert grpo_data.reward_refs(script) == list(rewards.GSM8K)
 
 
 def test_rollout_choice_is_automatic_and_reported(monkeypatch):
@@ -240,7 +240,7 @@ def test_rollout_choice_is_automatic_and_reported(monkeypatch):
     _, args, _ = parsed(["--num_generations", "4", "--per_device_train_batch_size", "4"])
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "vllm" else real_find_spec(n, *a))
-    assert grpo.resolve_rollouts(args) == "rollouts: transformers generate (auto: vllm not installed)"
+    assert grpo_rollouts.resolve_rollouts(args) == "rollouts: transformers generate (auto: vllm not installed)"
     assert args.use_vllm is False
 
     # With vllm importable and a GPU, vLLM is chosen; colocate by default, server when asked. (Parse first: the
@@ -252,19 +252,19 @@ def test_rollout_choice_is_automatic_and_reported(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "vllm" else real_find_spec(n, *a))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (100 * 2**30, 141 * 2**30))
-    line = grpo.resolve_rollouts(colocate)
+    line = grpo_rollouts.resolve_rollouts(colocate)
     assert line.startswith("rollouts: vLLM colocate, sleep mode on, gpu_memory_utilization 0.17 (sized: 24 GiB of 141 GiB)")
     assert colocate.use_vllm is True and colocate.vllm_mode == "colocate" and colocate.vllm_enable_sleep_mode
-    assert "vLLM server at 0.0.0.0:8123" in grpo.resolve_rollouts(server)
-    assert grpo.resolve_rollouts(off) == "rollouts: transformers generate (use_vllm set)"
+    assert "vLLM server at 0.0.0.0:8123" in grpo_rollouts.resolve_rollouts(server)
+    assert grpo_rollouts.resolve_rollouts(off) == "rollouts: transformers generate (use_vllm set)"
     assert off.use_vllm is False
 
 
 def test_gsm8k_preset_builds_the_notebooks_prompts(tiny_model, gsm8k_file):
     script, _, _ = parsed(["--dataset", str(gsm8k_file), "--preset", "gsm8k", "--num_generations", "4",
                                "--per_device_train_batch_size", "4"])
-    refs = grpo.reward_refs(script)
-    ds = grpo.prepare_dataset(script, refs, [rewards.load(r) for r in refs])
+    refs = grpo_data.reward_refs(script)
+    ds = grpo_data.prepare_dataset(script, refs, [rewards.load(r) for r in refs])
     row, src = ds[0], gsm8k_rows(16)[0]
     assert row["prompt"] == [{"role": "system", "content": rewards.SYSTEM_PROMPT},
                              {"role": "user", "content": src["question"]}]
@@ -286,8 +286,8 @@ def test_gsm8k_preset_reads_verl_parquet(tmp_path):
     pd.DataFrame(rows).to_parquet(tmp_path / "train.parquet")
     script, _, _ = parsed(["--dataset", str(tmp_path), "--preset", "gsm8k", "--num_generations", "4",
                            "--per_device_train_batch_size", "4"])
-    refs = grpo.reward_refs(script)
-    ds = grpo.prepare_dataset(script, refs, [rewards.load(r) for r in refs])
+    refs = grpo_data.reward_refs(script)
+    ds = grpo_data.prepare_dataset(script, refs, [rewards.load(r) for r in refs])
     assert ds[3]["answer"] == "6"
     assert ds[3]["prompt"][0] == {"role": "system", "content": rewards.SYSTEM_PROMPT}
     assert ds[3]["prompt"][-1]["content"].startswith("What is 3 + 3?")
@@ -297,11 +297,11 @@ def test_long_prompts_are_dropped_not_cut(tiny_model, capsys):
     import datasets
 
     ds = datasets.Dataset.from_list([{"prompt": "one two"}, {"prompt": " ".join(["clips"] * 50)}, {"prompt": "3 4"}])
-    kept = grpo.drop_long_prompts(ds, str(tiny_model), 10)
+    kept = grpo_data.drop_long_prompts(ds, str(tiny_model), 10)
     assert kept["prompt"] == ["one two", "3 4"]
     assert "dropped 1 of 3 prompts" in capsys.readouterr().out
     with pytest.raises(UsageError, match="every prompt is longer"):
-        grpo.drop_long_prompts(ds, str(tiny_model), 1)
+        grpo_data.drop_long_prompts(ds, str(tiny_model), 1)
 
 
 # ---------------------------------------------------------------- real runs on CPU
@@ -413,7 +413,7 @@ def test_two_processes_through_torchrun(tiny_model, gsm8k_file, tmp_path):
 
 
 def test_colocated_vllm_share_is_sized_from_the_gpu():
-    from entrypoints.grpo import rollout_memory_share
+    from entrypoints.grpo_rollouts import rollout_memory_share
 
     gib = 2**30
     assert rollout_memory_share(141 * gib)[0] == 0.17  # H200: 24 GiB of 141
@@ -425,7 +425,9 @@ def test_colocated_vllm_share_is_sized_from_the_gpu():
 def test_checkpointing_is_chosen_for_full_and_left_to_trl_for_adapters(tiny_model, gsm8k_file, tmp_path):
     """TRL turns checkpointing on for GRPO; full fine-tuning decides from the memory estimate (CPU: off, memory is
     not the limit), lora/qlora keep TRL's choice, and the user's flag wins."""
-    from entrypoints.grpo import choose_checkpointing, finalize, parse
+    from entrypoints.grpo import parse
+    from entrypoints.grpo_options import finalize
+    from entrypoints.grpo_trainer import choose_checkpointing
     from entrypoints.speed import model_facts
 
     facts = model_facts(str(tiny_model))
@@ -543,7 +545,7 @@ def test_policy_forward_choice(tiny_model, gsm8k_file, monkeypatch):
         monkeypatch.setattr(attention, "choose", lambda req=None, model=None: attention.decide(
             {"attention_backend": "fa3"}, (9, 0) if gpu else None, lambda n: None if n in runs else "absent", req,
             model=model))
-        lines = grpo.choose_policy_forward(script, args, model_args)
+        lines = grpo_trainer.choose_policy_forward(script, args, model_args)
         monkeypatch.undo()
         return script.padding_free, model_args.attn_implementation, lines[-1]
 

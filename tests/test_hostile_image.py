@@ -214,10 +214,10 @@ def test_every_numeric_option_has_a_range():
     from trl import GRPOConfig, ModelConfig, SFTConfig
 
     from common import launch
-    from entrypoints import config, grpo, qlora, sft
+    from entrypoints import config, grpo_options, qlora, sft
 
     missing = []
-    for cls in (SFTConfig, GRPOConfig, ModelConfig, sft.DataArguments, grpo.GRPOScriptArgs, launch.LaunchArguments,
+    for cls in (SFTConfig, GRPOConfig, ModelConfig, sft.DataArguments, grpo_options.GRPOScriptArgs, launch.LaunchArguments,
                 qlora.QLoRAArguments):
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
@@ -236,7 +236,7 @@ def test_doctor_fails_on_a_pinned_package_that_is_gone(tmp_path, monkeypatch, ca
     import json
     from importlib import metadata
 
-    from entrypoints import constraints, doctor
+    from entrypoints import constraints, doctor, doctorchecks
 
     pins = tmp_path / "constraints.txt"
     pins.write_text(f"tqdm=={metadata.version('tqdm')}\nno-such-pinned-package==1.0\n"
@@ -245,7 +245,7 @@ def test_doctor_fails_on_a_pinned_package_that_is_gone(tmp_path, monkeypatch, ca
     code = doctor.main(["--json"])
     report = json.loads(capsys.readouterr().out)
     row = next(c for c in report["checks"] if c["name"] == "constraints")
-    assert row["status"] == "fail" and code == doctor.EXIT_BROKEN
+    assert row["status"] == "fail" and code == doctorchecks.EXIT_BROKEN
     assert "pinned but not installed: no-such-pinned-package 1.0" in row["detail"]
     assert "tqdm" not in row["detail"] and "other-platform-only" not in row["detail"]  # a pin for elsewhere
     assert row["detail"].endswith("`pip install no-such-pinned-package==1.0`")
@@ -335,7 +335,7 @@ def test_sft_refuses_lora_options_it_would_ignore(tiny_model, tmp_path):
 
 
 def test_model_options_refused_only_when_set_to_something_else(tiny_model):
-    from entrypoints import config, grpo, sft
+    from entrypoints import config, grpo, grpo_options, sft
     from common.errors import UsageError
 
     *_, model_args, _ = sft.parse(["--model_name_or_path", str(tiny_model), "--use_peft", "false", "--lora_r", "16"])
@@ -345,12 +345,12 @@ def test_model_options_refused_only_when_set_to_something_else(tiny_model):
         config.check_full_training(model_args)
     script, _, _, model_args = grpo.parse(["--mode", "full", "--lora_r", "8"])
     with pytest.raises(UsageError, match="--lora_r: --mode full trains every weight and would ignore it"):
-        grpo.resolve_mode(script, model_args)
+        grpo_options.resolve_mode(script, model_args)
     script, _, _, model_args = grpo.parse(["--mode", "lora", "--bnb_4bit_quant_type", "fp4"])
     with pytest.raises(UsageError, match="--bnb_4bit_quant_type: --mode lora keeps the base unquantized"):
-        grpo.resolve_mode(script, model_args)
+        grpo_options.resolve_mode(script, model_args)
     script, _, _, model_args = grpo.parse(["--mode", "lora", "--lora_r", "8"])
-    assert grpo.resolve_mode(script, model_args) == "lora"
+    assert grpo_options.resolve_mode(script, model_args) == "lora"
 
 
 # ------------------------------------------------------- #22 resume never overshoots, #23 nor crosses trainers
@@ -403,7 +403,7 @@ def test_resume_decisions(tmp_path):
     """The same rules on planted checkpoints (no training): epochs as the target, the run record, --resume PATH."""
     from types import SimpleNamespace
 
-    from entrypoints import lifecycle
+    from entrypoints import resume
     from common.errors import UsageError
 
     def ckpt(out, step, max_steps, epochs=3.0, trainer=None):
@@ -418,27 +418,27 @@ def test_resume_decisions(tmp_path):
     epochs3 = SimpleNamespace(max_steps=-1, num_train_epochs=3.0)
     out = tmp_path / "a"
     c = ckpt(out, 24, 24)  # an old checkpoint without a record: epochs done
-    with pytest.raises(lifecycle.Finished) as e:
-        lifecycle.resolve_resume("auto", str(out), epochs3, "sft")
+    with pytest.raises(resume.Finished) as e:
+        resume.resolve_resume("auto", str(out), epochs3, "sft")
     assert e.value.code == 0
-    assert lifecycle.resolve_resume("auto", str(out), SimpleNamespace(max_steps=-1, num_train_epochs=4.0), "sft") == c
-    assert lifecycle.resolve_resume("auto", str(out), SimpleNamespace(max_steps=30, num_train_epochs=3.0), "sft") == c
-    assert lifecycle.resolve_resume("never", str(out), epochs3, "sft") is None
+    assert resume.resolve_resume("auto", str(out), SimpleNamespace(max_steps=-1, num_train_epochs=4.0), "sft") == c
+    assert resume.resolve_resume("auto", str(out), SimpleNamespace(max_steps=30, num_train_epochs=3.0), "sft") == c
+    assert resume.resolve_resume("never", str(out), epochs3, "sft") is None
 
     out = tmp_path / "b"  # finished, no checkpoint kept: the run record says so
     out.mkdir()
-    (out / lifecycle.RUN_FILE).write_text(json.dumps({"trainer": "qlora", "finished": True, "global_step": 8,
-                                                      "max_steps": -1, "num_train_epochs": 3.0}))
-    with pytest.raises(lifecycle.Finished):
-        lifecycle.resolve_resume("auto", str(out), epochs3, "qlora")
-    assert lifecycle.resolve_resume("auto", str(out), epochs3, "sft") is None  # nothing to resume: a fresh run
+    (out / resume.RUN_FILE).write_text(json.dumps({"trainer": "qlora", "finished": True, "global_step": 8,
+                                                   "max_steps": -1, "num_train_epochs": 3.0}))
+    with pytest.raises(resume.Finished):
+        resume.resolve_resume("auto", str(out), epochs3, "qlora")
+    assert resume.resolve_resume("auto", str(out), epochs3, "sft") is None  # nothing to resume: a fresh run
 
     c = ckpt(tmp_path / "c", 1, 5, trainer="grpo")
     with pytest.raises(UsageError, match="holds a grpo run"):
-        lifecycle.resolve_resume("auto", str(tmp_path / "c"), epochs3, "qlora")
+        resume.resolve_resume("auto", str(tmp_path / "c"), epochs3, "qlora")
     with pytest.raises(UsageError, match="a grpo checkpoint; sft can't resume from it"):
-        lifecycle.resolve_resume(c, str(tmp_path / "elsewhere"), epochs3, "sft")
-    assert lifecycle.resolve_resume(c, str(tmp_path / "elsewhere"), epochs3, "grpo") == c
+        resume.resolve_resume(c, str(tmp_path / "elsewhere"), epochs3, "sft")
+    assert resume.resolve_resume(c, str(tmp_path / "elsewhere"), epochs3, "grpo") == c
 
 
 # ------------------------------------------------------------------------------- #26 --help fast with a fresh HOME

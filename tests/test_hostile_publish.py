@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from builder import cli, enroot, publish, sbom
+from builder import cli, enroot, publish, referrers, sbom, sbomgen
 from builder.errors import UserError
 from test_fuzz_cli import call  # noqa: E402  (the one in-process CLI runner of the tests)
 
@@ -105,7 +105,7 @@ def image(arch: str, marker: str = "") -> tuple[bytes, str]:
 @pytest.fixture
 def fake_registry(monkeypatch):
     FakeRegistry.store, FakeRegistry.blobs, FakeRegistry.writes = {}, {}, []
-    monkeypatch.setattr(sbom, "Registry", FakeRegistry)
+    monkeypatch.setattr(referrers, "Registry", FakeRegistry)
     return FakeRegistry
 
 
@@ -121,9 +121,9 @@ def test_attach_refuses_an_image_of_another_arch(fake_registry):
     fake_registry.store["trainbox"] = {"smoke-x86_64": (amd_body, "application/vnd.oci.image.manifest.v1+json"),
                                        "smoke-aarch64": (arm_body, "application/vnd.oci.image.manifest.v1+json")}
     with pytest.raises(UserError, match="is a linux/arm64 image, the SBOM describes a linux/amd64 one"):
-        sbom.attach(sbom_of("amd64", amd_id), "127.0.0.1:5555/trainbox:smoke-aarch64")
+        referrers.attach(sbom_of("amd64", amd_id), "127.0.0.1:5555/trainbox:smoke-aarch64")
     assert fake_registry.writes == []   # nothing pushed
-    assert sbom.attach(sbom_of("amd64", amd_id), "127.0.0.1:5555/trainbox:smoke-x86_64").startswith("sha256:")
+    assert referrers.attach(sbom_of("amd64", amd_id), "127.0.0.1:5555/trainbox:smoke-x86_64").startswith("sha256:")
     assert fake_registry.writes   # the right image gets its SBOM
 
 
@@ -132,7 +132,7 @@ def test_attach_refuses_another_image_of_the_same_arch(fake_registry):
     _, local_id = image("amd64", marker="rebuilt here since")
     fake_registry.store["trainbox"] = {"smoke-x86_64": (body, "application/vnd.oci.image.manifest.v1+json")}
     with pytest.raises(UserError, match="is another image"):
-        sbom.attach(sbom_of("amd64", local_id), "127.0.0.1:5555/trainbox:smoke-x86_64")
+        referrers.attach(sbom_of("amd64", local_id), "127.0.0.1:5555/trainbox:smoke-x86_64")
     assert fake_registry.writes == []
 
 
@@ -145,7 +145,7 @@ def test_registry_with_user_info_is_named_as_such_and_masked():
 
 
 def test_attach_help_text_is_not_masked(monkeypatch):
-    monkeypatch.setattr(sbom, "generate", lambda *a, **k: pytest.fail("no work before the input is checked"))
+    monkeypatch.setattr(sbomgen, "generate", lambda *a, **k: pytest.fail("no work before the input is checked"))
     for ref, why in (("foo", "names no registry host"), (f"u:{SECRET}@127.0.0.1:1/x:y", "user-info")):
         rc, out, err = call(sbom.main, "trainbox:smoke-x86_64", "--output", "/tmp/unused.json", "--attach", ref)
         line = one_error(err)
@@ -156,7 +156,7 @@ def test_attach_help_text_is_not_masked(monkeypatch):
 def test_a_digest_reference_is_echoed_as_given(fake_registry):
     ref = "127.0.0.1:5555/trainbox@sha256:" + "b" * 64
     with pytest.raises(UserError) as e:
-        sbom.attach(sbom_of("amd64", "sha256:" + "c" * 64), ref)
+        referrers.attach(sbom_of("amd64", "sha256:" + "c" * 64), ref)
     assert f"{ref} is not in the registry" in str(e.value), e.value
 
 

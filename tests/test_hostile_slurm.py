@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from builder import options, sbom, slurm
+from builder import options, sbom, sbomgen, slurm
 from builder.errors import UserError
 from common import atomic
 from test_fuzz_cli import call  # noqa: E402  (the one in-process CLI runner of the tests)
@@ -67,7 +67,7 @@ def test_slurm_and_sbom_refuse_what_a_write_would_destroy(tmp_path, monkeypatch,
     path, needle = _targets(tmp_path)[which]
     before = _snapshot(tmp_path)
     refused(*call(slurm.main, *SL, "-o", str(path))[::2], needle)
-    monkeypatch.setattr(sbom, "generate", lambda image, *a, **k: {"x": 1})   # no engine: the check comes first
+    monkeypatch.setattr(sbomgen, "generate", lambda image, *a, **k: {"x": 1})   # no engine: the check comes first
     refused(*call(sbom.main, "--output", str(path), "trainbox:smoke-x86_64")[::2], needle)
     assert _snapshot(tmp_path) == before
 

@@ -1,4 +1,5 @@
-"""lifecycle: output dir precedence, resume checkpoint choice, preemption flag -> save+stop, summary, artifact copy."""
+"""A run's lifecycle (outputs, preemption, resume, crash, runsummary): output dir precedence, resume checkpoint choice,
+preemption flag -> save+stop, summary, artifact copy."""
 
 import json
 import os
@@ -13,16 +14,16 @@ from types import SimpleNamespace
 import pytest
 from transformers import TrainerControl, TrainerState
 
-from entrypoints import lifecycle
+from entrypoints import outputs, preemption, resume, runsummary
 
 
 @pytest.fixture
 def fresh(monkeypatch):
     """Reset the module's run flags and restore signal handlers after each test."""
-    old = {s: signal.getsignal(s) for s in lifecycle.PREEMPT_SIGNALS}
-    monkeypatch.setattr(lifecycle, "_preempt_requested", False)
-    monkeypatch.setattr(lifecycle, "_preempted", False)
-    monkeypatch.setattr(lifecycle, "_checkpoint_saved", None)
+    old = {s: signal.getsignal(s) for s in preemption.PREEMPT_SIGNALS}
+    monkeypatch.setattr(preemption, "_preempt_requested", False)
+    monkeypatch.setattr(preemption, "_preempted", False)
+    monkeypatch.setattr(preemption, "_checkpoint_saved", None)
     for var in ("OUTPUT_DIR", "ARTIFACT_DIR", "SAKURA_ARTIFACT_DIR", "TRAINBOX_PREEMPTED_EXIT_CODE"):
         monkeypatch.delenv(var, raising=False)
     yield
@@ -31,10 +32,10 @@ def fresh(monkeypatch):
 
 
 def test_output_dir_precedence(fresh, monkeypatch):
-    assert lifecycle.output_dir(None) == "/workspace/outputs"
+    assert outputs.output_dir(None) == "/workspace/outputs"
     monkeypatch.setenv("OUTPUT_DIR", "/env/out")
-    assert lifecycle.output_dir(None) == "/env/out"
-    assert lifecycle.output_dir("/explicit") == "/explicit"
+    assert outputs.output_dir(None) == "/env/out"
+    assert outputs.output_dir("/explicit") == "/explicit"
 
 
 def make_ckpt(root, step, complete=True):
@@ -47,31 +48,31 @@ def make_ckpt(root, step, complete=True):
 
 
 def test_resume_checkpoint_numeric_order_and_incomplete(fresh, tmp_path):
-    assert lifecycle.resume_checkpoint(str(tmp_path / "missing")) is None
-    assert lifecycle.resume_checkpoint(str(tmp_path)) is None
+    assert resume.resume_checkpoint(str(tmp_path / "missing")) is None
+    assert resume.resume_checkpoint(str(tmp_path)) is None
     make_ckpt(tmp_path, 9)
     make_ckpt(tmp_path, 10)
     (tmp_path / "checkpoint-notes").mkdir()
-    assert lifecycle.resume_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-10")  # 10 > 9, not "1" < "9"
+    assert resume.resume_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-10")  # 10 > 9, not "1" < "9"
     make_ckpt(tmp_path, 12, complete=False)  # killed while saving
-    assert lifecycle.resume_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-10")
+    assert resume.resume_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-10")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_signal_sets_save_and_stop_at_step_end(fresh, sig):
-    cb = lifecycle.PreemptionCallback()
+    cb = preemption.PreemptionCallback()
     args, state, control = SimpleNamespace(output_dir="/o"), TrainerState(), TrainerControl()
     state.global_step = 3
     cb.on_step_end(args, state, control)
-    assert not control.should_save and not control.should_training_stop and not lifecycle.was_preempted()
+    assert not control.should_save and not control.should_training_stop and not preemption.was_preempted()
     os.kill(os.getpid(), sig)
     time.sleep(0.05)  # let the interpreter run the Python-level handler
-    assert lifecycle.preempt_requested()
+    assert preemption.preempt_requested()
     cb.on_step_end(args, state, control)
     assert control.should_save and control.should_training_stop
-    assert lifecycle.was_preempted()
+    assert preemption.was_preempted()
     cb.on_save(args, state, control)
-    assert lifecycle._checkpoint_saved == "/o/checkpoint-3"
+    assert preemption._checkpoint_saved == "/o/checkpoint-3"
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
@@ -83,28 +84,28 @@ def test_step_end_takes_back_signals_a_native_library_took(fresh, sig):
     libc = ctypes.CDLL(None)
     libc.signal.restype = ctypes.c_void_p
     libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
-    cb = lifecycle.PreemptionCallback()
+    cb = preemption.PreemptionCallback()
     args, state, control = SimpleNamespace(output_dir="/o"), TrainerState(), TrainerControl()
     libc.signal(int(sig), 1)  # SIG_IGN behind Python's back, as a C library's sigaction would be
-    assert signal.getsignal(sig) is lifecycle._handler  # Python cannot tell
+    assert signal.getsignal(sig) is preemption._handler  # Python cannot tell
     cb.on_step_end(args, state, control)
     os.kill(os.getpid(), sig)
     time.sleep(0.05)
-    assert lifecycle.preempt_requested(), "the signal went to the native disposition, not to ours"
+    assert preemption.preempt_requested(), "the signal went to the native disposition, not to ours"
     cb.on_step_end(args, state, control)
     assert control.should_save and control.should_training_stop
 
 
 def test_exit_code(fresh, monkeypatch):
-    assert lifecycle.exit_code() == 0
-    monkeypatch.setattr(lifecycle, "_preempted", True)
-    assert lifecycle.exit_code() == 0  # clean end by default: torchrun/Slurm see success
+    assert preemption.exit_code() == 0
+    monkeypatch.setattr(preemption, "_preempted", True)
+    assert preemption.exit_code() == 0  # clean end by default: torchrun/Slurm see success
     monkeypatch.setenv("TRAINBOX_PREEMPTED_EXIT_CODE", "99")
-    assert lifecycle.exit_code() == 99
+    assert preemption.exit_code() == 99
 
 
 def fake_trainer(tmp_path, steps=5, tokens=1000):
-    cb = lifecycle.PreemptionCallback()
+    cb = preemption.PreemptionCallback()
     state = TrainerState()
     cb.on_train_begin(None, state, None)
     cb.started_at -= 2.0  # pretend two seconds of training
@@ -113,7 +114,7 @@ def fake_trainer(tmp_path, steps=5, tokens=1000):
 
 
 def test_summary_line(fresh, tmp_path):
-    line = lifecycle.summary(fake_trainer(tmp_path), str(tmp_path), time.time() - 3, "sft")
+    line = runsummary.summary(fake_trainer(tmp_path), str(tmp_path), time.time() - 3, "sft")
     assert line.startswith("[trainbox] sft done: steps 5/10 (this run 5)")
     assert "tokens 1000 (" in line and "tokens/s" in line and f"outputs {tmp_path}" in line
     tokens_per_s = float(line.split("tokens 1000 (")[1].split()[0])
@@ -126,7 +127,7 @@ def test_finish_copies_to_artifact_dir(fresh, tmp_path, monkeypatch, capsys):
     (out / "model.safetensors").write_bytes(b"weights")
     art = tmp_path / "artifacts"
     monkeypatch.setenv("SAKURA_ARTIFACT_DIR", str(art))
-    lifecycle.finish(fake_trainer(tmp_path), str(out), time.time(), "qlora")
+    runsummary.finish(fake_trainer(tmp_path), str(out), time.time(), "qlora")
     assert (art / "outputs" / "model.safetensors").read_bytes() == b"weights"
     assert not (art / "outputs" / "checkpoint-5").exists()  # checkpoints only on request
     assert f"artifacts {art / 'outputs'}" in capsys.readouterr().out
@@ -134,9 +135,9 @@ def test_finish_copies_to_artifact_dir(fresh, tmp_path, monkeypatch, capsys):
     (out / "model.safetensors").write_bytes(b"new")
     art2 = tmp_path / "a2"
     monkeypatch.setenv("ARTIFACT_DIR", str(art2))
-    lifecycle.finish(fake_trainer(tmp_path), str(out), time.time(), "qlora")
+    runsummary.finish(fake_trainer(tmp_path), str(out), time.time(), "qlora")
     assert (art2 / "outputs" / "model.safetensors").read_bytes() == b"new"
-    lifecycle.copy_artifacts(str(out), str(art), "qlora")
+    outputs.copy_artifacts(str(out), str(art), "qlora")
     assert (art / "outputs" / "model.safetensors").read_bytes() == b"new"
     assert sorted(os.listdir(art)) == ["outputs"]
 
@@ -144,14 +145,14 @@ def test_finish_copies_to_artifact_dir(fresh, tmp_path, monkeypatch, capsys):
 def test_finish_silent_on_other_ranks(fresh, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("ARTIFACT_DIR", str(tmp_path / "art"))
-    lifecycle.finish(fake_trainer(tmp_path), str(tmp_path), time.time(), "sft")
+    runsummary.finish(fake_trainer(tmp_path), str(tmp_path), time.time(), "sft")
     assert capsys.readouterr().out == "" and not (tmp_path / "art").exists()
 
 
 def test_preempted_summary_names_checkpoint(fresh, tmp_path, monkeypatch):
-    monkeypatch.setattr(lifecycle, "_preempted", True)
+    monkeypatch.setattr(preemption, "_preempted", True)
     make_ckpt(tmp_path, 5)
-    line = lifecycle.summary(fake_trainer(tmp_path), str(tmp_path), time.time(), "sft")
+    line = runsummary.summary(fake_trainer(tmp_path), str(tmp_path), time.time(), "sft")
     assert "preempted (checkpoint saved)" in line and str(tmp_path / "checkpoint-5") in line
 
 
@@ -258,9 +259,9 @@ def test_dataloader_workers_outlive_the_preemption_signal(tmp_path):
         from functools import partial
         import torch
         from torch.utils.data import DataLoader, Dataset
-        from entrypoints import lifecycle
+        from entrypoints import preemption
         if sys.argv[1] == "shielded":
-            lifecycle.install_signal_handlers()
+            preemption.install_signal_handlers()
         import transformers.trainer as hf_trainer   # looked up at loader build time, as Trainer._get_dataloader does
         libc = ctypes.CDLL(None)
         libc.signal.restype = ctypes.c_void_p
@@ -279,14 +280,14 @@ def test_dataloader_workers_outlive_the_preemption_signal(tmp_path):
                             worker_init_fn=partial(hf_trainer.seed_worker, num_workers=1, rank=0))
         print("batches", len(list(loader)))
         """))
-    env = dict(os.environ, PYTHONPATH=str(Path(lifecycle.__file__).resolve().parents[1]))
+    env = dict(os.environ, PYTHONPATH=str(Path(outputs.__file__).resolve().parents[1]))
     runs = {how: subprocess.run([sys.executable, str(script), how], capture_output=True, text=True, env=env,
                                 timeout=120) for how in ("plain", "shielded")}
     assert runs["plain"].returncode != 0 and "killed by signal: Terminated" in runs["plain"].stderr  # the failure
     assert runs["shielded"].returncode == 0 and "batches 4" in runs["shielded"].stdout, runs["shielded"].stderr
 
 
-# ------------------------------------------------------------------ a crashed run ends (lifecycle.ends_on_crash)
+# ------------------------------------------------------------------ a crashed run ends (crash.ends_on_crash)
 
 
 
@@ -341,7 +342,7 @@ def test_a_truncated_trainer_state_resumes_from_the_checkpoint_before(fresh, tmp
     make_ckpt(tmp_path / "u", 1)
     bad = make_ckpt(tmp_path / "u", 2)
     (bad / "trainer_state.json").write_text('{"global_step": 2, "log_hist')
-    assert lifecycle.resume_checkpoint(str(tmp_path / "u")) == str(tmp_path / "u" / "checkpoint-1")
+    assert resume.resume_checkpoint(str(tmp_path / "u")) == str(tmp_path / "u" / "checkpoint-1")
 
     from test_data import write_messages
     from test_sft import FAST, env_for
@@ -371,23 +372,23 @@ def test_checkpoints_reach_the_artifacts_only_on_request_and_nothing_is_copied_w
     (out / "logs" / "sft.log").write_text("log")
     (out / "model.safetensors").write_bytes(b"weights")
     monkeypatch.setenv("ARTIFACT_DIR", str(tmp_path / "a"))
-    monkeypatch.setenv(lifecycle.CHECKPOINTS_ENV, "1")
-    lifecycle.finish(fake_trainer(tmp_path), str(out), time.time(), "sft")
+    monkeypatch.setenv(outputs.CHECKPOINTS_ENV, "1")
+    runsummary.finish(fake_trainer(tmp_path), str(out), time.time(), "sft")
     assert (tmp_path / "a" / "outputs" / "checkpoint-5" / "optimizer.pt").is_file()
     assert (tmp_path / "a" / "outputs" / "logs" / "sft.log").is_file()
     monkeypatch.setenv("ARTIFACT_DIR", str(tmp_path / "b"))
-    monkeypatch.setattr(lifecycle, "_preempted", True)
-    lifecycle.finish(fake_trainer(tmp_path), str(out), time.time(), "sft")
+    monkeypatch.setattr(preemption, "_preempted", True)
+    runsummary.finish(fake_trainer(tmp_path), str(out), time.time(), "sft")
     assert not (tmp_path / "b").exists()
     assert "artifacts not copied (preempted" in capsys.readouterr().out
 
 
 _AGREE_RANK = """
 import json, sys, torch.distributed as dist
-from entrypoints import lifecycle
+from entrypoints import preemption
 rank, init = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-agreement = lifecycle.FlagAgreement(lifecycle.flag_group())
+agreement = preemption.FlagAgreement(preemption.flag_group())
 stopped = next((step for step in range(1, 9) if agreement.step(rank == 1 and step >= 3)), None)
 agreement.close()
 dist.destroy_process_group()
@@ -400,7 +401,7 @@ def test_ranks_agree_on_the_flag_at_the_same_step_one_step_later(tmp_path):
     step end) tells both ranks at the end of step 4, never one without the other (FlagAgreement's bound)."""
     init = f"file://{tmp_path / 'store'}"
     procs = [subprocess.Popen([sys.executable, "-c", _AGREE_RANK, str(r), init], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, cwd=Path(lifecycle.__file__).parents[1])
+                              stderr=subprocess.STDOUT, text=True, cwd=Path(outputs.__file__).parents[1])
              for r in (0, 1)]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs

@@ -67,10 +67,10 @@ def test_cli_push_prints_digests_that_the_registry_serves(pushed):
 
 def test_every_pushed_image_carries_its_sbom(pushed):
     """build.py --push attaches each image's SBOM (read from the image) as an OCI referrer of the pushed manifest."""
-    from builder import sbom
+    from builder import referrers
 
     for c in pushed["report"]["cells"]:
-        got = sbom.read_back(c["pushed_ref"])
+        got = referrers.read_back(c["pushed_ref"])
         assert len(got) == 1, c["tag"]
         names = {comp["name"] for comp in got[0]["components"]}
         assert {"dpkg", "jupyterlab"} <= names   # an OS package and a locked Python package

@@ -1,6 +1,6 @@
-"""builder.sbom on the real smoke image: the SBOM lists exactly what `pip list` and `dpkg -l` report inside it, every
-locked package carries the lock's hashes, it is attached in the local registry (OCI referrer, tag-schema fallback)
-and read back equal; the session's .sqsh has its checksum and SBOM beside it."""
+"""builder.sbom (sbomgen, referrers) on the real smoke image: the SBOM lists exactly what `pip list` and `dpkg -l`
+report inside it, every locked package carries the lock's hashes, it is attached in the local registry (OCI referrer,
+tag-schema fallback) and read back equal; the session's .sqsh has its checksum and SBOM beside it."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from packaging.utils import canonicalize_name
 
 from enginefix import BUILD_TIMEOUT, ROOT, docker, engine, registry, smoke_build, smoke_image, smoke_sqsh  # noqa: F401
 
-from builder import sbom
+from builder import referrers, registry as reg_client, sbomgen
 from builder.errors import UserError
 
 # a cold first build (debootstrap + the smoke image) runs inside the first test's setup
@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(BUILD_TIMEOUT)]
 
 @pytest.fixture(scope="module")
 def smoke_sbom(smoke_image):
-    return sbom.generate(smoke_image)
+    return sbomgen.generate(smoke_image)
 
 
 def _components(doc: dict, kind: str) -> dict[str, dict]:
@@ -50,7 +50,7 @@ def test_lists_exactly_what_pip_and_dpkg_report(smoke_sbom, smoke_image):
 
 
 def _lock_entries(path) -> dict[str, tuple[str, set[str]]]:
-    """name -> (version, hashes), read here independently of builder.sbom: one block per `name==version \\`."""
+    """name -> (version, hashes), read here independently of builder.sbomgen: one block per `name==version \\`."""
     out = {}
     for block in re.split(r"\n(?=[A-Za-z0-9])", path.read_text()):
         m = re.match(r"([A-Za-z0-9._-]+)==(\S+)", block)
@@ -89,7 +89,7 @@ def test_document_shape_and_metadata(smoke_sbom, smoke_image):
         assert base["version"] == labels["org.opencontainers.image.base.digest"]
     refs = [c["bom-ref"] for c in smoke_sbom["components"]]
     assert len(refs) == len(set(refs))  # CycloneDX: bom-refs are unique
-    assert sbom.dumps(sbom.generate(smoke_image)) == sbom.dumps(smoke_sbom)  # the same image, the same bytes
+    assert sbomgen.dumps(sbomgen.generate(smoke_image)) == sbomgen.dumps(smoke_sbom)  # the same image, the same bytes
 
 
 @pytest.fixture(scope="module")
@@ -112,37 +112,37 @@ def _skopeo_raw(ref: str) -> tuple[dict, bytes]:
 def test_attached_in_the_registry_and_read_back(smoke_sbom, pushed_smoke):
     import hashlib
 
-    digest = sbom.attach(smoke_sbom, pushed_smoke)
+    digest = referrers.attach(smoke_sbom, pushed_smoke)
     _, image_raw = _skopeo_raw(pushed_smoke)
     subject = "sha256:" + hashlib.sha256(image_raw).hexdigest()
     repo = pushed_smoke.rsplit(":", 1)[0]
     # read back by the subject's digest, and through the tag
-    assert sbom.read_back(f"{repo}@{subject}") == [smoke_sbom]
-    assert sbom.read_back(pushed_smoke) == [smoke_sbom]
+    assert referrers.read_back(f"{repo}@{subject}") == [smoke_sbom]
+    assert referrers.read_back(pushed_smoke) == [smoke_sbom]
     # what another client (skopeo) sees: the referrers tag schema index, then the artifact manifest
     index, _ = _skopeo_raw(f"{repo}:sha256-{subject.split(':')[1]}")
-    assert [(m["digest"], m["artifactType"]) for m in index["manifests"]] == [(digest, sbom.MEDIA_TYPE)]
+    assert [(m["digest"], m["artifactType"]) for m in index["manifests"]] == [(digest, sbomgen.MEDIA_TYPE)]
     art, _ = _skopeo_raw(f"{repo}@{digest}")
-    assert art["artifactType"] == sbom.MEDIA_TYPE and art["subject"]["digest"] == subject
+    assert art["artifactType"] == sbomgen.MEDIA_TYPE and art["subject"]["digest"] == subject
     # attaching the same SBOM again changes nothing
-    assert sbom.attach(smoke_sbom, f"{repo}@{subject}") == digest
+    assert referrers.attach(smoke_sbom, f"{repo}@{subject}") == digest
     assert len(_skopeo_raw(f"{repo}:sha256-{subject.split(':')[1]}")[0]["manifests"]) == 1
 
 
 def test_attach_to_an_index_picks_the_platform_manifest(smoke_sbom, pushed_smoke):
     """An SBOM describes one platform: given a multi-arch index, the subject is that platform's manifest."""
-    host, repo, tag = sbom._split_ref(pushed_smoke)
-    reg = sbom.Registry(host, repo)
+    host, repo, tag = reg_client.split_ref(pushed_smoke)
+    reg = reg_client.Registry(host, repo)
     body, media_type, digest = reg.manifest(tag)
-    index = {"schemaVersion": 2, "mediaType": sbom.OCI_INDEX, "manifests": [
+    index = {"schemaVersion": 2, "mediaType": reg_client.OCI_INDEX, "manifests": [
         {"mediaType": media_type, "digest": digest, "size": len(body),
          "platform": {"os": "linux", "architecture": "amd64"}}]}
-    reg.put_manifest("smoke-index", json.dumps(index).encode(), sbom.OCI_INDEX)
+    reg.put_manifest("smoke-index", json.dumps(index).encode(), reg_client.OCI_INDEX)
     index_ref = f"{host}/{repo}:smoke-index"
-    sbom.attach(smoke_sbom, index_ref)
-    assert sbom.referrers(f"{host}/{repo}@{digest}") == sbom.referrers(index_ref, platform=("linux", "amd64"))
+    referrers.attach(smoke_sbom, index_ref)
+    assert referrers.referrers(f"{host}/{repo}@{digest}") == referrers.referrers(index_ref, platform=("linux", "amd64"))
     with pytest.raises(UserError, match="no single"):
-        sbom.attach({**smoke_sbom, "metadata": {"component": {"properties": [
+        referrers.attach({**smoke_sbom, "metadata": {"component": {"properties": [
             {"name": "trainbox:platform", "value": "linux/arm64"}]}}}, index_ref)
 
 
@@ -151,7 +151,7 @@ def test_cli_writes_and_attaches(smoke_image, smoke_sbom, pushed_smoke, tmp_path
     r = subprocess.run([sys.executable, "-m", "builder.sbom", smoke_image, "--output", str(out), "--attach",
                         pushed_smoke], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert out.read_text() == sbom.dumps(smoke_sbom)
+    assert out.read_text() == sbomgen.dumps(smoke_sbom)
     assert r.stdout.startswith("attached sha256:")
 
 
@@ -173,4 +173,4 @@ def test_sqsh_has_its_checksum_and_sbom_beside_it(smoke_sqsh, smoke_sbom):
     sums = smoke_sqsh.with_name(smoke_sqsh.name + ".sha256")
     r = subprocess.run(["sha256sum", "-c", sums.name], cwd=smoke_sqsh.parent, capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout == f"{smoke_sqsh.name}: OK\n", r.stdout + r.stderr
-    assert smoke_sqsh.with_name(smoke_sqsh.name + ".cdx.json").read_text() == sbom.dumps(smoke_sbom)
+    assert smoke_sqsh.with_name(smoke_sqsh.name + ".cdx.json").read_text() == sbomgen.dumps(smoke_sbom)

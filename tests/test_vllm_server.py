@@ -182,10 +182,10 @@ def test_one_node_split_runs_and_stops_the_server(tmp_path, monkeypatch):
 
 
 def test_grpo_options_point_the_trainers_at_the_server(monkeypatch):
-    from entrypoints import config, grpo
+    from entrypoints import config, grpo, grpo_rollouts
 
     script, launch_args, raw, _ = grpo.parse(["--model_name_or_path", "m", "--vllm_server_gpus", "1"])
-    roles = grpo.arrange_server(script, raw, launch_args, {"CUDA_VISIBLE_DEVICES": "0,1,2"})
+    roles = grpo_rollouts.arrange_server(script, raw, launch_args, {"CUDA_VISIBLE_DEVICES": "0,1,2"})
     assert (roles.server_gpus, launch_args.nproc_per_node) == (["2"], 2)
     assert (raw.use_vllm, raw.vllm_mode, raw.vllm_server_host) == (True, "server", "127.0.0.1")
     assert {"use_vllm", "vllm_mode"} <= config.explicit(raw)
@@ -195,7 +195,7 @@ def test_grpo_options_point_the_trainers_at_the_server(monkeypatch):
         assert script.vllm_serve_args == given[-1].removeprefix("--vllm_serve_args=")
     # the ranks under torchrun do not arrange anything again
     script, launch_args, raw, _ = grpo.parse(["--model_name_or_path", "m", "--vllm_server_gpus", "1"])
-    assert grpo.arrange_server(script, raw, launch_args, {"TORCHELASTIC_RUN_ID": "x"}) is None
+    assert grpo_rollouts.arrange_server(script, raw, launch_args, {"TORCHELASTIC_RUN_ID": "x"}) is None
 
 
 @pytest.mark.parametrize("extra, msg", [

@@ -15,7 +15,7 @@ nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader
 # the /proc fallback (containers without nvidia-smi) must read the same driver version
 "$PY" -c "
 import subprocess
-from entrypoints.doctor import driver_from_proc
+from entrypoints.doctorprobes import driver_from_proc
 smi = subprocess.run(['nvidia-smi', '--query-gpu=driver_version', '--format=csv,noheader'], capture_output=True,
                      text=True).stdout.split()[0]
 proc = driver_from_proc(open('/proc/driver/nvidia/version').read())
