@@ -27,7 +27,9 @@ import math
 import os
 
 FLEX = "trainbox_flex"
-BLOCK = 128  # FlexAttention's default block size: packed lengths are padded up to a multiple of it
+BLOCK = 128  # FlexAttention's default block size: packed lengths are padded up to a multiple of it (2 at least:
+# Dynamo specializes a size of 1, so one-block rows would compile graphs of their own)
+RECOMPILE_LIMIT = 32
 NO_WINDOW = 1 << 30
 PAD_DOC = -1  # document id of padding (attention mask 0); internal bucket padding gets PAD_DOC - 1
 
@@ -52,9 +54,17 @@ def compiled(backend: str = "inductor"):
     kernel); aot_eager is Dynamo's capture and the operator's autograd without the kernel (CPU tests: inductor has no
     FlexAttention backward on CPU)."""
     if backend not in _compiled:
+        import inspect
+
         import torch
 
-        _compiled[backend] = torch.compile(flex_fn(), backend=backend, fullgraph=True)
+        # Its own recompile budget (torch >= 2.13): graphs are few but multiply (grad on/off, first shape then the
+        # symbolic one, batch or block count 1 vs more, lse or not); the global 8 is shared with every other user
+        # of flex_attention's code and, under fullgraph, exceeding it is an error.
+        own = {"recompile_limit": RECOMPILE_LIMIT, "isolate_recompiles": True}
+        params = inspect.signature(torch.compile).parameters
+        _compiled[backend] = torch.compile(flex_fn(), backend=backend, fullgraph=True,
+                                           **{k: v for k, v in own.items() if k in params})
     return _compiled[backend]
 
 
@@ -169,7 +179,7 @@ def padded_documents(position_ids, attention_mask, batch: int, length: int, devi
         if p is position_ids and m is attention_mask and (b, n) == (batch, length):
             return docs
     docs = documents(position_ids, attention_mask, batch, length, device)
-    full = math.ceil(length / BLOCK) * BLOCK
+    full = max(2, math.ceil(length / BLOCK)) * BLOCK
     if full != length:
         docs = torch.cat([docs, torch.full((batch, full - length), PAD_DOC - 1, dtype=docs.dtype, device=device)], 1)
     _docs_cache.insert(0, ((position_ids, attention_mask, batch, length), docs))
@@ -186,8 +196,9 @@ def fused(query, key, value, docs, scale: float, window: int | None, softcap: fl
     from torch.nn.attention import flex_attention as fa
 
     s, n = query.shape[2], docs.shape[1]
-    if n != s:
-        query, key, value = (F.pad(t, (0, 0, 0, n - s)) for t in (query, key, value))
+    if n != s:  # padded in the models' layout ((batch, seq, heads, dim) seen transposed): one set of strides
+        query, key, value = (F.pad(t.transpose(1, 2), (0, 0, 0, 0, 0, n - s)).transpose(1, 2)
+                             for t in (query, key, value))
     kw = dict(score_mod=score_mod(scale, softcap, query.device), block_mask=block_mask(docs, window), scale=1.0,
               enable_gqa=key.shape[1] != query.shape[1])
     fn = fn or compiled()
@@ -284,13 +295,15 @@ def trial(device: str, head_dim: int = 64, dtype=None) -> str | None:
     dtype = dtype or torch.float32
     try:
         g = torch.Generator(device=device).manual_seed(0)
-        q = torch.randn(1, 4, 200, head_dim, device=device, dtype=dtype, generator=g)
-        k, v = (torch.randn(1, 2, 200, head_dim, device=device, dtype=dtype, generator=g) for _ in range(2))
+        # (batch, seq, heads, dim) seen as (batch, heads, seq, dim): the models' layout, so the same strides
+        q = torch.randn(1, 200, 4, head_dim, device=device, dtype=dtype, generator=g).transpose(1, 2)
+        k, v = (torch.randn(1, 200, 2, head_dim, device=device, dtype=dtype, generator=g).transpose(1, 2)
+                for _ in range(2))
         sinks = torch.randn(4, device=device, generator=g)
         pos = torch.cat([torch.arange(120), torch.arange(80)]).to(device)[None]
         outs, grads = [], []
         for run in ("fused", "dense"):
-            qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+            qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
             if run == "fused":
                 with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
                     docs = padded_documents(pos, None, 1, 200, device)
