@@ -11,7 +11,12 @@ out_with_sinks = out * Z / (Z + exp(sink)) = out * sigmoid(lse - sink), exactly,
 The fused kernel runs on CUDA, compiled once per shape family: rows are padded up to a multiple of 128 (the block
 size; padding gets a document of its own) and torch.compile's automatic dynamic shapes turn the sequence length
 symbolic after the first change, so a new packed length does not recompile; the block mask (a cheap index structure)
-is built per batch and shared by the layers of one forward. Elsewhere the same masks and modifiers run as dense math
+is built per batch, outside the compiled function, and shared by the layers of one forward. Every number the kernel
+reads besides the shapes (scale, softcap, window, document ids) is a tensor captured by the mask/score modifiers,
+never a Python float: Dynamo guards a captured float's value, and a second value (the choice trial's softcap, then
+the model's) turns it symbolic, breaks the graph and sends the call to the unfused eager operator, whose backward
+then failed inside the models (reproduced on CPU: tests/test_flex_attention.py). fullgraph=True makes any such break,
+or the recompile limit, an error at the first call instead of that silent fall-back. Elsewhere the same masks and modifiers run as dense math
 (`dense`): on CPU (torch has no FlexAttention backward there), when a KV cache makes queries and keys differ in
 length (generation), and for dropout.
 """
@@ -22,12 +27,15 @@ import math
 import os
 
 FLEX = "trainbox_flex"
-BLOCK = 128  # FlexAttention's default block size: packed lengths are padded up to a multiple of it
+BLOCK = 128  # FlexAttention's default block size: packed lengths are padded up to a multiple of it (2 at least:
+# Dynamo specializes a size of 1, so one-block rows would compile graphs of their own)
+RECOMPILE_LIMIT = 32
 NO_WINDOW = 1 << 30
 PAD_DOC = -1  # document id of padding (attention mask 0); internal bucket padding gets PAD_DOC - 1
 
 GPU_ENV = "TRAINBOX_FLEX_GPU"  # "1": offer the fused kernel on GPUs (not yet a default: see usable)
-_compiled = None
+_compiled: dict = {}  # torch.compile backend -> compiled flex_attention (one per process)
+_score_mods: dict = {}  # (scale, softcap, device) -> score_mod: one function and its tensors, reused by every call
 _masks: list = []  # (key tensors, window, length) -> BlockMask, for the layers of the current forward
 
 
@@ -40,14 +48,24 @@ def flex_fn():
     return flex_attention
 
 
-def compiled():
-    """flex_attention under torch.compile (one compiled function for the process: its cache holds the shapes)."""
-    global _compiled
-    if _compiled is None:
+def compiled(backend: str = "inductor"):
+    """flex_attention under torch.compile, one per process (its cache holds the shape families). fullgraph: a graph
+    break or the recompile limit raises instead of running the unfused eager operator. `backend`: inductor (the fused
+    kernel); aot_eager is Dynamo's capture and the operator's autograd without the kernel (CPU tests: inductor has no
+    FlexAttention backward on CPU)."""
+    if backend not in _compiled:
+        import inspect
+
         import torch
 
-        _compiled = torch.compile(flex_fn())
-    return _compiled
+        # Its own recompile budget (torch >= 2.13): graphs are few but multiply (grad on/off, first shape then the
+        # symbolic one, batch or block count 1 vs more, lse or not); the global 8 is shared with every other user
+        # of flex_attention's code and, under fullgraph, exceeding it is an error.
+        own = {"recompile_limit": RECOMPILE_LIMIT, "isolate_recompiles": True}
+        params = inspect.signature(torch.compile).parameters
+        _compiled[backend] = torch.compile(flex_fn(), backend=backend, fullgraph=True,
+                                           **{k: v for k, v in own.items() if k in params})
+    return _compiled[backend]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -76,16 +94,27 @@ def mask_mod(docs, window):
     return allowed
 
 
-def score_mod(softcap: float | None):
-    if not softcap:
-        return None
-
-    def capped(score, b, h, q, kv):
+def score_mod(scale: float, softcap: float | None, device):
+    """FlexAttention score_mod: the scale, then Gemma 2's softcap (`tanh(s / c) * c`), both 0-dim float32 tensors the
+    closure captures (buffers of the compiled graph, so another value is another input, not a recompile or a symbolic
+    float); the kernel is called with scale 1. One function per (scale, softcap, device), made once."""
+    key = (float(scale), float(softcap or 0), str(device))
+    if key not in _score_mods:
         import torch
 
-        return torch.tanh(score / softcap) * softcap
+        s = torch.tensor(float(scale), dtype=torch.float32, device=device)
+        if softcap:
+            c = torch.tensor(float(softcap), dtype=torch.float32, device=device)
 
-    return capped
+            def mod(score, b, h, q, kv):
+                return torch.tanh(score * s / c) * c
+        else:
+
+            def mod(score, b, h, q, kv):
+                return score * s
+
+        _score_mods[key] = mod
+    return _score_mods[key]
 
 
 def with_sinks(out, lse, sinks):
@@ -150,7 +179,7 @@ def padded_documents(position_ids, attention_mask, batch: int, length: int, devi
         if p is position_ids and m is attention_mask and (b, n) == (batch, length):
             return docs
     docs = documents(position_ids, attention_mask, batch, length, device)
-    full = math.ceil(length / BLOCK) * BLOCK
+    full = max(2, math.ceil(length / BLOCK)) * BLOCK
     if full != length:
         docs = torch.cat([docs, torch.full((batch, full - length), PAD_DOC - 1, dtype=docs.dtype, device=device)], 1)
     _docs_cache.insert(0, ((position_ids, attention_mask, batch, length), docs))
@@ -167,9 +196,10 @@ def fused(query, key, value, docs, scale: float, window: int | None, softcap: fl
     from torch.nn.attention import flex_attention as fa
 
     s, n = query.shape[2], docs.shape[1]
-    if n != s:
-        query, key, value = (F.pad(t, (0, 0, 0, n - s)) for t in (query, key, value))
-    kw = dict(score_mod=score_mod(softcap), block_mask=block_mask(docs, window), scale=scale,
+    if n != s:  # padded in the models' layout ((batch, seq, heads, dim) seen transposed): one set of strides
+        query, key, value = (F.pad(t.transpose(1, 2), (0, 0, 0, 0, 0, n - s)).transpose(1, 2)
+                             for t in (query, key, value))
+    kw = dict(score_mod=score_mod(scale, softcap, query.device), block_mask=block_mask(docs, window), scale=1.0,
               enable_gqa=key.shape[1] != query.shape[1])
     fn = fn or compiled()
     # Outside autocast (the Trainer's bf16 autocast makes FlexAttention's autocast rule break the compiled graph,
@@ -230,9 +260,7 @@ def register() -> None:
 
 
 def usable(head_dim: int = 64) -> str | None:
-    """None when the fused kernel compiles and runs here (CUDA) and matches the dense math on a tiny packed batch
-    with a window, a softcap and sinks, forward and backward, at the model's head size (large ones need small
-    blocks: a size the GPU can't fit fails here, not in the first training step); else why not."""
+    """None when the fused kernel compiles and runs here (CUDA) and passes trial(); else why not."""
     import torch
 
     if flex_fn() is None:
@@ -240,32 +268,52 @@ def usable(head_dim: int = 64) -> str | None:
     if not torch.cuda.is_available():
         return "no GPU"
     if os.environ.get(GPU_ENV) != "1":
-        # On an H100 (torch 2.11) this trial passed, then the compiled kernel's backward failed inside the models
-        # ("all unwrapped values must be FakeTensor, int, or SymInt"): not a default until that is fixed.
-        return (f"its compiled backward fails inside the models on GPUs here (torch {torch.__version__}); "
+        # On an H100 this trial passed, then the compiled kernel's backward failed inside the models ("all unwrapped
+        # values must be FakeTensor, int, or SymInt"). Cause, reproduced on CPU: the softcap was a captured Python
+        # float, 20 here and 50 in Gemma 2, so the model's call broke the graph (fixed: modifiers capture tensors,
+        # fullgraph). Not a default until tests/gpu/flex_check.py passes on a GPU.
+        return (f"not yet checked on a GPU with torch {torch.__version__} (tests/gpu/flex_check.py); "
                 f"{GPU_ENV}=1 tries it")
     try:
         from torch.utils._triton import has_triton
 
         if not has_triton():
             return "Triton is not usable here (FlexAttention's kernels are Triton)"
-        g = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn(1, 4, 200, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
-        k, v = (torch.randn(1, 2, 200, head_dim, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-        sinks = torch.randn(4, device="cuda", generator=g)
-        pos = torch.cat([torch.arange(120), torch.arange(80)]).cuda()[None]
+    except Exception as e:  # noqa: BLE001 - any failure means "use the next kernel"
+        return f"Triton check failed ({type(e).__name__})"
+    return trial("cuda", head_dim, torch.bfloat16)
+
+
+def trial(device: str, head_dim: int = 64, dtype=None) -> str | None:
+    """The fused kernel (compiled(), in `dtype` under autocast as the Trainer runs it) against the dense float32 math
+    on a tiny packed row with a window, a softcap and sinks, forward and backward, at the model's head size (large
+    ones need small blocks: a size the GPU can't fit fails here, not in the first training step). Its scale, softcap
+    and window differ from any model's on purpose: the model's calls must reuse this compile, not break it. None when
+    they agree, else why not."""
+    import torch
+
+    dtype = dtype or torch.float32
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        # (batch, seq, heads, dim) seen as (batch, heads, seq, dim): the models' layout, so the same strides
+        q = torch.randn(1, 200, 4, head_dim, device=device, dtype=dtype, generator=g).transpose(1, 2)
+        k, v = (torch.randn(1, 200, 2, head_dim, device=device, dtype=dtype, generator=g).transpose(1, 2)
+                for _ in range(2))
+        sinks = torch.randn(4, device=device, generator=g)
+        pos = torch.cat([torch.arange(120), torch.arange(80)]).to(device)[None]
         outs, grads = [], []
         for run in ("fused", "dense"):
-            qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
-            if run == "fused":  # under bf16 autocast, as the Trainer runs it
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    o, lse = fused(qq, kk, vv, padded_documents(pos, None, 1, 200, "cuda"), head_dim**-0.5, 48, 20.0)
+            qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+            if run == "fused":
+                with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
+                    docs = padded_documents(pos, None, 1, 200, device)
+                    o, lse = fused(qq, kk, vv, docs, head_dim**-0.5, 48, 20.0)
             else:
-                o, lse = dense(*(t.float() for t in (qq, kk, vv)), documents(pos, None, 1, 200, "cuda"),
+                o, lse = dense(*(t.float() for t in (qq, kk, vv)), documents(pos, None, 1, 200, device),
                                head_dim**-0.5, 48, 20.0)
             o = with_sinks(o, lse, sinks)
             o.float().square().sum().backward()
-            outs.append(o.float())
+            outs.append(o.detach().float())
             grads.append(qq.grad.float())
         if not all(bool(torch.isfinite(t).all()) for t in (*outs, *grads)):
             return "its test op gave non-finite values"

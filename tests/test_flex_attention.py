@@ -6,8 +6,9 @@ packed row (each example of the packed row against the same example alone), for 
 Two implementations of the same masks and modifiers run here: the dense math (what CPU training runs) and
 FlexAttention itself through its unfused reference (torch.nn.attention.flex_attention without torch.compile: the
 same mask_mod/score_mod, the log-sum-exp and flex's own backward formula; torch refuses gradients on CPU only at its
-entry check, lifted here). The compiled kernel's forward runs on CPU too (torch compiles it for inference only); its
-backward and bf16 numbers are tests/gpu/flex_check.py's (on a GPU).
+entry check, lifted here). The compiled kernel's forward runs on CPU too (torch compiles it for inference only); the
+compiled path's training (Dynamo's capture and FlexAttention's autograd, backend aot_eager) runs here after the choice
+trial, as on a GPU; the Triton kernels' backward and bf16 numbers are tests/gpu/flex_check.py's (on a GPU).
 """
 
 import time
@@ -164,6 +165,54 @@ def test_compiled_kernel_forward_on_cpu_compiles_once_per_shape_family(zoo, eage
               f"{diff:.2e}; {compiled} graph(s) for 4 packed lengths x 2 layer types")
     assert diff < 1e-4
     assert compiled <= 2
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gpt-oss"])
+def test_compiled_path_trains_after_the_choice_trial_and_reuses_its_graphs(zoo, eager_refs, monkeypatch, capsys, name):
+    """The GPU failure's sequence, on CPU: the choice trial (flexattn.trial: softcap 20, window 48, sinks) compiles
+    flex_attention first, then the model (Gemma 2: softcap 50, window 16; gpt-oss: no softcap, sinks) trains through
+    the same compiled function, fullgraph: packed rows forward and backward (backend aot_eager: Dynamo's capture and
+    FlexAttention's autograd as on a GPU, without inductor, which has no FlexAttention backward on CPU) give float32
+    eager's logits and gradients; packed rows of other lengths and a no-grad forward reuse the graphs. While the
+    softcap was a captured Python float, the model's first call broke the graph on the trial's value and its backward
+    failed in FlexAttention's unfused operator (on an H100: "all unwrapped values must be FakeTensor, int, or SymInt")."""
+    from torch._dynamo.utils import counters
+    from torch.nn.attention import flex_attention as fa
+
+    monkeypatch.setattr(fa, "_validate_device", lambda *a: None)  # torch refuses CPU gradients at its entry only
+    monkeypatch.setattr(flexattn, "uses_fused", lambda q, k, dropout: q.shape[2] == k.shape[2])
+    real = flexattn.compiled
+    monkeypatch.setattr(flexattn, "compiled", lambda backend="aot_eager": real(backend))
+    torch._dynamo.reset()  # this process's other compiles don't count against the recompile limit here
+    graphs = counters["stats"]["unique_graphs"]
+    try:
+        t = time.time()
+        assert flexattn.trial("cpu", 16) is None
+        trial_s = time.time() - t
+        rows, weights, ref = eager_refs[name]
+        model = load(zoo[name], attention.FLEX)
+        t = time.time()
+        logit, grad = worst(run(model, "packed", rows, weights), ref)
+        first_s = time.time() - t
+        t = time.time()
+        for n in ((100, 100, 100), (300, 250), (50,) * 9):  # 384, 640, 512 tokens: other 128-token buckets
+            pos = torch.cat([torch.arange(k) for k in n])[None]
+            ids = torch.randint(10, 300, (1, sum(n)))
+            model(ids, position_ids=pos, use_cache=False).logits.square().mean().backward()
+            with torch.no_grad():  # evaluation, and checkpointing's first forward
+                model(ids, position_ids=pos, use_cache=False)
+        rest_s = time.time() - t
+        compiled = counters["stats"]["unique_graphs"] - graphs
+    finally:
+        torch._dynamo.reset()
+    with capsys.disabled():
+        print(f"\n[flex] {name}: compiled path (aot_eager) trial {trial_s:.1f} s, first packed step {first_s:.1f} s, "
+              f"3 more steps + 3 no-grad forwards {rest_s:.1f} s; {compiled} graph(s); max |logit diff| {logit:.1e}, "
+              f"grad {grad:.1e}")
+    assert logit < 1e-4 and grad < 1e-4, (logit, grad)
+    # trial; model (its modifiers differ from the trial's): first shape, then the symbolic length, each with and
+    # without grad. A per-batch (per-length, per-layer) recompile would exceed it.
+    assert compiled <= 5
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gpt-oss"])

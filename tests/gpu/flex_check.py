@@ -9,6 +9,12 @@ Usage: python tests/gpu/flex_check.py [--seq 512] [--json FILE]      (torch with
    (trainbox_flex) and, as the bound bf16 rounding alone sets, bf16 eager (eager never packs: its packed bound is
    its single-row figure). Columns: max |logit diff| and max |grad diff| over all parameters, the gradient diff
    taken relative to each parameter's largest gradient. OK: flex within 2x the bf16-eager bound (+0.02).
+   Each model runs as training does: Dynamo's caches emptied, the choice trial (flexattn.trial at the model's head
+   size: another softcap, window and scale than the model's) first, then the model through the same compiled
+   function; then `train`: train mode, reentrant gradient checkpointing, bf16 autocast, packed rows of 6 lengths.
+   Columns `graphs` (compiled graphs for the model so far, trial included: a handful, bounded by grad on/off, first
+   then symbolic shape, batch 1 or more, lse or not) and `breaks` (graph breaks; fullgraph makes one an error, so 0);
+   `train` is OK when its last two of 6 steps compiled nothing (`late_graphs` in the JSON).
 2. Kernel: random q/k/v of one packed row (16 examples) for head sizes 64, 128 and 256, window + softcap + sinks:
    bf16 fused vs float32 dense math, output and dq/dk/dv/dsinks; compile time of the first call, the time of a
    call after the packed length changes (no recompile expected: automatic dynamic shapes), the block mask's build.
@@ -19,13 +25,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-DEV = "cuda"  # --device cpu: a smoke run of this script's plumbing (the dense math stands in for the kernel)
+DEV = "cuda"  # --device cpu: a smoke run of this script's plumbing (compiled with aot_eager: no kernel)
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 # name: (zoo entry, config overrides)
@@ -105,11 +112,38 @@ def diffs(ours, ref) -> tuple[float, float]:
     return logit, grad
 
 
+def train_steps(model, seq: int) -> int:
+    """Training's setting: train mode (no dropout in these configs), reentrant checkpointing (a no-grad forward, then
+    its recomputation with grad), bf16 autocast, packed rows of 6 lengths. The graphs compiled during the last two steps
+    (lengths again, no other novelty): 0 unless something recompiles per batch."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    g = torch.Generator(device=DEV).manual_seed(1)
+    steps = ((seq, seq // 2), (seq // 4,) * 5, (seq, seq), (seq // 3,) * 3, (seq * 3 // 4, seq), (seq // 5,) * 4)
+    for i, n in enumerate(steps):
+        if i == len(steps) - 2:
+            graphs = counters["stats"]["unique_graphs"]
+        pos = torch.cat([torch.arange(k, device=DEV) for k in n])[None]
+        ids = torch.randint(10, 300, (1, sum(n)), device=DEV, generator=g)
+        with torch.autocast(DEV, dtype=torch.bfloat16):
+            loss = model(ids, position_ids=pos, use_cache=False).logits.float().square().mean()
+        loss.backward()
+        if not all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None):
+            raise RuntimeError("non-finite gradients")
+    model.gradient_checkpointing_disable()
+    model.eval()
+    return counters["stats"]["unique_graphs"] - graphs
+
+
 def model_table(seq: int) -> list[dict]:
     import torch
+    from torch._dynamo.utils import counters
     from transformers import AutoModelForCausalLM
 
-    from entrypoints import attention
+    from entrypoints import attention, flexattn
 
     attention.register(attention.FLEX)
     base = Path(tempfile.mkdtemp(prefix="flexcheck-"))
@@ -131,14 +165,34 @@ def model_table(seq: int) -> list[dict]:
         bound["packed"] = bound["single"]
         del eager16
         flex = load(attention.FLEX, torch.bfloat16)
+        torch._dynamo.reset()  # one model per process in training: its own recompile budget
+        graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
         t = time.time()
-        for kind in ("single", "padded", "packed"):
-            got = diffs(run(flex, kind, rows, weights), ref)
-            b = bound[kind]
-            ok = got[0] <= 2 * b[0] + 0.02 and got[1] <= 2 * b[1] + 0.02
-            out.append({"model": name, "kind": kind, "flex_logit": got[0], "flex_grad": got[1],
-                        "eager_bf16_logit": b[0], "eager_bf16_grad": b[1], "ok": ok})
-        out[-1]["first_calls_s"] = time.time() - t  # compiles included
+        why = flexattn.trial(DEV, flex.config.head_dim, torch.bfloat16 if DEV == "cuda" else torch.float32)
+        trial_s = time.time() - t
+        for kind in ("single", "padded", "packed", "train"):
+            t = time.time()
+            row = {"model": name, "kind": kind, "trial": why or "ok", "trial_s": trial_s}
+            try:
+                if kind == "train":
+                    late = train_steps(flex, seq)
+                    row.update(flex_logit=0.0, flex_grad=0.0, eager_bf16_logit=0.0, eager_bf16_grad=0.0, ok=late == 0,
+                               late_graphs=late)
+                else:
+                    got = diffs(run(flex, kind, rows, weights), ref)
+                    b = bound[kind]
+                    ok = got[0] <= 2 * b[0] + 0.02 and got[1] <= 2 * b[1] + 0.02
+                    row.update(flex_logit=got[0], flex_grad=got[1], eager_bf16_logit=b[0], eager_bf16_grad=b[1],
+                               ok=ok)
+            except Exception as e:  # noqa: BLE001 - the table reports it, the next rows still run
+                row.update(flex_logit=float("nan"), flex_grad=float("nan"), eager_bf16_logit=float("nan"),
+                           eager_bf16_grad=float("nan"), ok=False,
+                           error=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+            row["s"] = time.time() - t  # compiles included
+            row["graphs"] = counters["stats"]["unique_graphs"] - graphs
+            row["breaks"] = sum(counters["graph_break"].values()) - breaks
+            row["ok"] = row["ok"] and row["breaks"] == 0 and not why
+            out.append(row)
         del flex
         torch.cuda.empty_cache()
     return out
@@ -219,8 +273,16 @@ def main() -> int:
     import torch
     import transformers
 
-    from entrypoints import attention, speed
+    from entrypoints import attention, flexattn, speed
 
+    os.environ[flexattn.GPU_ENV] = "1"  # the check is what lifts the GPU default: run the choice's trial too
+    if DEV != "cuda":  # smoke run: the compiled path without inductor (no FlexAttention backward on CPU)
+        from torch.nn.attention import flex_attention as fa
+
+        real = flexattn.compiled
+        fa._validate_device = lambda *x: None
+        flexattn.compiled = lambda backend="aot_eager": real(backend)
+        flexattn.uses_fused = lambda q, k, dropout: q.shape[2] == k.shape[2] and not dropout
     cc = torch.cuda.get_device_capability() if DEV == "cuda" else (0, 0)
     print(f"GPU {torch.cuda.get_device_name() if DEV == 'cuda' else 'none (smoke run)'} sm{cc[0]}{cc[1]}, "
           f"torch {torch.__version__}, transformers {transformers.__version__}", flush=True)
@@ -232,10 +294,15 @@ def main() -> int:
     print(f"\n1. models vs float32 eager (each row alone); rows of {a.seq}, {a.seq * 3 // 4}, {a.seq // 2} tokens; "
           "grad diff relative to each parameter's largest gradient")
     print(f"{'model':14s} {'rows':7s} | {'flex bf16 logit':>15s} {'grad':>8s} | {'eager bf16 logit':>16s} "
-          f"{'grad':>8s} | ok")
+          f"{'grad':>8s} | {'s':>6s} {'graphs':>6s} {'breaks':>6s} | ok")
     for r in models:
         print(f"{r['model']:14s} {r['kind']:7s} | {r['flex_logit']:15.4f} {r['flex_grad']:8.4f} | "
-              f"{r['eager_bf16_logit']:16.4f} {r['eager_bf16_grad']:8.4f} | {'OK' if r['ok'] else 'MISMATCH'}")
+              f"{r['eager_bf16_logit']:16.4f} {r['eager_bf16_grad']:8.4f} | {r['s']:6.1f} {r['graphs']:6d} "
+              f"{r['breaks']:6d} | {'OK' if r['ok'] else 'MISMATCH'}"
+              + (f"  trial: {r['trial']}" if r["trial"] != "ok" else "") + (f"  {r['error']}" if "error" in r else "")
+              + (f"  {r['late_graphs']} graph(s) in the last 2 steps" if r.get("late_graphs") else ""))
+    print("trial (compile included): " + ", ".join(f"{r['model']} {r['trial_s']:.1f} s" for r in models
+                                                   if r["kind"] == "single"))
     kernels = kernel_table()
     print("\n2. kernel: bf16 fused vs float32 dense math, one packed row of 16 examples, window 256, softcap 50, "
           "sinks; diffs relative to the largest reference value")
