@@ -31,7 +31,7 @@ EST_RE = re.compile(r"estimate ([\d.]+) GiB per GPU")
 
 
 def sft_argv(model: Path, data: Path, out: Path, gpus: int, accum: int, steps: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "entrypoints", "sft", *(["--nproc-per-node", str(gpus)] if gpus > 1 else []),
+    return [sys.executable, "-m", "trainbox", "sft", *(["--nproc-per-node", str(gpus)] if gpus > 1 else []),
             "--model_name_or_path", str(model), "--dataset", str(data / "train.jsonl"), "--output_dir", str(out),
             "--max_steps", str(steps), "--resume", "never", "--max_length", "2048", "--per_device_train_batch_size",
             "8", "--gradient_accumulation_steps", str(accum), "--logging_steps", "1", "--save_strategy", "no",
@@ -85,7 +85,7 @@ def main() -> None:
         model = tt.make_model(work / shape, shape)
         for gpus in a.gpus:
             if shape == "llama-8b" and gpus == 1:
-                r = subprocess.run([sys.executable, "-m", "entrypoints", "plan", "--model_name_or_path", str(model),
+                r = subprocess.run([sys.executable, "-m", "trainbox", "plan", "--model_name_or_path", str(model),
                                     "--gpu-memory", "77.7", "--per_device_train_batch_size", "8", "--max_length",
                                     "2048"], capture_output=True, text=True, cwd=ROOT)
                 print(f"ROW {shape}-1gpu: plan exit {r.returncode}\n    {r.stdout.strip().splitlines()[-1]}", flush=True)

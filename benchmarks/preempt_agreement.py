@@ -53,7 +53,7 @@ def worker(a) -> None:
     import torch
     import torch.distributed as dist
 
-    from entrypoints import preemption
+    from trainbox.run import preemption
 
     rank = a.rank
     dist.init_process_group("gloo", init_method=f"tcp://{a.master}:{PORT}", rank=rank, world_size=2)

@@ -128,7 +128,7 @@ def flops_per_token(model: Path, lens: list[int]) -> float:
     active experts only (top-k of E), and windowed layers count their window (a token attends to at most W keys)."""
     import json as _json
 
-    from entrypoints import speed, throughput
+    from trainbox.training import speed, throughput
 
     facts = speed.model_facts(str(model))
     conf = _json.loads((model / "config.json").read_text())
@@ -248,7 +248,7 @@ def run(label: str, argv: list[str], work: Path, log: Path) -> dict:
 def peak_tflops() -> float:
     import torch
 
-    from entrypoints.throughput import peak_tflops as peak
+    from trainbox.training.throughput import peak_tflops as peak
 
     return peak(torch.cuda.get_device_name()) or 989.4
 
@@ -287,7 +287,7 @@ def sft(a) -> None:
                 "--max_steps", str(steps), *common]
 
     def ours(data, out, steps, *extra):
-        return [py, "-m", "entrypoints", "sft", *launch_ours, "--dataset", str(data / "train.jsonl"), "--output_dir",
+        return [py, "-m", "trainbox", "sft", *launch_ours, "--dataset", str(data / "train.jsonl"), "--output_dir",
                 str(out), "--max_steps", str(steps), "--resume", "never", *common, *extra]
 
     results = {}
@@ -391,7 +391,7 @@ def qlora(a) -> None:
     print(f"# qlora: {len(lens)} rows capped at 1024, median {sorted(lens)[len(lens) // 2]} tokens", flush=True)
     plain = [sys.executable, str(script), str(model), str(data / "train.jsonl"), str(work / "o-plain"), str(a.steps),
              "1024"]
-    ours = [sys.executable, "-m", "entrypoints", "qlora", "--model_name_or_path", str(model), "--dataset",
+    ours = [sys.executable, "-m", "trainbox", "qlora", "--model_name_or_path", str(model), "--dataset",
             str(data / "train.jsonl"), "--output_dir", str(work / "o-ours"), "--max_steps", str(a.steps),
             "--max_length", "1024", "--per_device_train_batch_size", "4", "--logging_steps", "1", "--save_strategy",
             "no", "--report_to", "none", "--seed", "0", "--resume", "never", "--disable_tqdm", "true"]  # fmt: skip
@@ -425,7 +425,7 @@ def memory(a) -> None:
     py, out = sys.executable, max(where, key=lambda d: shutil.disk_usage(d).free) / "o-8b"
     runs = [("8b-trl", [py, "-m", "trl.cli.main", "sft", "--dataset_name", str(data), "--output_dir", str(out),
                         *common]),
-            ("8b-ours", [py, "-m", "entrypoints", "sft", "--dataset", str(data / "train.jsonl"), "--output_dir",
+            ("8b-ours", [py, "-m", "trainbox", "sft", "--dataset", str(data / "train.jsonl"), "--output_dir",
                          str(out), "--resume", "never", *common])]
     for label, argv in runs:
         start = log.stat().st_size if log.is_file() else 0
@@ -442,7 +442,7 @@ def memory(a) -> None:
 
 def write_prompts(path: Path, rows: int, seed: int = 0) -> Path:
     """GRPO rows as `grpo --preset gsm8k` makes them: the system prompt + a question (prompt messages), an answer."""
-    from entrypoints.rewards import SYSTEM_PROMPT
+    from trainbox.training.rewards import SYSTEM_PROMPT
 
     rng = random.Random(seed)
     path.mkdir(parents=True, exist_ok=True)
@@ -476,11 +476,11 @@ def grpo(a) -> None:
 
     def trl(out, steps):
         return [py, "-m", "trl.cli.main", "grpo", "--dataset_name", str(data), "--output_dir", str(out),
-                "--max_steps", str(steps), "--reward_funcs", *[f"entrypoints.rewards.{r}" for r in rewards], *common,
+                "--max_steps", str(steps), "--reward_funcs", *[f"trainbox.training.rewards.{r}" for r in rewards], *common,
                 *plain_vllm]
 
     def ours(out, steps):
-        return [py, "-m", "entrypoints", "grpo", "--dataset", str(data / "train.jsonl"), "--output_dir", str(out),
+        return [py, "-m", "trainbox", "grpo", "--dataset", str(data / "train.jsonl"), "--output_dir", str(out),
                 "--max_steps", str(steps), "--resume", "never", "--reward_funcs",
                 ",".join(f"rewards:{r}" for r in rewards), *common]
 
@@ -514,7 +514,7 @@ def check(a) -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-    from entrypoints import attention
+    from trainbox.training import attention
 
     choice = attention.choose()
     print(choice.line(), flush=True)

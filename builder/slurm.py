@@ -111,10 +111,10 @@ class JobSpec:
     log_dir: str = "."
     grace: int | None = None  # job.sh: default GRACE; verl jobs get no warning signal (refused)
     python: str | None = None  # bare mode (default "python3")
-    workdir: str | None = None  # bare mode: dir holding entrypoints/ and common/ (the repo root)
+    workdir: str | None = None  # bare mode: dir holding trainbox/ and common/ (the repo root)
     env: tuple[tuple[str, str], ...] = ()
     args: tuple[str, ...] = field(default=())  # extra entrypoint options
-    vllm_nodes: int = 0  # grpo: the last node(s) run `trl vllm-serve`, the others train (entrypoints/vllm_server.py)
+    vllm_nodes: int = 0  # grpo: the last node(s) run `trl vllm-serve`, the others train (trainbox/training/vllm_server.py)
     module: str | None = None  # verl jobs: the Python module to run (default: VERL_JOBS[entrypoint])
     ray_args: tuple[str, ...] = ()  # verl-ppo: `trainbox ray` options (--num-cpus 8, --gpu-free-head is refused)
 
@@ -230,7 +230,7 @@ def _check(spec: JobSpec) -> None:
             raise UserError("bare mode runs on the nodes without a container: drop --sqsh/--mount/--data/--outputs/"
                             "--hf-cache and give host paths in the config")
         if not spec.workdir or not spec.workdir.startswith("/"):
-            raise UserError("bare mode needs --workdir ABS_DIR (the directory that holds entrypoints/ and common/)")
+            raise UserError("bare mode needs --workdir ABS_DIR (the directory that holds trainbox/ and common/)")
     else:
         # pyxis takes a path only if it starts with / or ./ (else it pulls from a registry); be strict: absolute.
         if not spec.sqsh or not spec.sqsh.startswith("/") or not spec.sqsh.endswith(".sqsh"):
@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grace", type=int, help=f"seconds before the time limit to send SIGUSR1 (default {GRACE}; "
                    "not for verl jobs)")
     p.add_argument("--python", help="bare mode: the Python with the training stack (default python3)")
-    p.add_argument("--workdir", help="bare mode: directory holding entrypoints/ and common/ (e.g. the repo root)")
+    p.add_argument("--workdir", help="bare mode: directory holding trainbox/ and common/ (e.g. the repo root)")
     p.add_argument("--vllm-nodes", type=int, default=0,
                    help="grpo: the last node runs `trl vllm-serve`, the others train with vllm_mode server (1 or 0)")
     p.add_argument("--module", help=f"verl jobs: the module to run (default: {', '.join(VERL_JOBS.values())}; "

@@ -122,7 +122,7 @@ def notices(matrix_path: str | Path = DEFAULT_MATRIX) -> list[str]:
 def plan(changed: list[str] | None = None, matrix_path: str | Path = DEFAULT_MATRIX) -> list[dict]:
     """The build jobs: every venv when CHANGED is None (a push), else only the venvs whose inputs a changed path
     touches: images/<tag>/ and locks/<venv>.txt, locks/<tag>.* select their own venv; tests, benchmarks, devenv, CI
-    scripts and Markdown select none; any other path (builder/, entrypoints/, common/, matrix.toml, build.py...) every
+    scripts and Markdown select none; any other path (builder/, trainbox/, common/, matrix.toml, build.py...) every
     venv.
     A cell whose --frozen build would refuse a lock (blocked()) is never planned, nor a venv left with no cell."""
     groups = venv_groups(matrix_path)

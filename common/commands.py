@@ -2,7 +2,7 @@
 
 The dispatcher (listing, what runs), the help cache (which commands keep a rendered --help), the notebook helper
 (what `notebook.run` may run) and the host's Slurm renderer (builder/slurm.py: which commands get a job script,
-which take --config) all read this table; a new command is its module (entrypoints/NAME.py) plus one line here.
+which take --config) all read this table; a new command is its module (trainbox/cli/NAME.py) plus one line here.
 Pure data: no import of a package or of a library (builder/ imports it on the host), and a command's summary is read
 from its module's docstring by the dispatcher, only when it lists them.
 """
@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 class Command(NamedTuple):
     name: str
-    module: str  # entrypoints/<module>.py
+    module: str  # trainbox/<module>.py
     public: bool = True  # listed by `trainbox --help`; a hidden one runs but isn't listed
     # A trainer takes --config YAML, keeps a rendered --help (helpcache.py), starts torchrun itself
     # (runner.run_trainer) and may run from a notebook (notebook.run).
@@ -31,7 +31,7 @@ TABLE = (
     Command("plan", "plan"),
     Command("doctor", "doctor"),
     Command("nccl-check", "nccl_check", slurm=True),
-    # entrypoints/ray.py would shadow the `ray` package for a script run.
+    # trainbox/cli/ray.py would shadow the `ray` package for a script run.
     Command("ray", "ray_cluster", slurm=True),
     Command("healthcheck", "healthcheck", public=False),
 )

@@ -1,5 +1,5 @@
 """The one error type the in-image side raises for bad input: the dispatcher prints it on one line and exits 2.
-Here, not in entrypoints/, because the launch planner (launch.py) raises it too."""
+Here, not in trainbox/, because the launch planner (launch.py) raises it too."""
 
 from . import redact
 

@@ -3,7 +3,7 @@ transformers registration of PyTorch's varlen kernel."""
 
 import pytest
 
-from entrypoints import attention
+from trainbox.training import attention
 
 
 def record(backend):

@@ -1,4 +1,4 @@
-"""entrypoints.cachedirs: caches move off an unwritable $HOME, only when they must, and the user's variables win.
+"""trainbox.run.cachedirs: caches move off an unwritable $HOME, only when they must, and the user's variables win.
 
 An unwritable home without mocks, even as root: a HOME below a regular file (mkdir fails with ENOTDIR), or on a
 read-only bind mount (EROFS, what enroot's read-only root gives) when we may mount.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from entrypoints import cachedirs
+from trainbox.run import cachedirs
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL = (*cachedirs.CACHE_VARS, *cachedirs.RUNTIME_VARS)
@@ -68,11 +68,11 @@ def test_dispatcher_under_a_read_only_home(tmp_path):
     home = tmp_path / "home"
     home.mkdir()
     script = (f"mount --bind {home} {home} && mount -o remount,bind,ro {home} && "
-              f"exec {sys.executable} -m entrypoints doctor --help")
+              f"exec {sys.executable} -m trainbox doctor --help")
     env = _env(str(home), PYTHONPATH=str(ROOT))
     r = subprocess.run(["unshare", "--mount", "sh", "-c", script], env=env, capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert f"$HOME ({home}) is not writable" in r.stderr and "HF_HOME" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "entrypoints", "doctor", "--help"], env=env, capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "trainbox", "doctor", "--help"], env=env, capture_output=True,
                        text=True, cwd=ROOT)
     assert r.returncode == 0 and "not writable" not in r.stderr  # same command, writable home: silent

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from common import commands
-from entrypoints import dispatch, notebook
+from trainbox import dispatch
+from trainbox.run import notebook
 
 ROOT = Path(__file__).resolve().parents[1]
 PRODUCT = ("entrypoints", "common", "builder", "devenv")
@@ -92,20 +93,20 @@ def run(home: Path, *args: str, env: dict | None = None) -> subprocess.Completed
 def test_a_dummy_trainer_is_one_module_and_one_table_entry(tmp_path):
     home = add_dummy(tmp_path)
     out = tmp_path / "out"
-    listed = run(home, "-m", "entrypoints", "--help")
+    listed = run(home, "-m", "trainbox", "--help")
     assert listed.returncode == 0, listed.stderr
     assert "  dummy      Dummy trainer: one module and one table entry" in listed.stdout
 
-    bad = run(home, "-m", "entrypoints", "dummy", "--nope", env={"OUTPUT_DIR": str(out)})
+    bad = run(home, "-m", "trainbox", "dummy", "--nope", env={"OUTPUT_DIR": str(out)})
     assert bad.returncode == 2
     assert bad.stderr.splitlines() == ["error: dummy takes --ok only, not '--nope'; pass --ok"], bad.stderr
 
-    ok = run(home, "-m", "entrypoints", "dummy", "--ok", env={"OUTPUT_DIR": str(out)})
+    ok = run(home, "-m", "trainbox", "dummy", "--ok", env={"OUTPUT_DIR": str(out)})
     assert ok.returncode == 0, ok.stderr
     assert "[trainbox] dummy trained" in ok.stdout
     assert "dummy trained" in (out / "logs" / "dummy.log").read_text()  # the skeleton kept the run's log
 
-    in_kernel = run(home, "-c", "from entrypoints import notebook; "
+    in_kernel = run(home, "-c", "from trainbox.run import notebook; "
                     f"print(notebook.run('dummy', ['--ok'], output_dir={str(tmp_path / 'nb')!r}))")
     assert in_kernel.returncode == 0 and in_kernel.stdout.strip().endswith("0"), in_kernel.stderr
 
@@ -122,8 +123,8 @@ def test_the_checkout_refuses_the_dummy_it_does_not_list(tmp_path):
     home = tmp_path / "pkg"
     shutil.copytree(ROOT / "entrypoints", home / "entrypoints", ignore=shutil.ignore_patterns("__pycache__"))
     (home / "entrypoints" / "dummy.py").write_text(DUMMY)  # the module alone is not enough
-    assert "dummy" not in run(home, "-m", "entrypoints", "--help").stdout
-    assert run(home, "-m", "entrypoints", "dummy", "--ok").returncode == 2
+    assert "dummy" not in run(home, "-m", "trainbox", "--help").stdout
+    assert run(home, "-m", "trainbox", "dummy", "--ok").returncode == 2
     job = run(home, "-m", "builder.slurm", "--tag", "t", "--entrypoint", "dummy", "--config", "/d.yaml",
               "--sqsh", "/images/t.sqsh")
     assert job.returncode == 2 and "invalid choice: 'dummy'" in job.stderr

@@ -6,7 +6,7 @@ import pytest
 from transformers import TrainingArguments
 
 from common.errors import UsageError
-from entrypoints import config
+from trainbox.training import config
 
 
 @dataclass

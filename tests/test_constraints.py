@@ -17,7 +17,7 @@ import pytest
 
 from enginefix import BUILD_TIMEOUT, docker, engine, smoke_build, smoke_image  # noqa: F401
 from common.errors import UsageError
-from entrypoints import constraints, pipwrap
+from trainbox.image import constraints, pipwrap
 from simpleindex import serve, stand_in_wheel, write_index
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,7 +62,7 @@ def test_cli_writes_the_file_atomically_and_pins_reads_it_back(tmp_path):
     lock = tmp_path / "venv.txt"
     lock.write_text("Torch==2.13.0+cpu \\\n    --hash=sha256:aa\ntyping_extensions==4.16.0\n")
     out = tmp_path / "c.txt"
-    r = subprocess.run([sys.executable, "-m", "entrypoints.constraints", str(lock), "-o", str(out)], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "trainbox.image.constraints", str(lock), "-o", str(out)], cwd=ROOT,
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert out.read_text().splitlines()[-2:] == ["Torch==2.13.0+cpu", "typing_extensions==4.16.0"]
@@ -70,7 +70,7 @@ def test_cli_writes_the_file_atomically_and_pins_reads_it_back(tmp_path):
     assert constraints.pins(out) == {"torch": ("Torch", "2.13.0+cpu"),
                                      "typing-extensions": ("typing_extensions", "4.16.0")}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt", "venv.txt"]
-    r = subprocess.run([sys.executable, "-m", "entrypoints.constraints", str(tmp_path / "nope.txt")], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "trainbox.image.constraints", str(tmp_path / "nope.txt")], cwd=ROOT,
                        capture_output=True, text=True)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "cannot read the lock" in r.stderr
 

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from common.errors import UsageError
-from entrypoints import data
+from trainbox.training import data
 
 GSM8K = [
     ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many?",

@@ -75,7 +75,7 @@ if __name__ == "__main__":
 def run(args, env=None, cwd=ROOT, **kw):
     e = dict(os.environ, PYTHONPATH=str(ROOT))
     e.update(env or {})
-    return subprocess.run([PY, "-m", "entrypoints", *args], cwd=cwd, env=e, capture_output=True, text=True,
+    return subprocess.run([PY, "-m", "trainbox", *args], cwd=cwd, env=e, capture_output=True, text=True,
                           timeout=120, **kw)
 
 
@@ -106,12 +106,12 @@ def test_help_lists_every_entrypoint_with_its_docstring_line():
     listed = {line.split()[0]: line.split(None, 1)[1] for line in r.stdout.splitlines() if line.startswith("  ")}
     assert set(NAMES) <= set(listed)
     assert "healthcheck" not in listed  # hidden
-    doctor_doc = ast.get_docstring(ast.parse((ROOT / "entrypoints/doctor.py").read_text())).splitlines()[0]
+    doctor_doc = ast.get_docstring(ast.parse((ROOT / "trainbox/cli/doctor.py").read_text())).splitlines()[0]
     assert listed["doctor"] == doctor_doc
 
 
 def test_help_imports_nothing_heavy():
-    code = ("import sys; from entrypoints.dispatch import usage; t = usage(); "
+    code = ("import sys; from trainbox.dispatch import usage; t = usage(); "
             "heavy = {'torch', 'transformers', 'trl', 'jupyter_server'} & set(sys.modules); "
             "assert not heavy, heavy; assert 'jupyter' in t")
     r = subprocess.run([PY, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
@@ -134,11 +134,11 @@ def test_entrypoint_module_honours_the_contract(name):
 
 
 def test_trainbox_command_like_the_image(tmp_path):
-    """/usr/local/bin/trainbox in the image is `exec python -m entrypoints "$@"`: same listing through it."""
+    """/usr/local/bin/trainbox in the image is `exec python -m trainbox "$@"`: same listing through it."""
     bindir = tmp_path / "bin"
     bindir.mkdir()
     shim = bindir / "trainbox"
-    shim.write_text(f'#!/bin/sh\nexec {PY} -m entrypoints "$@"\n')
+    shim.write_text(f'#!/bin/sh\nexec {PY} -m trainbox "$@"\n')
     shim.chmod(0o755)
     env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", PYTHONPATH=str(ROOT))
     r = subprocess.run(["trainbox", "--help"], env=env, capture_output=True, text=True, cwd=tmp_path)
@@ -164,7 +164,7 @@ def test_ours_wins_over_pypi_entrypoints(tmp_path):
     site = next((venv / "lib").glob("python3*/site-packages"))
     (site / "entrypoints.py").write_text('"""PyPI entrypoints 0.4 stand-in."""\n'
                                         'raise SystemExit("wrong entrypoints")\n')
-    r = subprocess.run([venv / "bin" / "python", "-m", "entrypoints", "doctor", "--help"], cwd=tmp_path,
+    r = subprocess.run([venv / "bin" / "python", "-m", "trainbox", "doctor", "--help"], cwd=tmp_path,
                        env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True)
     assert r.returncode == 0 and "--json" in r.stdout, r.stderr
 
@@ -197,7 +197,7 @@ def test_missing_or_broken_module_does_not_break_listing(pkg):
 def start(pkg, args, env=None, prefix=()):
     e = dict(os.environ, PYTHONPATH=str(pkg))
     e.update(env or {})
-    return subprocess.Popen([*prefix, PY, "-m", "entrypoints", "sft", *args], cwd="/", env=e,
+    return subprocess.Popen([*prefix, PY, "-m", "trainbox", "sft", *args], cwd="/", env=e,
                             stderr=subprocess.PIPE, text=True)
 
 
@@ -242,12 +242,12 @@ def _host_pid_of_pid1(unshare_pid: int, timeout=30) -> int:
 
 def start_as_image(pkg, args):
     """`docker run IMAGE sft ARGS`: the image's ENTRYPOINT as PID 1 of a new PID namespace, the dispatcher under it
-    (the image's /usr/local/bin/trainbox is `exec python -m entrypoints "$@"`)."""
+    (the image's /usr/local/bin/trainbox is `exec python -m trainbox "$@"`)."""
     tini, *flags = image_entrypoint()[:-1]
     assert Path(tini).name == "tini" and flags == ["-g", "--"]
     tini = shutil.which("tini") or tini  # the host's Debian tini (make system-deps installs it)
     e = dict(os.environ, PYTHONPATH=str(pkg))
-    return subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", tini, *flags, PY, "-m", "entrypoints",
+    return subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", tini, *flags, PY, "-m", "trainbox",
                              "sft", *args], cwd="/", env=e, stderr=subprocess.PIPE, text=True)
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from entrypoints import doctorchecks, doctorprobes, imageinfo
-from entrypoints.doctorchecks import EXIT_BROKEN, EXIT_FALLBACK, EXIT_NO_GPU, EXIT_OK, evaluate, exit_code
+from trainbox.image import doctorchecks, doctorprobes, imageinfo
+from trainbox.image.doctorchecks import EXIT_BROKEN, EXIT_FALLBACK, EXIT_NO_GPU, EXIT_OK, evaluate, exit_code
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -211,7 +211,7 @@ def run_doctor(python, rec: dict | str | None, tmp_path, path_prepend=None):
         env["TRAINBOX_IMAGE_INFO"] = str(f)
     # a CI box has no nvidia-smi; keep it that way unless a fake one is given
     env["PATH"] = os.pathsep.join([str(path_prepend)] if path_prepend else []) + os.pathsep + "/usr/bin:/bin"
-    r = subprocess.run([str(python), "-m", "entrypoints", "doctor", "--json"], env=env, capture_output=True,
+    r = subprocess.run([str(python), "-m", "trainbox", "doctor", "--json"], env=env, capture_output=True,
                        text=True, timeout=900, cwd=tmp_path)
     return r.returncode, json.loads(r.stdout) if r.stdout.strip().startswith("{") else r
 
@@ -287,7 +287,7 @@ def test_nvidia_smi_output_is_parsed(bare_python, tmp_path):
 def test_table_output(bare_python, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), PATH="/usr/bin:/bin")
     env.pop("TRAINBOX_IMAGE_INFO", None)
-    r = subprocess.run([str(bare_python), "-m", "entrypoints", "doctor"], env=env, capture_output=True, text=True,
+    r = subprocess.run([str(bare_python), "-m", "trainbox", "doctor"], env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == EXIT_NO_GPU
     assert "CHECK" in r.stdout and "NO-GPU" in r.stdout and "VERDICT: no-gpu (exit 3)" in r.stdout

@@ -547,7 +547,7 @@ def test_smoke_sqsh_rootfs_and_enroot_files(smoke_sqsh, smoke_root, smoke_image,
     listing = subprocess.run(["unsquashfs", "-l", str(smoke_sqsh)], capture_output=True, text=True,
                              check=True).stdout.splitlines()
     for p in ("etc/rc", "etc/rc.local", "etc/fstab", "etc/environment", "opt/venv/bin/python",
-              "usr/local/bin/trainbox", "etc/trainbox/image.json", "opt/trainbox/entrypoints/__main__.py",
+              "usr/local/bin/trainbox", "etc/trainbox/image.json", "opt/trainbox/trainbox/__main__.py",
               "opt/trainbox/common/launch.py"):
         assert f"squashfs-root/{p}" in listing, p
     assert not [x for x in listing if x.startswith("squashfs-root/dev/") or x == "squashfs-root/.dockerenv"]
@@ -618,8 +618,8 @@ def test_smoke_path_survives_the_login_shell(smoke_root):
     r = _login_shell(smoke_root, "/etc/rc", "--help")
     assert r.returncode == 0 and "usage: trainbox" in r.stdout, r.stderr
     # (torch itself needs /dev, which enroot mounts at start: test_slurm_job's enroot-mode run covers that.)
-    r = _login_shell(smoke_root, "-c", "python -c 'import entrypoints; print(entrypoints.__file__)'")
-    assert r.stdout.strip() == "/opt/trainbox/entrypoints/__init__.py", r.stderr
+    r = _login_shell(smoke_root, "-c", "python -c 'import trainbox; print(trainbox.__file__)'")
+    assert r.stdout.strip() == "/opt/trainbox/trainbox/__init__.py", r.stderr
 
 
 @pytest.mark.engine

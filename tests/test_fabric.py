@@ -1,4 +1,4 @@
-"""The fabric (entrypoints/fabric.py): RDMA ports from a fake sysfs tree, GPUDirect, /dev/shm, libibverbs, NCCL's
+"""The fabric (trainbox/image/fabric.py): RDMA ports from a fake sysfs tree, GPUDirect, /dev/shm, libibverbs, NCCL's
 INIT/NET log lines (NCCL's own wording), doctor's fabric rows and WARNINGs, and a real doctor run on a fake tree."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from entrypoints import doctor, doctorchecks, fabric
+from trainbox.cli import doctor
+from trainbox.image import doctorchecks, fabric
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -188,7 +189,7 @@ def test_doctor_reads_a_fake_fabric_tree(bare_python, ib_tree):
     env.update(PYTHONPATH=str(ROOT), PATH="/usr/bin:/bin", TRAINBOX_FABRIC_ROOT=str(ib_tree),
                TRAINBOX_IBVERBS="libtrainbox-absent.so.1", TRAINBOX_IMAGE_INFO=str(ib_tree / "none.json"))
     (ib_tree / "dev/shm").mkdir(parents=True)
-    r = subprocess.run([str(bare_python), "-m", "entrypoints", "doctor", "--json"], env=env, capture_output=True,
+    r = subprocess.run([str(bare_python), "-m", "trainbox", "doctor", "--json"], env=env, capture_output=True,
                        text=True, timeout=120, cwd=ib_tree)
     out = json.loads(r.stdout)
     rows = {c["name"]: c for c in out["checks"]}

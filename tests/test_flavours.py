@@ -119,7 +119,7 @@ def test_committed_flavour_files_are_the_render():
     assert "FROM ${BASE_IMAGE}" in text and "ARG BASE_IMAGE=trainbox:smoke-x86_64" in text
     assert "PIP_CONSTRAINT= UV_CONSTRAINT= /opt/venv/bin/python -m pip install --no-cache-dir --require-hashes" in text
     assert "COPY --chown=1000:1000 images/notebooks/unsloth/ /workspace/notebooks/" in text
-    assert 'CMD ["jupyter"]' in text and "python -m entrypoints.helpcache" in text
+    assert 'CMD ["jupyter"]' in text and "python -m trainbox.helpcache" in text
 
 
 FLAVOUR_ANCHOR = ('packages = { verl = "0.9.1", transformers = "5.10.4", hydra-core = "1.3.8", '

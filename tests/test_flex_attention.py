@@ -1,4 +1,4 @@
-"""trainbox_flex (entrypoints/flexattn.py) against each model's own eager attention in float32: logits and the
+"""trainbox_flex (trainbox/training/flexattn.py) against each model's own eager attention in float32: logits and the
 gradients of every parameter (q/k/v/o projections, sinks, experts...) on single rows, a right-padded batch and one
 packed row (each example of the packed row against the same example alone), for Gemma 2 (window + softcap), gpt-oss
 (window + sinks, MoE) and the Llama control, on the tiny zoo models.
@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from entrypoints import attention, flexattn, speed
+from trainbox.training import attention, flexattn, speed
 from zoo import WINDOW, make_zoo_model
 
 ARCHS = ["gemma2", "gpt-oss", "llama3"]
@@ -243,7 +243,7 @@ def test_choice_names_flex_and_packs(zoo, name):
                                "honours this model's attention")
     assert "PyTorch varlen flash attention: would drop" in c.line()
     args = type("Args", (), {"packing_strategy": "bfd"})()
-    from entrypoints import config as cfg
+    from trainbox.training import config as cfg
 
     orig = cfg.explicit
     cfg.explicit = lambda a: set()

@@ -1,6 +1,6 @@
 """`trainbox grpo`: option parsing and checks before any model loads, and real CPU runs on the tiny Llama.
 
-Runs go through `python -m entrypoints grpo` in a subprocess (as in the image), on synthetic gsm8k-style data
+Runs go through `python -m trainbox grpo` in a subprocess (as in the image), on synthetic gsm8k-style data
 (`#### N` answers) and a toy task whose reward the policy can learn.
 """
 
@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from entrypoints import grpo, grpo_data, grpo_options, grpo_rollouts, grpo_trainer, rewards
+from trainbox.cli import grpo
+from trainbox.training import grpo_data, grpo_options, grpo_rollouts, grpo_trainer, rewards
 from common.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,7 +57,7 @@ def run_grpo(args, cwd, env=None, timeout=600) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     full_env.pop("OUTPUT_DIR", None) if "OUTPUT_DIR" not in (env or {}) else None
     return subprocess.run(
-        [sys.executable, "-m", "entrypoints", "grpo", *map(str, args)],
+        [sys.executable, "-m", "trainbox", "grpo", *map(str, args)],
         cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout,
     )
 
@@ -371,7 +372,7 @@ def test_sigterm_saves_a_checkpoint_and_the_next_run_resumes(tiny_model, gsm8k_f
             "--output_dir", out, "--save_steps", "1000", *FAST]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with log.open("w") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "entrypoints", "grpo", *map(str, argv), "--max_steps", "500"],
+        proc = subprocess.Popen([sys.executable, "-m", "trainbox", "grpo", *map(str, argv), "--max_steps", "500"],
                                 cwd=tmp_path, env=env, stdout=fh, stderr=subprocess.STDOUT, text=True)
         try:
             deadline = time.monotonic() + 300
@@ -413,7 +414,7 @@ def test_two_processes_through_torchrun(tiny_model, gsm8k_file, tmp_path):
 
 
 def test_colocated_vllm_share_is_sized_from_the_gpu():
-    from entrypoints.grpo_rollouts import rollout_memory_share
+    from trainbox.training.grpo_rollouts import rollout_memory_share
 
     gib = 2**30
     assert rollout_memory_share(141 * gib)[0] == 0.17  # H200: 24 GiB of 141
@@ -425,10 +426,10 @@ def test_colocated_vllm_share_is_sized_from_the_gpu():
 def test_checkpointing_is_chosen_for_full_and_left_to_trl_for_adapters(tiny_model, gsm8k_file, tmp_path):
     """TRL turns checkpointing on for GRPO; full fine-tuning decides from the memory estimate (CPU: off, memory is
     not the limit), lora/qlora keep TRL's choice, and the user's flag wins."""
-    from entrypoints.grpo import parse
-    from entrypoints.grpo_options import finalize
-    from entrypoints.grpo_trainer import choose_checkpointing
-    from entrypoints.speed import model_facts
+    from trainbox.cli.grpo import parse
+    from trainbox.training.grpo_options import finalize
+    from trainbox.training.grpo_trainer import choose_checkpointing
+    from trainbox.training.speed import model_facts
 
     facts = model_facts(str(tiny_model))
 
@@ -454,7 +455,7 @@ def scoring_trainer(tiny_model, tmp_path_factory):
     import datasets
     from trl import GRPOConfig
 
-    from entrypoints.grpo_padding_free import PaddingFreeGRPOTrainer
+    from trainbox.training.grpo_padding_free import PaddingFreeGRPOTrainer
 
     args = GRPOConfig(output_dir=str(tmp_path_factory.mktemp("pf")), num_generations=2, per_device_train_batch_size=4,
                       max_completion_length=8, bf16=False, report_to="none", use_cpu=True,
@@ -512,7 +513,7 @@ def test_padding_free_falls_back_to_trl_where_it_cannot_pack(scoring_trainer, mo
     import torch
     from trl import GRPOTrainer
 
-    from entrypoints.grpo_padding_free import packable
+    from trainbox.training.grpo_padding_free import packable
 
     calls = []
     real = GRPOTrainer._get_per_token_logps_and_entropies
@@ -534,7 +535,7 @@ def test_padding_free_falls_back_to_trl_where_it_cannot_pack(scoring_trainer, mo
 def test_policy_forward_choice(tiny_model, gsm8k_file, monkeypatch):
     import torch
 
-    from entrypoints import attention
+    from trainbox.training import attention
 
     def decide(*extra, gpu=False, runs=()):
         script, args, model_args = parsed(["--model_name_or_path", str(tiny_model), "--dataset", str(gsm8k_file),

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from entrypoints import helpcache
+from trainbox import helpcache
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,7 +19,7 @@ def trainbox(*args, env, pythonpath=()):
     # The user's cache alone (a checkout's own .cache, the first folder otherwise, is test_hostile_image's subject):
     # a folder below /dev/null can't be made.
     env["TRAINBOX_HELP_DIR"] = "/dev/null/help"
-    return subprocess.run([sys.executable, "-m", "entrypoints", *args], cwd=ROOT, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "trainbox", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
 
 
@@ -49,10 +49,10 @@ def test_second_help_prints_the_same_text_without_importing_trl(tmp_path, poison
 def test_help_is_the_same_on_every_host():
     """qlora's optimizer default depends on the GPU; its --help shows the GPU's on a CPU host too (and sft's does
     not force use_cpu), so the text kept at image build is right where the image runs."""
-    from entrypoints import qlora
+    from trainbox.cli import qlora
 
     assert qlora.qlora_defaults(gpu=True)["optim"] == "paged_adamw_8bit"
-    text = subprocess.run([sys.executable, "-m", "entrypoints.qlora", "--help"], cwd=ROOT, capture_output=True,
+    text = subprocess.run([sys.executable, "-m", "trainbox.cli.qlora", "--help"], cwd=ROOT, capture_output=True,
                           text=True, env={**os.environ, "PYTHONPATH": str(ROOT), "TRAINBOX_HELP_DIR": "/nonexistent/x"},
                           timeout=300).stdout
     assert "paged_adamw_8bit" in text.split("--optim", 1)[1].split("--", 1)[0]
@@ -84,7 +84,7 @@ def test_asked_ignores_arguments_after_double_dash():
 
 
 def test_image_build_step_renders_every_trainer_and_nothing_in_a_light_image(tmp_path, monkeypatch):
-    """`python -m entrypoints.helpcache` (the Dockerfile's RUN): all three texts kept; without TRL (the light arm64
+    """`python -m trainbox.helpcache` (the Dockerfile's RUN): all three texts kept; without TRL (the light arm64
     smoke image: jupyter and doctor only) nothing to render and no failure."""
     monkeypatch.setenv("TRAINBOX_HELP_DIR", str(tmp_path / "help"))
     assert sorted(helpcache.render_all()) == ["grpo", "qlora", "sft"]  # the command table's trainers

@@ -74,7 +74,7 @@ def in_read_only_box(args: list[str], output_dir: str = "/tmp/out", timeout: int
 def test_read_only_container_runs_with_temp_files_on_the_outputs_volume():
     """nccl-check makes a temp file (its one-process store) and doctor's probes use tempfile: both ran into
     `No usable temporary directory`; now TMPDIR goes to the outputs volume, said in one line."""
-    r = in_read_only_box([PY, "-m", "entrypoints", "nccl-check", "--min-bytes", "4K", "--max-bytes", "4K",
+    r = in_read_only_box([PY, "-m", "trainbox", "nccl-check", "--min-bytes", "4K", "--max-bytes", "4K",
                           "--iters", "1", "--warmup", "0", "--ops", "all_reduce"])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "No usable temporary directory" not in r.stderr and "Traceback" not in r.stderr
@@ -84,7 +84,7 @@ def test_read_only_container_runs_with_temp_files_on_the_outputs_volume():
 
 @needs_mount
 def test_read_only_container_doctor_reports_instead_of_a_traceback():
-    r = in_read_only_box([PY, "-m", "entrypoints", "doctor"])
+    r = in_read_only_box([PY, "-m", "trainbox", "doctor"])
     assert "Traceback" not in r.stderr and "No usable temporary directory" not in r.stdout + r.stderr
     assert r.returncode in (0, 3, 4), r.stdout + r.stderr  # no GPU / fallbacks here; never a crash (1) or usage (2)
     assert "VERDICT:" in r.stdout
@@ -92,7 +92,7 @@ def test_read_only_container_doctor_reports_instead_of_a_traceback():
 
 @needs_mount
 def test_read_only_everywhere_is_one_line_and_exit_2():
-    r = in_read_only_box([PY, "-m", "entrypoints", "doctor"], output_dir="/tmp/ro/outputs")
+    r = in_read_only_box([PY, "-m", "trainbox", "doctor"], output_dir="/tmp/ro/outputs")
     assert r.returncode == 2, r.stdout + r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "no writable folder for temporary files" in lines[0] and "--tmpfs /tmp" in lines[0]
@@ -102,7 +102,7 @@ def test_temp_plan_without_mounts(tmp_path, monkeypatch):
     """The same decision where we may not mount: tempfile's candidates all unwritable."""
     import tempfile
 
-    from entrypoints import cachedirs
+    from trainbox.run import cachedirs
     from common.errors import UsageError
 
     ro = tmp_path / "file"
@@ -147,7 +147,7 @@ def test_read_only_smoke_image_doctor():
     (["--node-rank", "-1"], "--node-rank: must be 0 or more"),
 ])
 def test_nccl_check_port_out_of_range_is_one_line(args, msg):
-    r = subprocess.run([PY, "-m", "entrypoints", "nccl-check", *args], capture_output=True, text=True,
+    r = subprocess.run([PY, "-m", "trainbox", "nccl-check", *args], capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
     assert r.returncode == 2 and r.stdout == "", r.stderr
     assert r.stderr.count("\n") == 1 and msg in r.stderr and "Traceback" not in r.stderr
@@ -162,7 +162,7 @@ def test_qlora_lora_dropout_out_of_range_is_refused_before_the_model_loads(tiny_
 
     data = write_dolly(tmp_path / "dolly.jsonl", 16)
     out = tmp_path / "out"
-    r = run("entrypoints.qlora", ["--model_name_or_path", str(tiny_model), "--dataset", str(data),
+    r = run("trainbox.cli.qlora", ["--model_name_or_path", str(tiny_model), "--dataset", str(data),
                                   "--output_dir", str(out), "--lora_dropout", "1.5", "--max_steps", "1"],
             env_for(tmp_path))
     assert r.returncode == 2, r.stdout + r.stderr
@@ -188,14 +188,14 @@ def test_unused_options_are_still_checked_when_parsed(tiny_model, entrypoint, ar
 
     from common.errors import UsageError
 
-    module = importlib.import_module(f"entrypoints.{entrypoint}")
+    module = importlib.import_module(f"trainbox.cli.{entrypoint}")
     with pytest.raises(UsageError) as e:
         module.parse(["--model_name_or_path", str(tiny_model), "--dataset", "x.jsonl", *args])
     assert msg in str(e.value)
 
 
 def test_yaml_values_meet_the_same_checks(tiny_model, tmp_path):
-    from entrypoints import grpo
+    from trainbox.cli import grpo
     from common.errors import UsageError
 
     (tmp_path / "a.yaml").write_text("vllm_mode: banana\n")
@@ -214,7 +214,8 @@ def test_every_numeric_option_has_a_range():
     from trl import GRPOConfig, ModelConfig, SFTConfig
 
     from common import launch
-    from entrypoints import config, grpo_options, qlora, sft
+    from trainbox.cli import qlora, sft
+    from trainbox.training import config, grpo_options
 
     missing = []
     for cls in (SFTConfig, GRPOConfig, ModelConfig, sft.DataArguments, grpo_options.GRPOScriptArgs, launch.LaunchArguments,
@@ -236,7 +237,8 @@ def test_doctor_fails_on_a_pinned_package_that_is_gone(tmp_path, monkeypatch, ca
     import json
     from importlib import metadata
 
-    from entrypoints import constraints, doctor, doctorchecks
+    from trainbox.cli import doctor
+    from trainbox.image import constraints, doctorchecks
 
     pins = tmp_path / "constraints.txt"
     pins.write_text(f"tqdm=={metadata.version('tqdm')}\nno-such-pinned-package==1.0\n"
@@ -279,7 +281,7 @@ gpu-a:5101:5140 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via SHM/direct/direct
 
 
 def test_nccl_log_channels_name_the_ranks_and_the_transport():
-    from entrypoints import fabric
+    from trainbox.image import fabric
 
     p = fabric.parse_nccl_log(LOG_SOCKET_ONE_NODE)
     assert p["channels"] == [[1, 0, "NET/Socket/0"], [0, 1, "NET/Socket/0"]]
@@ -293,7 +295,8 @@ def test_nccl_log_channels_name_the_ranks_and_the_transport():
 ])
 def test_nccl_check_names_the_transport_two_gpus_of_one_node_used(log, short):
     """P2P and SHM disabled: 3.18 GB/s measured over sockets was reported as `no peers` / `one GPU`."""
-    from entrypoints import fabric, nccl_check
+    from trainbox.cli import nccl_check
+    from trainbox.image import fabric
 
     logs = [{"host": "gpu-a", "log": fabric.parse_nccl_log(log)} for _ in range(2)]
     got_short, text, _ = nccl_check.transport_line("nccl", 1, logs)
@@ -305,7 +308,8 @@ def test_nccl_check_names_the_transport_two_gpus_of_one_node_used(log, short):
 
 def test_nccl_check_tells_a_nodes_own_socket_links_from_the_network():
     """Two nodes: rank 0 -> 1 on one host over sockets is within the node; 1 -> 2 crosses hosts."""
-    from entrypoints import fabric, nccl_check
+    from trainbox.cli import nccl_check
+    from trainbox.image import fabric
 
     log = LOG_SOCKET_ONE_NODE + "gpu-a:5101:5140 [1] NCCL INFO Channel 00/0 : 1[1] -> 2[0] [send] via NET/Socket/1\n"
     logs = [{"host": h, "log": fabric.parse_nccl_log(log)} for h in ("a", "a", "b", "b")]
@@ -325,7 +329,7 @@ def test_sft_refuses_lora_options_it_would_ignore(tiny_model, tmp_path):
 
     data = write_messages(tmp_path / "chat.jsonl", 16)
     out = tmp_path / "out"
-    r = run("entrypoints.sft", ["--model_name_or_path", str(tiny_model), "--dataset", str(data), "--output_dir",
+    r = run("trainbox.cli.sft", ["--model_name_or_path", str(tiny_model), "--dataset", str(data), "--output_dir",
                                 str(out), "--use_peft", "true", "--lora_r", "8", "--max_steps", "1"], env_for(tmp_path))
     assert r.returncode == 2, r.stdout + r.stderr
     assert r.stderr.strip().splitlines() == [
@@ -335,7 +339,8 @@ def test_sft_refuses_lora_options_it_would_ignore(tiny_model, tmp_path):
 
 
 def test_model_options_refused_only_when_set_to_something_else(tiny_model):
-    from entrypoints import config, grpo, grpo_options, sft
+    from trainbox.cli import grpo, sft
+    from trainbox.training import config, grpo_options
     from common.errors import UsageError
 
     *_, model_args, _ = sft.parse(["--model_name_or_path", str(tiny_model), "--use_peft", "false", "--lora_r", "16"])
@@ -359,7 +364,7 @@ def test_model_options_refused_only_when_set_to_something_else(tiny_model):
 def _sft(tiny_model, data, out, tmp_path, *extra):
     from test_sft import FAST, env_for, run
 
-    return run("entrypoints.sft", ["--model_name_or_path", str(tiny_model), "--dataset", str(data), "--output_dir",
+    return run("trainbox.cli.sft", ["--model_name_or_path", str(tiny_model), "--dataset", str(data), "--output_dir",
                                    str(out), *FAST, *extra], env_for(tmp_path))
 
 
@@ -403,7 +408,7 @@ def test_resume_decisions(tmp_path):
     """The same rules on planted checkpoints (no training): epochs as the target, the run record, --resume PATH."""
     from types import SimpleNamespace
 
-    from entrypoints import resume
+    from trainbox.run import resume
     from common.errors import UsageError
 
     def ckpt(out, step, max_steps, epochs=3.0, trainer=None):
@@ -446,7 +451,7 @@ def test_resume_decisions(tmp_path):
 
 def test_help_cache_is_keyed_on_what_the_trainer_imports():
     """Editing an unrelated entrypoint (doctor.py) no longer throws the trainers' kept --help away."""
-    from entrypoints import helpcache
+    from trainbox import helpcache
 
     names = {p.name for p in helpcache.sources("sft")}
     assert {"sft.py", "config.py", "launch.py", "data.py", "__init__.py"} <= names
@@ -459,7 +464,7 @@ def test_help_cache_is_keyed_on_what_the_trainer_imports():
 
 def test_help_kept_in_a_checkout_is_found_with_a_fresh_home(tmp_path, monkeypatch):
     """Host .venv, fresh $HOME: 6.4 s (TRL imported) every time; the text now lives in the checkout's .cache."""
-    from entrypoints import helpcache
+    from trainbox import helpcache
 
     monkeypatch.delenv("TRAINBOX_HELP_DIR", raising=False)
     monkeypatch.setattr(helpcache, "PACKAGE", tmp_path / "repo" / "entrypoints")
@@ -484,11 +489,11 @@ def test_dispatcher_help_with_a_fresh_home_is_fast_after_the_first(tmp_path):
 
     env = {k: v for k, v in os.environ.items() if k not in ("TRAINBOX_HELP_DIR", "XDG_CACHE_HOME")}
     env["PYTHONPATH"] = str(ROOT)
-    first = subprocess.run([PY, "-m", "entrypoints", "sft", "--help"], env={**env, "HOME": str(tmp_path / "h1")},
+    first = subprocess.run([PY, "-m", "trainbox", "sft", "--help"], env={**env, "HOME": str(tmp_path / "h1")},
                            capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-2000:]
     t = time.monotonic()
-    again = subprocess.run([PY, "-m", "entrypoints", "sft", "--help"], env={**env, "HOME": str(tmp_path / "h2")},
+    again = subprocess.run([PY, "-m", "trainbox", "sft", "--help"], env={**env, "HOME": str(tmp_path / "h2")},
                            capture_output=True, text=True, timeout=300)
     took = time.monotonic() - t
     assert again.stdout == first.stdout and took < 2.0, took  # TRL's import alone takes 5-6 s here

@@ -85,7 +85,7 @@ def test_bad_input_is_one_line_and_exit_2(tiny_model, files, name, args, needle)
         argv = ["--model_name_or_path", str(tiny_model), *argv]
     if "--output_dir" not in argv:
         argv += ["--output_dir", str(files / "out")]
-    r = subprocess.run([sys.executable, "-m", "entrypoints", name, *argv, "--max_steps", "1"], cwd=files,
+    r = subprocess.run([sys.executable, "-m", "trainbox", name, *argv, "--max_steps", "1"], cwd=files,
                        env=env(files), capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-3000:]
     errors = [ln for ln in r.stderr.splitlines() if "error" in ln.lower() or "Traceback" in ln]
@@ -108,9 +108,9 @@ yaml_values = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st
 
 def parse(name: str, argv: list[str]):
     if name == "sft":
-        from entrypoints.sft import parse
+        from trainbox.cli.sft import parse
     else:
-        from entrypoints.qlora import parse
+        from trainbox.cli.qlora import parse
     return parse(argv)
 
 
@@ -142,10 +142,10 @@ def test_fuzzed_yaml_parses_or_is_one_usage_error(doc, tmp_path_factory):
 
 
 def test_fuzz_sample_through_the_real_command(tiny_model, files):
-    """A few fuzz-shaped inputs through `python -m entrypoints sft` itself: exit 0 or 2, never a traceback."""
+    """A few fuzz-shaped inputs through `python -m trainbox sft` itself: exit 0 or 2, never a traceback."""
     for extra in (["--max_length", "1e400"], ["--learning_rate", "nan"], ["--per_device_train_batch_size", "-1"],
                   ["--warmup_steps", "abc"], ["--report_to", "nonsense"]):
-        r = subprocess.run([sys.executable, "-m", "entrypoints", "sft", "--model_name_or_path", str(tiny_model),
+        r = subprocess.run([sys.executable, "-m", "trainbox", "sft", "--model_name_or_path", str(tiny_model),
                             "--dataset", str(files / "good.jsonl"), "--output_dir", str(files / "out"), *extra],
                            cwd=files, env=env(files), capture_output=True, text=True, timeout=300)
         assert r.returncode == 2 and "Traceback" not in r.stderr, (extra, r.stderr[-2000:])
@@ -154,7 +154,7 @@ def test_fuzz_sample_through_the_real_command(tiny_model, files):
 def test_a_binary_image_record_is_one_line(tmp_path):
     record = tmp_path / "image.json"
     record.write_bytes(b"\xff\xfe{\x00\x80")
-    r = subprocess.run([sys.executable, "-m", "entrypoints", "doctor"], cwd=tmp_path, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "trainbox", "doctor"], cwd=tmp_path, capture_output=True, text=True,
                        env={**env(tmp_path), "TRAINBOX_IMAGE_INFO": str(record)}, timeout=300)
     # doctor diagnoses: the broken record is its FAIL row and the verdict is "broken" (exit 1), not a traceback.
     assert r.returncode == 1 and "Traceback" not in r.stdout + r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
@@ -176,7 +176,7 @@ def test_an_output_folder_this_user_cannot_write_is_one_line(tiny_model, tmp_pat
         model = base / "model"
         shutil.copytree(tiny_model, model)
         r = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", sys.executable, "-m",
-                            "entrypoints.sft", "--model_name_or_path", str(model), "--dataset", str(data),
+                            "trainbox.cli.sft", "--model_name_or_path", str(model), "--dataset", str(data),
                             "--output_dir", str(base / "ro" / "out")], cwd=base, capture_output=True, text=True,
                            env={**env(base), "HOME": str(base)}, timeout=300)
     finally:

@@ -80,7 +80,7 @@ def test_the_context_rules_are_read_as_the_engine_reads_them():
     assert not dockerignore.excluded("images/notebooks/unsloth/a.ipynb", rules)
     assert not dockerignore.excluded("locks/smoke-x86_64.txt", rules)
     assert dockerignore.excluded("locks/bases.toml", rules)   # only locks/*.txt
-    assert dockerignore.excluded("entrypoints/__pycache__/x.pyc", rules)
+    assert dockerignore.excluded("trainbox/__pycache__/x.pyc", rules)
     assert dockerignore.excluded("builder/templates/Flavour.j2", rules)
     # the repository's own flavour folder passes
     assert load_matrix().select(["smoke-x86_64-unsloth-stack"])[0].files == (

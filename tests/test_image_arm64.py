@@ -22,8 +22,8 @@ def test_image_config_says_arm64(smoke_arm64):  # noqa: F811
 
 def test_runs_arm64_code_under_qemu(smoke_arm64):  # noqa: F811
     r = docker("run", "--rm", "--platform", "linux/arm64", "--entrypoint", "python", smoke_arm64.refs[0], "-c",
-               "import platform, entrypoints; print(platform.machine(), entrypoints.__file__)")
-    assert r.stdout.split() == ["aarch64", "/opt/trainbox/entrypoints/__init__.py"]
+               "import platform, entrypoints; print(platform.machine(), trainbox.__file__)")
+    assert r.stdout.split() == ["aarch64", "/opt/trainbox/trainbox/__init__.py"]
 
 
 def test_doctor_runs_on_arm64(smoke_arm64):  # noqa: F811

@@ -65,9 +65,9 @@ def test_image_has_the_cell_facts(smoke_build, smoke_image):  # noqa: F811
     assert smoke_build.layers == len(info["RootFS"]["Layers"]) and smoke_build.size == info["Size"]
     r = docker("run", "--rm", "--entrypoint", "python", smoke_image, "-c",
                "import common, entrypoints, torch, trl; "
-               "print(entrypoints.__file__, common.__file__, torch.__version__, trl.__version__)")
+               "print(trainbox.__file__, common.__file__, torch.__version__, trl.__version__)")
     path, common_path, torch_version, trl_version = r.stdout.split()
-    assert path == "/opt/trainbox/entrypoints/__init__.py"  # ours, not PyPI's old `entrypoints`
+    assert path == "/opt/trainbox/trainbox/__init__.py"  # ours, not PyPI's old `entrypoints`
     assert common_path == "/opt/trainbox/common/__init__.py"  # ours, not an installed distribution's `common`
     assert torch_version == "2.13.0+cpu" and trl_version == "1.16.0"  # the wheelhouse's CPU torch
     # uv installed the venv in the deps stage; neither uv nor its download cache (a cache mount) reached a layer

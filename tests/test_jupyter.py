@@ -41,7 +41,7 @@ class Jupyter:
         self.log = open(tmp / "jupyter.log", "w+")
         root = ["--allow-root"] if os.geteuid() == 0 and not prefix else []
         self.proc = subprocess.Popen(
-            [*prefix, PY, "-m", "entrypoints", "jupyter", "--port", str(self.port), "--root-dir", str(tmp / "work"),
+            [*prefix, PY, "-m", "trainbox", "jupyter", "--port", str(self.port), "--root-dir", str(tmp / "work"),
              *root, *(["--ip", ip] if ip else []), *args, *(["--", *extra] if extra else [])],
             env=self.env, stdout=self.log, stderr=subprocess.STDOUT, cwd=tmp)
         host = {None: "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(ip, ip)
@@ -64,7 +64,7 @@ class Jupyter:
         return requests.get(self.base + path, timeout=10, allow_redirects=False, **kw).status_code
 
     def healthcheck(self) -> subprocess.CompletedProcess:
-        return subprocess.run([PY, "-m", "entrypoints", "healthcheck"], env=self.env, capture_output=True, text=True,
+        return subprocess.run([PY, "-m", "trainbox", "healthcheck"], env=self.env, capture_output=True, text=True,
                               timeout=60)
 
     def stop(self, pid=None) -> int:
@@ -229,7 +229,7 @@ def test_the_check_refuses_a_server_that_moved_or_listens_on_a_socket():
     """What a config file could do if the command line no longer won: the check itself, on a resolved ServerApp."""
     from jupyter_server.auth.identity import PasswordIdentityProvider
 
-    from entrypoints.labserver import insecure_settings
+    from trainbox.image.labserver import insecure_settings
 
     class App:
         identity_provider = PasswordIdentityProvider(token=TOKEN)
@@ -276,7 +276,7 @@ def test_stop_ends_within_the_deadline_even_if_the_server_ignores_it(tmp_path):
             "subprocess.Popen([sys.executable, '-c', 'import time, signal; signal.signal(15, signal.SIG_IGN); "
             "time.sleep(300)'], start_new_session=True); print('up', flush=True); time.sleep(300)")
     script = (f"import os, signal, sys, threading, time\n"
-              f"from entrypoints import jupyter as J\n"
+              f"from trainbox.cli import jupyter as J\n"
               f"J.STOP_DEADLINE_S = 2\n"
               f"threading.Timer(1.5, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()\n"
               f"sys.exit(J.serve([sys.executable, '-c', {code!r}], dict(os.environ), lambda s: None))\n")
@@ -296,7 +296,7 @@ def test_twenty_stops_at_random_moments_never_hang(jupyter, tmp_path):
     stated deadline (STOP_DEADLINE_S), 20 times in a row, and leaves no server behind."""
     import random
 
-    from entrypoints.jupyter import STOP_DEADLINE_S
+    from trainbox.cli.jupyter import STOP_DEADLINE_S
 
     rng = random.Random(18)
     for i in range(20):
@@ -336,7 +336,7 @@ def test_unhealthy_when_jupyter_does_not_answer(tmp_path):
     state.mkdir()
     (state / "jupyter.json").write_text(json.dumps({"pid": os.getpid(), "port": free_port()}))
     env = dict(os.environ, PYTHONPATH=str(ROOT), TRAINBOX_STATE_DIR=str(state))
-    r = subprocess.run([PY, "-m", "entrypoints", "healthcheck"], env=env, capture_output=True, text=True)
+    r = subprocess.run([PY, "-m", "trainbox", "healthcheck"], env=env, capture_output=True, text=True)
     assert r.returncode == 1 and "unhealthy" in r.stdout
 
 
@@ -357,7 +357,7 @@ def test_docker_stop_as_pid1(jupyter):
 def run_jupyter(args, env, tmp_path, uid_root_ok=True):
     e = {k: v for k, v in os.environ.items() if not k.startswith("JUPYTER")}
     e.update(PYTHONPATH=str(ROOT), TRAINBOX_STATE_DIR=str(tmp_path / "state"), **env)
-    return subprocess.run([PY, "-m", "entrypoints", "jupyter", "--root-dir", str(tmp_path), *args], env=e,
+    return subprocess.run([PY, "-m", "trainbox", "jupyter", "--root-dir", str(tmp_path), *args], env=e,
                           capture_output=True, text=True, timeout=60)
 
 
@@ -385,7 +385,7 @@ def test_bad_input_exits_2_with_one_clear_line(env, args, needle, tmp_path):
 @pytest.mark.skipif(os.geteuid() != 0, reason="the root refusal needs root")
 def test_real_root_is_refused_without_opt_in(tmp_path):
     r = run_jupyter([], {"JUPYTER_TOKEN": TOKEN}, tmp_path)
-    if subprocess.run([PY, "-c", "import sys; from entrypoints.jupyter import in_user_namespace as u; "
+    if subprocess.run([PY, "-c", "import sys; from trainbox.cli.jupyter import in_user_namespace as u; "
                        "sys.exit(u())"], env=dict(os.environ, PYTHONPATH=str(ROOT))).returncode:
         pytest.skip("this test process already runs in a user namespace (root here isn't real root)")
     assert r.returncode == 2 and "refusing to run Jupyter as root" in r.stderr and "--allow-root" in r.stderr
@@ -396,7 +396,7 @@ def test_root_in_a_user_namespace_is_allowed():
     probe = ["unshare", "--user", "--map-root-user", "true"]
     if subprocess.run(probe, capture_output=True).returncode != 0:
         pytest.skip("user namespaces unavailable here")
-    code = ("import os; from entrypoints.jupyter import root_allowed, in_user_namespace; "
+    code = ("import os; from trainbox.cli.jupyter import root_allowed, in_user_namespace; "
             "assert os.geteuid() == 0 and in_user_namespace(); print(root_allowed(False, {}))")
     r = subprocess.run(["unshare", "--user", "--map-root-user", PY, "-c", code], capture_output=True, text=True,
                        env=dict(os.environ, PYTHONPATH=str(ROOT)))

@@ -75,7 +75,7 @@ def test_single_process_default():
 def test_several_gpus_on_one_host_start_torchrun_standalone():
     p = launch.plan(flags(), {"TEST_GPUS": "4"})
     assert (p.mode, p.nnodes, p.nproc_per_node, p.standalone) == ("torchrun", 1, 4, True)
-    cmd = " ".join(launch.torchrun_command(p, "entrypoints.sft", []))
+    cmd = " ".join(launch.torchrun_command(p, "trainbox.cli.sft", []))
     # torchrun binds its store on port 0 and keeps it: no port of ours, no probe that a second run could race.
     assert "--nnodes 1 --nproc-per-node 4 --standalone" in cmd and "--rdzv-endpoint" not in cmd
 
@@ -86,14 +86,14 @@ def test_slurm_one_task_per_node():
     assert p.mode == "torchrun"
     assert (p.nnodes, p.nproc_per_node, p.node_rank, p.master_addr) == (2, 8, 1, "gpu03")
     assert p.rdzv_id == "4242" and p.master_port == 10000 + 4242 and p.is_host is False
-    cmd = launch.torchrun_command(p, "entrypoints.sft", ["--max_steps", "3"])
+    cmd = launch.torchrun_command(p, "trainbox.cli.sft", ["--max_steps", "3"])
     joined = " ".join(cmd)
     assert "-m torch.distributed.run --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d" in joined
     # Node 1 never hosts the store; node 0 always does (a taken port is an error there, not another job's store).
     assert "--rdzv-endpoint gpu03:14242 --rdzv-id 4242 --rdzv-conf is_host=false" in joined
     p0 = launch.plan(flags(), {**env, "SLURM_NODEID": "0"})
-    assert "--rdzv-conf is_host=true" in " ".join(launch.torchrun_command(p0, "entrypoints.sft", []))
-    assert joined.endswith("-m entrypoints.sft --max_steps 3")
+    assert "--rdzv-conf is_host=true" in " ".join(launch.torchrun_command(p0, "trainbox.cli.sft", []))
+    assert joined.endswith("-m trainbox.cli.sft --max_steps 3")
     assert "--signals-to-handle SIGINT,SIGHUP,SIGQUIT" in joined  # not SIGTERM: ranks checkpoint, torchrun waits
 
 

@@ -223,7 +223,7 @@ def test_the_checks_catch_a_planted_cycle_and_an_entrypoints_import(tmp_path, mo
     (fake / "a.py").write_text("from builder import b\n")
     (fake / "b.py").write_text("import builder.c\n")
     (fake / "c.py").write_text("def f():\n    from builder.a import x\n    return x\n")
-    (fake / "d.py").write_text("from . import a\nfrom common import atomic\n\ndef f():\n    import entrypoints.doctor\n")
+    (fake / "d.py").write_text("from . import a\nfrom common import atomic\n\ndef f():\n    import trainbox.cli.doctor\n")
     (tmp_path / COMMON).mkdir()
     (tmp_path / COMMON / "__init__.py").write_text('"""Shared."""\nfrom entrypoints import quiet\n')
     (tmp_path / COMMON / "ok.py").write_text("import os\nfrom . import x\n\ndef f():\n    import psutil\n")
@@ -237,7 +237,7 @@ def test_the_checks_catch_a_planted_cycle_and_an_entrypoints_import(tmp_path, mo
     assert cycles(import_graph()) == [{"builder.a", "builder.b", "builder.c"}]
     assert import_graph()["builder.d"] == {"builder.a"}
     assert import_graph()["builder.sub.e"] == {"builder.sub", "builder.sub.f", "builder.a"}
-    with pytest.raises(AssertionError, match=r"builder/d.py imports \['entrypoints.doctor'\]: the host may not"):
+    with pytest.raises(AssertionError, match=r"builder/d.py imports \['trainbox.cli.doctor'\]: the host may not"):
         test_the_host_never_imports_the_in_image_package()
     with pytest.raises(AssertionError, match="import circles"):
         test_builder_has_no_import_cycle()

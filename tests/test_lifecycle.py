@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 from transformers import TrainerControl, TrainerState
 
-from entrypoints import outputs, preemption, resume, runsummary
+from trainbox.run import outputs, preemption, resume, runsummary
 
 
 @pytest.fixture
@@ -163,7 +163,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TEE_RUN = """
 import os, subprocess, sys
 from types import SimpleNamespace
-from entrypoints import runlog
+from trainbox.run import runlog
 plan = SimpleNamespace(mode="torchrun", node_rank=int(sys.argv[2]), env={})
 with runlog.for_command("sft", sys.argv[1], plan, ["--x", "1"]):
     print("python print", flush=True)
@@ -191,7 +191,7 @@ def test_command_run_log_has_every_process_and_lands_in_artifacts(tmp_path, node
 
 
 def test_workers_and_other_ranks_keep_no_log(monkeypatch):
-    from entrypoints import runlog
+    from trainbox.run import runlog
 
     plan = SimpleNamespace(mode="train", env={}, node_rank=0)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
@@ -212,7 +212,7 @@ def test_sft_command_run_puts_its_log_next_to_the_model_in_artifact_dir(tiny_mod
 
     data = write_messages(tmp_path / "chat.jsonl", 16)
     out, art = tmp_path / "out", tmp_path / "art"
-    r = subprocess.run([sys.executable, "-u", "-m", "entrypoints.sft", "--model_name_or_path", str(tiny_model),
+    r = subprocess.run([sys.executable, "-u", "-m", "trainbox.cli.sft", "--model_name_or_path", str(tiny_model),
                         "--dataset", str(data), "--output_dir", str(out), "--max_steps", "2",
                         "--nproc-per-node", "2", "--hub_token", HUB_TOKEN, *FAST], cwd=ROOT, capture_output=True,
                        text=True, timeout=300, env=env_for(tmp_path, ARTIFACT_DIR=str(art)))  # fmt: skip
@@ -238,7 +238,7 @@ def test_notebook_run_shares_the_log_and_artifact_copy(tiny_model, tmp_path):
 
     data = write_messages(tmp_path / "chat.jsonl", 8)
     out, art = tmp_path / "nb-out", tmp_path / "art"
-    code = ("import sys; from entrypoints import notebook; "
+    code = ("import sys; from trainbox.run import notebook; "
             f"notebook.run('sft', {['--model_name_or_path', str(tiny_model), '--dataset', str(data), '--max_steps', '1', *FAST]!r}, output_dir={str(out)!r})")  # noqa: E501
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env=env_for(tmp_path, ARTIFACT_DIR=str(art)))
@@ -259,7 +259,7 @@ def test_dataloader_workers_outlive_the_preemption_signal(tmp_path):
         from functools import partial
         import torch
         from torch.utils.data import DataLoader, Dataset
-        from entrypoints import preemption
+        from trainbox.run import preemption
         if sys.argv[1] == "shielded":
             preemption.install_signal_handlers()
         import transformers.trainer as hf_trainer   # looked up at loader build time, as Trainer._get_dataloader does
@@ -306,7 +306,7 @@ def test_an_injected_crash_with_loader_workers_exits_nonzero_within_30s(tiny_mod
             "--max_steps", "5", *FAST, "--dataloader_num_workers", "2", "--dataloader_persistent_workers", "true"]
     if nproc > 1:
         argv += ["--nproc-per-node", str(nproc)]
-    # torchrun's ranks run `python -m entrypoints.sft`, not this script: the crash is injected there by a
+    # torchrun's ranks run `python -m trainbox.cli.sft`, not this script: the crash is injected there by a
     # sitecustomize on PYTHONPATH.
     site = tmp_path / "site"
     site.mkdir()
@@ -320,7 +320,7 @@ def test_an_injected_crash_with_loader_workers_exits_nonzero_within_30s(tiny_mod
     env["PYTHONPATH"] = f"{site}{os.pathsep}{env['PYTHONPATH']}"
     env["TRAINBOX_CRASH_ALL"] = "" if nproc > 1 else "1"
     t0 = time.monotonic()
-    p = subprocess.Popen([sys.executable, "-m", f"entrypoints.{name}", *argv], cwd=ROOT, env=env,
+    p = subprocess.Popen([sys.executable, "-m", f"trainbox.cli.{name}", *argv], cwd=ROOT, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = p.communicate(timeout=300)
@@ -349,7 +349,7 @@ def test_a_truncated_trainer_state_resumes_from_the_checkpoint_before(fresh, tmp
 
     data = write_messages(tmp_path / "chat.jsonl", 16)
     out = tmp_path / "out"
-    run = [sys.executable, "-m", "entrypoints.sft", "--model_name_or_path", str(tiny_model), "--dataset", str(data),
+    run = [sys.executable, "-m", "trainbox.cli.sft", "--model_name_or_path", str(tiny_model), "--dataset", str(data),
            "--output_dir", str(out), "--save_steps", "1", *FAST]
     r = subprocess.run([*run, "--max_steps", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env=env_for(tmp_path))
@@ -385,7 +385,7 @@ def test_checkpoints_reach_the_artifacts_only_on_request_and_nothing_is_copied_w
 
 _AGREE_RANK = """
 import json, sys, torch.distributed as dist
-from entrypoints import preemption
+from trainbox.run import preemption
 rank, init = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
 agreement = preemption.FlagAgreement(preemption.flag_group())

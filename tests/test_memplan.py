@@ -1,4 +1,4 @@
-"""The memory plan (entrypoints/memplan.py): its estimate against the peaks measured on the device, its ladder,
+"""The memory plan (trainbox/training/memplan.py): its estimate against the peaks measured on the device, its ladder,
 one decision for every rank of a job (two gloo processes with different free memory), refusals whose advice
 works, and `trainbox plan` for clusters this machine doesn't have (a 70B config on 2 x 8 GPUs, an 8B on one 24 GB
 card), on the CPU with configs only."""
@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from common.errors import UsageError
-from entrypoints import config, memplan, speed
+from trainbox.training import config, memplan, speed
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -145,7 +145,7 @@ AGREE = r'''
 import json, os, sys
 import torch.distributed as dist
 sys.path.insert(0, os.environ["ROOT"])
-from entrypoints import memplan, speed
+from trainbox.training import memplan, speed
 dist.init_process_group("gloo")
 GIB = 2**30
 facts = speed.ModelFacts(**json.loads(os.environ["FACTS"]))
@@ -207,7 +207,7 @@ def config_dir(tmp_path, name, **shape) -> Path:
 def plan_cli(*argv):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1")
     env.pop("WORLD_SIZE", None)
-    return subprocess.run([sys.executable, "-m", "entrypoints", "plan", *argv], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "trainbox", "plan", *argv], capture_output=True, text=True,
                           cwd=ROOT, env=env, timeout=300)
 
 

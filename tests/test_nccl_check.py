@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from entrypoints import nccl_check
+from trainbox.cli import nccl_check
 from tests.test_fabric import LOG_IB, LOG_NO_DEVICE, LOG_NO_VERBS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,7 +24,7 @@ SMALL = ["--min-bytes", "4K", "--max-bytes", "32K", "--iters", "2", "--warmup", 
 def trainbox(args, timeout=120, **kw):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     env.pop("NCCL_DEBUG", None)
-    return subprocess.Popen([sys.executable, "-m", "entrypoints", *args], cwd=ROOT, env=env, text=True,
+    return subprocess.Popen([sys.executable, "-m", "trainbox", *args], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
 
 
@@ -96,7 +96,7 @@ def test_bad_options_are_one_error_line_and_exit_2(args, msg):
 def test_help_and_the_dispatcher_contract():
     code, out, err = finish(trainbox(["nccl-check", "--help"]), timeout=60)
     assert code == 0 and "--min-bytes" in out and "busbw" in out
-    tree = ast.parse((ROOT / "entrypoints/nccl_check.py").read_text())
+    tree = ast.parse((ROOT / "trainbox/cli/nccl_check.py").read_text())
     assert [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"]
     code, out, err = finish(trainbox(["--help"]), timeout=60)
     assert re.search(r"^  nccl-check +All-reduce and all-gather", out, re.M), out
@@ -112,7 +112,7 @@ def test_sizes_and_bandwidth_definitions():
 
 
 def test_transport_line_from_nccl_logs():
-    from entrypoints import fabric
+    from trainbox.image import fabric
 
     logs = lambda text, hosts: [{"host": h, "log": fabric.parse_nccl_log(text)} for h in hosts]  # noqa: E731
     short, text, warn = nccl_check.transport_line("nccl", 2, logs(LOG_IB, ["a", "a", "b", "b"]))

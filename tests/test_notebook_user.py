@@ -286,7 +286,7 @@ def test_shipped_notebooks_run_top_to_bottom_and_fill_artifact_dir(smoke_image, 
            "NB_ARGS=\"--num_generations 2 --max_completion_length 8 --bf16 false $FAST\"; "
            "else export NB_DATASET=/data/dolly.jsonl NB_ARGS=\"--max_length 64 $FAST\"; fi; "
            "python -m nbconvert --to notebook --execute --ExecutePreprocessor.timeout=600 "
-           "--output /workspace/outputs/$nb.ipynb /opt/trainbox/entrypoints/examples/$nb.ipynb; done")
+           "--output /workspace/outputs/$nb.ipynb /opt/trainbox/trainbox/image/examples/$nb.ipynb; done")
     r = docker("run", "--rm", *ENV, "-e", "NB_MODEL=/models/tiny", "-e", "NB_MAX_STEPS=2", "-e", f"FAST={FAST}",
                "-e", "ARTIFACT_DIR=/workspace/outputs/artifacts", "-v", f"{model}:/models/tiny:ro",
                "-v", f"{data}:/data:ro", "-v", f"{out}:/workspace/outputs", smoke_image, "bash", "-c", run,

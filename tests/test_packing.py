@@ -5,7 +5,7 @@ kernel's own check runs on a GPU (benchmarks/train_throughput.py --check)."""
 import pytest
 import torch
 
-from entrypoints import attention
+from trainbox.training import attention
 
 
 @pytest.fixture(scope="module")

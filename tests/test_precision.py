@@ -1,4 +1,4 @@
-"""bf16 weights + float32 master weights (entrypoints/precision.py): updates too small for bf16 are kept, the
+"""bf16 weights + float32 master weights (trainbox/training/precision.py): updates too small for bf16 are kept, the
 trajectory is fp32 AdamW's, the LR schedule reaches the inner optimizer, and a resumed run continues exactly."""
 
 import io
@@ -6,7 +6,7 @@ import io
 import pytest
 import torch
 
-from entrypoints.precision import MasterWeights
+from trainbox.training.precision import MasterWeights
 
 
 def bf16_param(value=1.0, n=4):
@@ -131,7 +131,7 @@ def test_accumulation_keeps_master_weights():
     """Accumulation no longer sends a run to the float32 path: the masters sum in float32."""
     from types import SimpleNamespace
 
-    from entrypoints import speed
+    from trainbox.training import speed
 
     for steps in (1, 4):
         args = SimpleNamespace(bf16=True, optim="adamw_torch_fused", gradient_accumulation_steps=steps)
@@ -146,7 +146,7 @@ def test_a_real_trainer_clips_and_logs_the_float32_norm(tiny_model, tmp_path):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
-    from entrypoints import precision
+    from trainbox.training import precision
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.bfloat16)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -164,4 +164,4 @@ def test_a_real_trainer_clips_and_logs_the_float32_norm(tiny_model, tmp_path):
     assert all(p.grad is None for p in model.parameters())
     assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
 
-# The memory plan (speed.choose_memory, entrypoints/memplan.py) is tested in tests/test_memplan.py.
+# The memory plan (speed.choose_memory, trainbox/training/memplan.py) is tested in tests/test_memplan.py.

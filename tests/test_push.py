@@ -175,10 +175,10 @@ def test_entrypoints_change_rebuilds_and_repushes_only_the_last_layer(pushed, tm
     res = eng.build_cell(cell, builder=eng.choose_builder(), context=ctx, registry=pushed["repo"],
                          bases=parse_bases(args.base), wheelhouse=args.wheelhouse, quiet=True)
     after = json.loads(docker("image", "inspect", res.image_id).stdout)[0]["RootFS"]["Layers"]
-    # COPY entrypoints/ and the steps after it (the --help texts rendered from it, ...) ran; every layer below is
+    # COPY trainbox/ and the steps after it (the --help texts rendered from it, ...) ran; every layer below is
     # reused, the venv's included.
     lines = (ROOT / cell.dockerfile).read_text().splitlines()
-    at = lines.index("COPY entrypoints/ /opt/trainbox/entrypoints/")
+    at = lines.index("COPY trainbox/ /opt/trainbox/trainbox/")
     tail = sum(1 for ln in lines[at:] if ln.split(" ", 1)[0] in ("RUN", "COPY", "ADD"))
     assert tail >= 2 and len(after) == len(before) and after[:-tail] == before[:-tail] and after[-tail] != before[-tail]
     assert res.steps - res.cached_steps == tail, (res.steps, res.cached_steps, tail)

@@ -17,7 +17,7 @@ def test_quantized_load_is_nf4_double_quant_bf16_compute(tiny_model):
     import bitsandbytes as bnb
     import torch
 
-    from entrypoints import qlora
+    from trainbox.cli import qlora
 
     _, _, _, model_args, _ = qlora.parse(["--model_name_or_path", str(tiny_model)])
     model = qlora.load_quantized(model_args)
@@ -35,7 +35,7 @@ def test_dolly_4bit_adapter_and_merged(tiny_model, tmp_path):
 
     data = write_dolly(tmp_path / "dolly.jsonl", 16)
     out = tmp_path / "out"
-    r = run("entrypoints.qlora", ["--model_name_or_path", str(tiny_model), "--dataset", str(data),
+    r = run("trainbox.cli.qlora", ["--model_name_or_path", str(tiny_model), "--dataset", str(data),
                                   "--output_dir", str(out), "--max_steps", "2", "--save_steps", "2", "--merge",
                                   *FAST], env_for(tmp_path))  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
@@ -62,7 +62,7 @@ def test_sigterm_then_resume_from_adapter_checkpoint(tiny_model, tmp_path):
     out = tmp_path / "out"
     args = ["--model_name_or_path", str(tiny_model), "--dataset", str(data), "--output_dir", str(out),
             "--save_steps", "1000", *FAST]  # fmt: skip
-    p = spawn("entrypoints.qlora", args + ["--max_steps", "1000"], env_for(tmp_path))
+    p = spawn("trainbox.cli.qlora", args + ["--max_steps", "1000"], env_for(tmp_path))
     seen = []
     for line in p.stdout:
         seen.append(line)
@@ -74,7 +74,7 @@ def test_sigterm_then_resume_from_adapter_checkpoint(tiny_model, tmp_path):
     (ckpt,) = out.glob("checkpoint-*")
     n = state(ckpt)["global_step"]
     assert (ckpt / "adapter_model.safetensors").is_file()
-    r = run("entrypoints.qlora", args + ["--max_steps", str(n + 1)], env_for(tmp_path))
+    r = run("trainbox.cli.qlora", args + ["--max_steps", str(n + 1)], env_for(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"resuming from {ckpt}" in r.stdout
     assert state(out / f"checkpoint-{n + 1}")["global_step"] == n + 1
@@ -92,7 +92,7 @@ def test_sigterm_then_resume_from_adapter_checkpoint(tiny_model, tmp_path):
 def test_bad_config_exits_2(tiny_model, tmp_path, monkeypatch, capsys, args, needle):
     import transformers
 
-    from entrypoints import qlora
+    from trainbox.cli import qlora
 
     monkeypatch.setattr(
         transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("model loaded")

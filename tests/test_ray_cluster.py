@@ -15,14 +15,14 @@ import pytest
 from builder.errors import UserError
 from builder.slurm import JobSpec, render, write
 from common import launch
-from entrypoints import ray_cluster
+from trainbox.cli import ray_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def trainbox(args, env=None):
     env = {k: v for k, v in (env or os.environ).items() if not k.startswith("SLURM_")}
-    return subprocess.run([sys.executable, "-m", "entrypoints", "ray", *args], cwd=ROOT, env=env, text=True,
+    return subprocess.run([sys.executable, "-m", "trainbox", "ray", *args], cwd=ROOT, env=env, text=True,
                           capture_output=True, timeout=60)
 
 
@@ -65,7 +65,7 @@ def test_ports_are_one_block_below_the_ephemeral_range_and_skip_torchs():
 # client blocks in ray.init() for good there, so only the head watch ends it.
 HEAD_DIES = """\
 import socket, subprocess
-from entrypoints import ray_cluster
+from trainbox.cli import ray_cluster
 gcs = socket.socket()
 gcs.bind(("127.0.0.1", 0))
 gcs.listen(16)

@@ -126,7 +126,7 @@ def test_image_contract(tag):
     run = " ".join(r for w, r in runtime if w == "RUN")
     assert "useradd -m -u 1000 -g 1000" in run and "trainer" in run
     assert "/etc/profile.d/trainbox.sh" in run and "export PATH=/opt/venv/bin:" in run
-    assert "'#!/bin/sh' 'exec python -m entrypoints \"$@\"' > /usr/local/bin/trainbox" in run
+    assert "'#!/bin/sh' 'exec python -m trainbox \"$@\"' > /usr/local/bin/trainbox" in run
     assert f"COPY images/{tag}/image.json /etc/trainbox/image.json" in text
     labels = " ".join(r for w, r in ins if w == "LABEL")
     for k in ("org.opencontainers.image.source=", "org.opencontainers.image.revision=", "io.trainbox.cell=",
@@ -134,15 +134,15 @@ def test_image_contract(tag):
         assert k in labels
     for pkg, ver in cell.pins.items():
         assert f'io.trainbox.version.{pkg}="{cell.requirement(pkg).split("==")[1]}"' in labels
-    # Our packages are the last COPYs (common/, then entrypoints/, beside each other on PYTHONPATH); only the help
+    # Our packages are the last COPYs (common/, then trainbox/, beside each other on PYTHONPATH); only the help
     # texts rendered from them (one RUN, as root), the constraints file (one RUN + ENV,
     # test_constraints_step_in_every_image) and ARG/LABEL (no layers) follow, so a code change rebuilds a few small
     # layers.
     last_copy = max(i for i, (w, r) in enumerate(ins) if w in ("COPY", "ADD"))
     assert ins[last_copy - 1: last_copy + 1] == [("COPY", "common/ /opt/trainbox/common/"),
-                                                  ("COPY", "entrypoints/ /opt/trainbox/entrypoints/")]
+                                                  ("COPY", "trainbox/ /opt/trainbox/trainbox/")]
     assert ins[last_copy + 1: last_copy + 3] == [("USER", "root"), (
-        "RUN", "HOME=/tmp/help-home TRAINBOX_HELP_DIR=/opt/trainbox/help python -m entrypoints.helpcache && rm -rf "
+        "RUN", "HOME=/tmp/help-home TRAINBOX_HELP_DIR=/opt/trainbox/help python -m trainbox.helpcache && rm -rf "
                "/tmp/help-home")]
     assert [w for w, _ in ins[last_copy + 3: last_copy + 5]] == ["RUN", "ENV"]
     assert ins[last_copy + 5] == ("USER", "1000:1000")
@@ -256,7 +256,7 @@ def test_cells_of_one_venv_render_the_same_shared_stages():
 
 @pytest.mark.parametrize("tag", sorted(CELLS))
 def test_image_record_matches_the_contract(tag, monkeypatch, tmp_path):
-    from entrypoints import imageinfo
+    from trainbox.image import imageinfo
     cell = CELLS[tag]
     record = json.loads(render.render_record(cell))
     p = tmp_path / "image.json"
@@ -298,7 +298,7 @@ def test_write_leaves_no_temp_files(tmp_path):
 def test_dockerignore_keeps_junk_out_and_inputs_in():
     lines = (ROOT / ".dockerignore").read_text().splitlines()
     assert "**" in lines
-    for keep in ("!locks/*.txt", "!entrypoints/**", "!common/**", "!wheelhouse/**", "!images/**"):
+    for keep in ("!locks/*.txt", "!trainbox/**", "!common/**", "!wheelhouse/**", "!images/**"):
         assert keep in lines
     assert "**/__pycache__" in lines
     assert not any(re.match(r"!\.(venv|git)", ln) for ln in lines)
@@ -345,10 +345,10 @@ def test_constraints_step_in_every_image(tag):
     cell = CELLS[tag]
     ins = instructions(render.render(cell))
     runtime = ins[max(i for i, (w, _) in enumerate(ins) if w == "FROM"):]
-    run = [r for w, r in runtime if w == "RUN" and "entrypoints.constraints" in r]
+    run = [r for w, r in runtime if w == "RUN" and "trainbox.image.constraints" in r]
     assert len(run) == 1 and run[0].startswith(
-        "python -m entrypoints.constraints /etc/trainbox/lock.txt -o /etc/trainbox/constraints.txt")
-    assert f"for p in pip pip3 pip{cell.python}; do" in run[0] and "-m entrypoints.pipwrap" in run[0]
+        "python -m trainbox.image.constraints /etc/trainbox/lock.txt -o /etc/trainbox/constraints.txt")
+    assert f"for p in pip pip3 pip{cell.python}; do" in run[0] and "-m trainbox.image.pipwrap" in run[0]
     at = runtime.index(("RUN", run[0]))
     lock = [r for w, r in runtime[:at]
             if w in ("COPY", "RUN") and f"{cell.venv}.txt" in r and "/etc/trainbox/lock.txt" in r]

@@ -64,7 +64,7 @@ def test_messages_single_process_outputs_artifacts_tensorboard(tiny_model, tmp_p
     data = write_messages(tmp_path / "chat.jsonl", 16)
     out, art = tmp_path / "outputs", tmp_path / "artifacts"
     env = env_for(tmp_path, OUTPUT_DIR=str(out), ARTIFACT_DIR=str(art))  # no --output_dir: $OUTPUT_DIR applies
-    r = run("entrypoints.sft", ["--model_name_or_path", str(tiny_model), "--dataset", str(data), "--max_steps", "3",
+    r = run("trainbox.cli.sft", ["--model_name_or_path", str(tiny_model), "--dataset", str(data), "--max_steps", "3",
                                 "--save_steps", "2", *FAST, "--report_to", "tensorboard"], env)  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     assert "single process (CPU)" in r.stdout
@@ -85,7 +85,7 @@ def test_verl_gsm8k_from_yaml_with_legacy_option(tiny_model, tmp_path):
         f"model_name_or_path: {tiny_model}\ndataset: {data}\nprompt_key: extra_info.question\n"
         f"response_key: extra_info.answer\nwarmup_ratio: 0.1\nmax_steps: 2\noutput_dir: {tmp_path / 'o'}\n"
     )
-    r = run("entrypoints.sft", ["--config", str(cfg), *FAST], env_for(tmp_path))
+    r = run("trainbox.cli.sft", ["--config", str(cfg), *FAST], env_for(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "warmup_ratio was removed upstream" in r.stderr
     assert (tmp_path / "o" / "model.safetensors").is_file()
@@ -114,7 +114,7 @@ def test_bad_config_exits_2_before_loading_a_model(tiny_model, tmp_path, monkeyp
         pytest.skip("wandb is installed here")
     import transformers
 
-    from entrypoints import sft
+    from trainbox.cli import sft
 
     def no_model(*a, **k):
         raise AssertionError("a model was loaded before the config was validated")
@@ -138,7 +138,7 @@ def test_sigterm_saves_checkpoint_and_rerun_resumes(tiny_model, tmp_path):
     out = tmp_path / "out"
     args = ["--model_name_or_path", str(tiny_model), "--dataset", str(data), "--output_dir", str(out),
             "--save_steps", "1000", *FAST]  # fmt: skip
-    p = spawn("entrypoints.sft", args + ["--max_steps", "1000"], env_for(tmp_path))
+    p = spawn("trainbox.cli.sft", args + ["--max_steps", "1000"], env_for(tmp_path))
     seen = []
     for line in p.stdout:
         seen.append(line)
@@ -154,7 +154,7 @@ def test_sigterm_saves_checkpoint_and_rerun_resumes(tiny_model, tmp_path):
     n = state(ckpts[0])["global_step"]
     assert 1 <= n < 1000 and not (out / "model.safetensors").exists()  # stopped early, no final model
 
-    r = run("entrypoints.sft", args + ["--max_steps", str(n + 2)], env_for(tmp_path))
+    r = run("trainbox.cli.sft", args + ["--max_steps", str(n + 2)], env_for(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"resuming from {ckpts[0]}" in r.stdout
     assert f"steps {n + 2}/{n + 2} (this run 2)" in r.stdout
@@ -172,7 +172,7 @@ def test_two_processes_sigterm_reaches_both_ranks(tiny_model, tmp_path, target):
     out = tmp_path / "out"
     args = ["--model_name_or_path", str(tiny_model), "--dataset", str(data), "--output_dir", str(out),
             "--save_steps", "1000", "--max_steps", "1000", "--nproc-per-node", "2", *FAST]  # fmt: skip
-    p = spawn("entrypoints.sft", args, env_for(tmp_path))
+    p = spawn("trainbox.cli.sft", args, env_for(tmp_path))
     seen = []
     for line in p.stdout:
         seen.append(line)
@@ -197,7 +197,7 @@ def test_two_nodes_on_one_host_c10d(tiny_model, tmp_path):
     out = tmp_path / "out"
     port = str(free_port())
     procs = [
-        spawn("entrypoints.sft", ["--model_name_or_path", str(tiny_model), "--dataset", str(data),
+        spawn("trainbox.cli.sft", ["--model_name_or_path", str(tiny_model), "--dataset", str(data),
                                   "--output_dir", str(out), "--max_steps", "2", *FAST, "--nnodes", "2",
                                   "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port,
                                   "--node-rank", str(rank)], env_for(tmp_path))  # fmt: skip
@@ -212,7 +212,7 @@ def test_two_nodes_on_one_host_c10d(tiny_model, tmp_path):
 
 
 def test_srun_style_one_task_per_rank(tiny_model, tmp_path):
-    """What `srun -N1 -n2 python -m entrypoints.sft ...` gives each task: the tasks are the ranks, no torchrun."""
+    """What `srun -N1 -n2 python -m trainbox.cli.sft ...` gives each task: the tasks are the ranks, no torchrun."""
     data = write_messages(tmp_path / "chat.jsonl", 16)
     out = tmp_path / "out"
     job = str(10000 + free_port() % 20000)  # the rendezvous port derives from the job id
@@ -221,7 +221,7 @@ def test_srun_style_one_task_per_rank(tiny_model, tmp_path):
         env = env_for(tmp_path, SLURM_JOB_ID=job, SLURM_STEP_ID="0", SLURM_JOB_NODELIST="localhost",
                       SLURM_NNODES="1", SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_NODEID="0",
                       SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank))  # fmt: skip
-        procs.append(spawn("entrypoints.sft", ["--model_name_or_path", str(tiny_model), "--dataset", str(data),
+        procs.append(spawn("trainbox.cli.sft", ["--model_name_or_path", str(tiny_model), "--dataset", str(data),
                                                "--output_dir", str(out), "--max_steps", "2", *FAST], env))  # fmt: skip
     logs = [p.communicate(timeout=240)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n-----\n".join(logs)

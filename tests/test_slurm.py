@@ -130,7 +130,7 @@ def test_bare_script_defaults():
     assert "gpus-per-node" not in d and "partition" not in d and d["cpus-per-task"] == "2"
     assert "--nproc-per-node 1" in text  # no GPUs -> one process per node
     assert "export TRAINBOX_PYTHON=/repo/.venv/bin/python" in text and "export A='x y'" in text
-    assert 'exec "$TRAINBOX_PYTHON" -m entrypoints "$@"' in text
+    assert 'exec "$TRAINBOX_PYTHON" -m trainbox "$@"' in text
 
 
 def test_sqsh_name():

@@ -1,6 +1,6 @@
 """A rendered job script on a real Slurm (Debian slurm-wlm + munge, one node, started here by devenv.slurm).
 
-Bare mode (no GPUs, no pyxis): one task per node runs `python -m entrypoints sft` from this venv, whose launcher
+Bare mode (no GPUs, no pyxis): one task per node runs `python -m trainbox sft` from this venv, whose launcher
 starts torchrun with 2 CPU processes (gloo) on the tiny Llama; we check the job's state and exit code as Slurm
 records them, its log, and the checkpoints it wrote.
 """

@@ -68,7 +68,7 @@ def verl_python():
 def test_verl_ppo_job_runs_verls_driver_on_a_ray_cluster():
     job = render(JobSpec(tag="cu130-hopper-x86_64-verl", entrypoint="verl-ppo", sqsh="/shared/v.sqsh", nodes=2,
                          gpus_per_node=4, ray_args=("--num-cpus", "32"), args=("data.train_files=/data/t.parquet",)))
-    assert ('ARGS=(-m entrypoints ray --num-cpus 32 -- "$PY" -m verl.trainer.main_ppo\n  '
+    assert ('ARGS=(-m trainbox ray --num-cpus 32 -- "$PY" -m verl.trainer.main_ppo\n  '
             '"trainer.nnodes=$SLURM_JOB_NUM_NODES" trainer.n_gpus_per_node=4 data.train_files=/data/t.parquet)') in job
     assert "PY=python3" in job and '--container-image="$TRAINBOX_SQSH"' in job and "#SBATCH --nodes=2" in job
     assert "#SBATCH --signal" not in job  # verl has no SIGUSR1 handler: the signal would kill it
@@ -123,7 +123,7 @@ def test_the_readme_verl_job_command_writes_its_script(tmp_path):
     job = (tmp_path / "ppo.sh").read_text()
     assert '-m verl.trainer.main_ppo\n  "trainer.nnodes=$SLURM_JOB_NUM_NODES" trainer.n_gpus_per_node=8 ' in job
     assert "data.train_files=/data/gsm8k/train.parquet" in job and "/shared/rl:/data" in job
-    assert "#SBATCH --partition=gpu" in job and "ARGS=(-m entrypoints ray -- " in job
+    assert "#SBATCH --partition=gpu" in job and "ARGS=(-m trainbox ray -- " in job
 
 
 # The head's driver in place of verl.trainer.main_ppo (--module): it composes verl's own PPO config with the

@@ -125,7 +125,7 @@ def test_builds_use_the_committed_locks_only():
     (["images/cu129-ampere-aarch64/Dockerfile"], set()),
     (["tests/test_render.py", "README.md", "devenv/engine.py", ".github/workflows/pins.yml"], set()),
     (["builder/render.py"], "all"),
-    (["entrypoints/doctor.py", "tests/test_doctor.py"], "all"),
+    (["trainbox/cli/doctor.py", "tests/test_doctor.py"], "all"),
     (["matrix.toml"], "all"),
 ])
 def test_pull_requests_build_only_the_venvs_they_change(changed, venvs):

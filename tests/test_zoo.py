@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from entrypoints import attention, speed
+from trainbox.training import attention, speed
 from test_data import write_dolly, write_messages
 from test_grpo import gsm8k_rows, write_jsonl
 from zoo import WINDOW, ZOO, expected_features, make_zoo_model
@@ -105,7 +105,7 @@ def test_chosen_kernel_gives_eager_logits(zoo_dir, name):
 # One process per model runs the jobs in turn (the imports dominate a tiny run's time on CPU).
 DRIVER = """
 import json, sys
-from entrypoints import grpo, qlora, sft
+from trainbox.cli import grpo, qlora, sft
 for job, argv in json.loads(sys.argv[1]):
     rc = {"sft": sft, "qlora": qlora, "grpo": grpo}[job].main(argv)
     print("ZOO-RC", job, rc, flush=True)

@@ -26,8 +26,8 @@ def main() -> int:
     from trl import GRPOConfig, GRPOTrainer
 
     import train_throughput as bench
-    from entrypoints import attention
-    from entrypoints.grpo_padding_free import PaddingFreeGRPOTrainer
+    from trainbox.training import attention
+    from trainbox.training.grpo_padding_free import PaddingFreeGRPOTrainer
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=64)

@@ -85,7 +85,7 @@ def main() -> int:
     env = dict(os.environ, PYTHONPATH=f"{ROOT}:{os.environ.get('PYTHONPATH', '')}".rstrip(":"), PYTHONUNBUFFERED="1")
     log = work / "preempt.log"
     t0 = time.time()
-    p = subprocess.Popen([sys.executable, "-m", f"entrypoints.{a.entrypoint}", *args, "--max_steps", "100000"],
+    p = subprocess.Popen([sys.executable, "-m", f"trainbox.cli.{a.entrypoint}", *args, "--max_steps", "100000"],
                          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     lines, sent = [], None
     with open(log, "w") as f:

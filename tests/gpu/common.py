@@ -1,5 +1,5 @@
 """Shared by the GPU checks: a ~100M-parameter Llama built locally (no hub), synthetic chat data, and running an
-entrypoint as a user would (`python -m entrypoints.NAME ...`) while reading its summary line back."""
+entrypoint as a user would (`python -m trainbox.cli.NAME ...`) while reading its summary line back."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))  # entrypoints/, as the checks run it
+sys.path.insert(0, str(ROOT))  # trainbox/, as the checks run it
 
 
 def build_model(dirpath: Path, hidden=768, layers=12, heads=12, kv_heads=4, intermediate=2048) -> Path:
@@ -62,7 +62,7 @@ def run_entrypoint(name: str, args: list[str], log: Path) -> dict:
     env = dict(os.environ, PYTHONPATH=f"{ROOT}:{os.environ.get('PYTHONPATH', '')}".rstrip(":"), PYTHONUNBUFFERED="1")
     t0 = time.time()
     with open(log, "w") as f:
-        rc = subprocess.run([sys.executable, "-m", f"entrypoints.{name}", *args], cwd=ROOT, env=env, stdout=f,
+        rc = subprocess.run([sys.executable, "-m", f"trainbox.cli.{name}", *args], cwd=ROOT, env=env, stdout=f,
                             stderr=subprocess.STDOUT).returncode  # fmt: skip
     text = log.read_text()
     m = SUMMARY.search(text)

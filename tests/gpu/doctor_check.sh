@@ -15,7 +15,7 @@ nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader
 # the /proc fallback (containers without nvidia-smi) must read the same driver version
 "$PY" -c "
 import subprocess
-from entrypoints.doctorprobes import driver_from_proc
+from trainbox.image.doctorprobes import driver_from_proc
 smi = subprocess.run(['nvidia-smi', '--query-gpu=driver_version', '--format=csv,noheader'], capture_output=True,
                      text=True).stdout.split()[0]
 proc = driver_from_proc(open('/proc/driver/nvidia/version').read())
@@ -45,13 +45,13 @@ PYEOF
 
 echo "== doctor, record matching this host =="
 set +e
-TRAINBOX_IMAGE_INFO=$tmp/match.json "$PY" -m entrypoints doctor; code=$?
-TRAINBOX_IMAGE_INFO=$tmp/match.json "$PY" -m entrypoints doctor --json > "$tmp/match.out"
+TRAINBOX_IMAGE_INFO=$tmp/match.json "$PY" -m trainbox doctor; code=$?
+TRAINBOX_IMAGE_INFO=$tmp/match.json "$PY" -m trainbox doctor --json > "$tmp/match.out"
 echo "== doctor, FA3 image record =="
-TRAINBOX_IMAGE_INFO=$tmp/fa3.json "$PY" -m entrypoints doctor; code3=$?
-TRAINBOX_IMAGE_INFO=$tmp/fa3.json "$PY" -m entrypoints doctor --json > "$tmp/fa3.out"
+TRAINBOX_IMAGE_INFO=$tmp/fa3.json "$PY" -m trainbox doctor; code3=$?
+TRAINBOX_IMAGE_INFO=$tmp/fa3.json "$PY" -m trainbox doctor --json > "$tmp/fa3.out"
 echo "== doctor, no record =="
-"$PY" -m entrypoints doctor; echo "exit $?"
+"$PY" -m trainbox doctor; echo "exit $?"
 set -e
 
 "$PY" - "$tmp" "$code" "$code3" <<'PYEOF'

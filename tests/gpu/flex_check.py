@@ -143,7 +143,7 @@ def model_table(seq: int) -> list[dict]:
     from torch._dynamo.utils import counters
     from transformers import AutoModelForCausalLM
 
-    from entrypoints import attention, flexattn
+    from trainbox.training import attention, flexattn
 
     attention.register(attention.FLEX)
     base = Path(tempfile.mkdtemp(prefix="flexcheck-"))
@@ -208,7 +208,7 @@ def sync() -> None:
 def kernel_table() -> list[dict]:
     import torch
 
-    from entrypoints import flexattn
+    from trainbox.training import flexattn
 
     fa = None
     if DEV != "cuda":  # FlexAttention's unfused reference: torch refuses CPU gradients only at its entry check
@@ -273,7 +273,7 @@ def main() -> int:
     import torch
     import transformers
 
-    from entrypoints import attention, flexattn, speed
+    from trainbox.training import attention, flexattn, speed
 
     os.environ[flexattn.GPU_ENV] = "1"  # the check is what lifts the GPU default: run the choice's trial too
     if DEV != "cuda":  # smoke run: the compiled path without inductor (no FlexAttention backward on CPU)

@@ -55,7 +55,7 @@ def main() -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from entrypoints import attention, speed
+    from trainbox.training import attention, speed
     from zoo import ZOO, make_zoo_model
 
     cc = torch.cuda.get_device_capability()

@@ -1,0 +1,116 @@
+"""Where GRPO's completions come from: transformers' generate, vLLM colocated with the trainers (its share of the GPU,
+sleep mode), or a vLLM server: one given by the user, or ours beside the trainers (the last node of the srun step or
+the last GPUs of this one: roles from vllm_server.py, the trainers' launcher that waits for its health).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from common import launch
+from trainbox.training import config, vllm_server
+from common.errors import UsageError
+
+
+def resolve_rollouts(args, ours: str | None = None) -> str:
+    """Pick vLLM when it's installed and a GPU is there (unless use_vllm was set); return the line to report."""
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    if "use_vllm" in config.explicit(args):
+        if args.use_vllm and not has_vllm:
+            raise UsageError(
+                "use_vllm=true but vllm is not installed here; drop use_vllm to generate with transformers"
+            )
+        why = "use_vllm set"
+    else:
+        import torch
+
+        args.use_vllm = has_vllm and torch.cuda.is_available()
+        why = "auto: " + ("vllm installed, GPU present" if args.use_vllm
+                          else "vllm not installed" if not has_vllm else "no GPU")
+    if not args.use_vllm:
+        return f"rollouts: transformers generate ({why})"
+    explicit = config.explicit(args)
+    if "vllm_mode" not in explicit:
+        args.vllm_mode = "colocate"  # said, not inherited: TRL's default could change under us
+    if args.vllm_mode == "server":
+        where = args.vllm_server_base_url or f"{args.vllm_server_host}:{args.vllm_server_port}"
+        return f"rollouts: vLLM server at {where} ({why}; {ours or 'start it with `trl vllm-serve --model MODEL`'})"
+    if "vllm_enable_sleep_mode" not in explicit:
+        # Colocated vLLM frees its weights and KV cache while the policy trains: the optimizer step gets the memory.
+        args.vllm_enable_sleep_mode = True
+    sized = ""
+    if "vllm_gpu_memory_utilization" not in explicit:
+        import torch
+
+        try:
+            total = torch.cuda.mem_get_info()[1] if torch.cuda.is_available() else None
+        except (RuntimeError, AssertionError):  # no usable CUDA after all: keep TRL's share
+            total = None
+        if total:
+            args.vllm_gpu_memory_utilization, sized = rollout_memory_share(total)
+    return (f"rollouts: vLLM colocate, sleep mode {'on' if args.vllm_enable_sleep_mode else 'off'}, "
+            f"gpu_memory_utilization {args.vllm_gpu_memory_utilization:.2f}{sized} ({why})")
+
+
+# vLLM's colocated share of the GPU: enough KV cache for a generation batch of long completions, the rest for
+# training. 24 GiB holds a 7-8B model's bf16 weights plus a few GB of KV cache; past that more cache buys little.
+ROLLOUT_BYTES = 24 * 2**30
+
+
+def rollout_memory_share(total_bytes: int) -> tuple[float, str]:
+    """gpu_memory_utilization for colocated vLLM on a GPU of `total_bytes`, and how it was sized."""
+    share = min(0.5, max(0.15, ROLLOUT_BYTES / total_bytes))
+    return round(share, 2), f" (sized: {share * total_bytes / 2**30:.0f} GiB of {total_bytes / 2**30:.0f} GiB)"
+
+
+def arrange_server(script, raw, launch_args, env):
+    """vllm_server.Roles when a server beside the trainers was asked for (not in torchrun's ranks), else None.
+
+    Trainers: TRL's server options are set here (validation sees them) and appended to the ranks' argv."""
+    if not (script.vllm_server_nodes or script.vllm_server_gpus) or env.get("TORCHELASTIC_RUN_ID"):
+        return None
+    if script.vllm_server_nodes and script.vllm_server_gpus:
+        raise UsageError("--vllm_server_nodes and --vllm_server_gpus exclude each other: a node of its own, or "
+                         "GPUs of this node")
+    explicit = config.explicit(raw)
+    if "vllm_mode" in explicit and raw.vllm_mode != "server" or "use_vllm" in explicit and not raw.use_vllm:
+        raise UsageError("--vllm_server_nodes/--vllm_server_gpus run the trainers with vllm_mode server; drop "
+                         "use_vllm/vllm_mode")
+    if raw.vllm_server_base_url:
+        raise UsageError("--vllm_server_base_url points at a server you run; drop it, or drop "
+                         "--vllm_server_nodes/--vllm_server_gpus")
+    ports = dict(http_port=raw.vllm_server_port, group_port=raw.vllm_group_port)
+    if script.vllm_server_nodes:
+        roles = vllm_server.slurm_roles(env, script.vllm_server_nodes, launch.local_procs(env), **ports)
+    else:
+        if any(getattr(launch_args, f, None) not in (None, 0) for f in ("nnodes", "node_rank", "master_addr")):
+            raise UsageError("--vllm_server_gpus splits one node; drop --nnodes/--node-rank/--master-addr")
+        roles = vllm_server.local_roles(vllm_server.visible_gpus(env), script.vllm_server_gpus, **ports)
+        if launch_args.nproc_per_node is None:
+            launch_args.nproc_per_node = len(roles.trainer_gpus)
+    if roles.role == "trainer":
+        raw.use_vllm, raw.vllm_mode, raw.vllm_server_host = True, "server", roles.server_host
+        config.set_explicit(raw, explicit | {"use_vllm", "vllm_mode", "vllm_server_host"})
+    return roles
+
+
+def run_beside_server(script, roles, model_args, plan, argv) -> int:
+    """Trainer launcher: (start the one-node server,) wait for its health, run torchrun, stop the server."""
+    proc = None
+    if roles.server_gpus is not None:  # one node: the server is our child, on its GPUs
+        cmd = vllm_server.serve_command(model_args.model_name_or_path, roles, script.vllm_serve_args)
+        print(f"[trainbox] vllm server on GPU(s) {','.join(roles.server_gpus)}: {' '.join(cmd)}", flush=True)
+        proc = vllm_server.subprocess.Popen(
+            cmd, env={**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(roles.server_gpus)}, start_new_session=True)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(roles.trainer_gpus)
+    watch = vllm_server.Watch(roles, script.vllm_server_wait, proc)
+    try:
+        took = vllm_server.wait_healthy(roles.server_host, roles.http_port, script.vllm_server_wait, watch.gone)
+        print(f"[trainbox] vllm server at {roles.server_host}:{roles.http_port} healthy after {took:.0f} s; "
+              f"weight-sync group port {roles.group_port}", flush=True)
+        watch.start()
+        rc = launch.run_torchrun(plan, "trainbox.cli.grpo", argv)
+        return 1 if watch.failed else rc
+    finally:
+        watch.close()

@@ -1,0 +1,106 @@
+"""GRPO's trainer set up: gradient checkpointing (off where full training fits beside colocated vLLM), the policy's
+attention kernel and padding-free forward, TRL's GRPOTrainer (or the padding-free one) with our callbacks, and a line
+on what was loaded.
+"""
+
+from __future__ import annotations
+
+import os
+
+from trainbox.training import attention, config, memplan, speed, throughput
+
+
+def choose_checkpointing(args, model_args, mode: str, max_prompt_tokens: int | None, facts) -> str:
+    """TRL turns gradient checkpointing on for GRPO; full fine-tuning turns it off when the policy's training memory
+    fits in what colocated vLLM leaves (speed.py's estimate; the micro-batch is prompt + completion tokens of each
+    completion). LoRA/QLoRA keep TRL's choice: their point is fitting a big base in little memory."""
+    if mode != "full" or "gradient_checkpointing" in config.explicit(args):
+        return (f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'} ("
+                + ("set by you" if "gradient_checkpointing" in config.explicit(args) else f"{mode}: TRL's default") + ")")
+    import torch
+
+    free = memplan.free_memory()  # this rank's GPU (TRAINBOX_GPU_FREE_GIB caps it); the ranks agree in choose_memory
+    if free is not None and args.use_vllm and args.vllm_mode == "colocate":
+        total = torch.cuda.mem_get_info(torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))[1]
+        free -= int(args.vllm_gpu_memory_utilization * total)  # vLLM takes its share of the whole GPU at start
+    tokens = args.per_device_train_batch_size * ((max_prompt_tokens or 512) + args.max_completion_length)
+    # TRL loads a reference model like the policy (float32 here) only when the KL term is on.
+    ref = 4 * facts.params if args.beta else 0
+    return speed.choose_memory(args, facts, shards=1, free=free, tokens=tokens, extra=ref)[0]
+
+
+def choose_policy_forward(script, args, model_args, needs=None) -> list[str]:
+    """The policy's attention kernel (attention.choose, as sft) and whether its log-prob forward is padding-free;
+    sets model_args.attn_implementation and script.padding_free, returns the lines to print.
+
+    Padding-free needs a kernel that keeps packed sequences apart: FlashAttention or torch's varlen kernel take the
+    boundaries from the position ids (attention.UNPACKED_WHY says why SDPA and eager don't).
+    """
+    init = args.model_init_kwargs or {}
+    requested = (model_args.attn_implementation if "attn_implementation" in config.explicit(model_args)
+                 else init.get("attn_implementation"))
+    choice = attention.choose(requested, model=needs or attention.Needs())
+    model_args.attn_implementation = choice.impl  # our aliases (varlen, fa2, ...) resolved to transformers' names
+    if "attn_implementation" in init:
+        args.model_init_kwargs = {**init, "attn_implementation": choice.impl}
+    if script.padding_free is not None:
+        why = "set by --padding_free"
+    elif choice.packed:
+        script.padding_free = True
+        why = "the kernel keeps packed sequences apart"
+    else:
+        script.padding_free = False
+        why = f"{choice.impl}: {attention.UNPACKED_WHY}"
+    how = ("padding-free (one packed row of real tokens per chunk; no compute on padding)" if script.padding_free
+           else "padded rows (TRL's)")
+    return [choice.line(), f"policy forward: {how}: {why}"]
+
+
+def describe_model(model) -> str:
+    """What was actually loaded: weight format and trainable share (shows that qlora really is 4-bit + LoRA)."""
+    import torch
+
+    total = trainable = 0
+    for p in model.parameters():
+        n = p.numel() * (2 if p.dtype == torch.uint8 else 1)  # bitsandbytes packs two 4-bit weights per byte
+        total += n
+        trainable += n if p.requires_grad else 0
+    four_bit = [m for m in model.modules() if type(m).__name__ == "Linear4bit"]
+    if four_bit:
+        weights = f"4-bit {getattr(four_bit[0].weight, 'quant_type', '?')} (bitsandbytes Linear4bit)"
+    else:
+        weights = str(next(model.parameters()).dtype).removeprefix("torch.")
+    lora = ", LoRA adapters" if any("lora_" in n for n, _ in model.named_parameters()) else ""
+    return f"loaded: base weights {weights}{lora}; trainable {trainable:,} of {total:,} parameters"
+
+
+def build_trainer(args, model_args, mode, funcs, ds, preempt_cb, padding_free: bool = False):
+    from trl import GRPOTrainer, get_peft_config, get_quantization_config
+
+    if padding_free:
+        from trainbox.training.grpo_padding_free import PaddingFreeGRPOTrainer as GRPOTrainer
+
+    init = dict(args.model_init_kwargs or {})
+    init.setdefault("revision", model_args.model_revision)
+    init.setdefault("dtype", model_args.dtype)
+    if model_args.attn_implementation:
+        init.setdefault("attn_implementation", model_args.attn_implementation)
+    quant = get_quantization_config(model_args) if mode == "qlora" else None
+    if quant is not None:
+        import torch
+
+        if torch.cuda.is_available():
+            # 4-bit weights can't be moved after loading: put each process's copy on its own GPU (TRL's default,
+            # device_map=None under DDP, would quantize onto no device).
+            init.setdefault("device_map", {"": int(os.environ.get("LOCAL_RANK", "0"))})
+    args.model_init_kwargs = init
+    return GRPOTrainer(
+        model=model_args.model_name_or_path,
+        reward_funcs=funcs,
+        args=args,
+        train_dataset=ds,
+        peft_config=get_peft_config(model_args) if mode != "full" else None,
+        quantization_config=quant,
+        # Steady steps/s and tokens/s for the summary (no MFU: rollouts are most of a GRPO step's work).
+        callbacks=[preempt_cb, throughput.Throughput()],
+    )

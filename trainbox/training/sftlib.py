@@ -1,0 +1,139 @@
+"""The SFT-style trainers' library (sft, qlora): dataset options and rows, tokenizer, checks before launch, speed
+tuning, TRL's SFTTrainer with our callbacks. The commands (sft.py, qlora.py) are thin: parse, train, main.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from trainbox.run import outputs, preemption, resume
+from trainbox.training import attention, data, speed, throughput
+from trainbox.training import config as cfg
+
+
+@dataclass
+class DataArguments:
+    dataset: str | None = field(
+        default=None, metadata={"help": "local .parquet/.jsonl/.json/.csv file or directory, or a hub id name[:config]"}
+    )
+    dataset_split: str = field(default="train", metadata={"help": "split to train on"})
+    dataset_format: str = field(default="auto", metadata={"help": f"one of {', '.join(data.FORMATS)}"})
+    prompt_key: str | None = field(default=None, metadata={"help": "prompt column; dotted for dicts (extra_info.question)"})
+    response_key: str | None = field(default=None, metadata={"help": "response column; dotted (extra_info.answer)"})
+    messages_key: str = field(default="messages", metadata={"help": "column with chat messages"})
+    system_prompt: str | None = field(default=None, metadata={"help": "system message prepended to every example"})
+    max_samples: int | None = field(default=None, metadata={"help": "use only the first N rows"})
+    resume: str = field(
+        default="auto", metadata={"help": "auto: last complete checkpoint in output_dir if any; never; or a checkpoint path"}
+    )
+
+
+def load_tokenizer(model_path: str, training_args):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    if tok.chat_template is None and getattr(training_args, "chat_template_path", None) is None:
+        raise UsageError(
+            f"the tokenizer in {model_path} has no chat template; conversational data needs one "
+            "(use an instruct model or --chat_template_path FILE)"
+        )
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def prepare_dataset(data_args: DataArguments, training_args, rows: int | None = None):
+    """The dataset as SFT rows; `rows` (or --max_samples) keeps only the first ones."""
+    ds = data.load_table(data_args.dataset, split=data_args.dataset_split)
+    rows = rows or data_args.max_samples
+    if rows:
+        ds = ds.select(range(min(rows, len(ds))))
+    return data.to_sft(
+        ds,
+        fmt=data_args.dataset_format,
+        prompt_key=data_args.prompt_key,
+        response_key=data_args.response_key,
+        messages_key=data_args.messages_key,
+        system_prompt=data_args.system_prompt,
+        where=f"dataset {data_args.dataset}",
+    )
+
+
+FSDP2_GPU = {
+    "fsdp": "full_shard auto_wrap",
+    "fsdp_config": {
+        "version": 2,
+        "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "reshard_after_forward": True,
+        # Sharded checkpoints: every rank writes its shard to the shared output dir; fast and resumable.
+        "state_dict_type": "SHARDED_STATE_DICT",
+    },
+}
+
+
+def validate(data_args, model_args, training_args):
+    """Checks that need neither the model nor the data: model path, report_to, dataset given, resume target."""
+    if training_args.resume_from_checkpoint:
+        # TrainingArguments' own option means the same as our --resume PATH.
+        data_args.resume = training_args.resume_from_checkpoint
+    cfg.check_model_path(model_args.model_name_or_path)
+    cfg.check_report_to(training_args.report_to)
+    if not data_args.dataset:
+        raise UsageError("no dataset given: pass --dataset PATH (.parquet/.jsonl/.json/.csv file or directory) or a hub id")
+    if data_args.resume not in ("auto", "never"):
+        resume.resolve_resume(data_args.resume, training_args.output_dir)
+
+
+def shards(training_args) -> int:
+    """Ranks the weights and optimizer states are sharded over (FSDP on GPUs), 1 otherwise."""
+    import torch
+
+    if training_args.fsdp and torch.cuda.is_available() and not training_args.use_cpu:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    return 1
+
+
+def tune(model_args, training_args, shards: int, checkpointing: bool = True):
+    """Attention kernel and speed defaults (speed.py) for this model and GPU, printed once; returns (choice, facts)."""
+    requested = model_args.attn_implementation if "attn_implementation" in cfg.explicit(model_args) else None
+    facts = speed.model_facts(model_args.model_name_or_path, model_args.model_revision)
+    choice = attention.choose(requested, model=facts.attention)
+    lines = speed.apply(training_args, model_args, choice, facts, shards=shards, checkpointing=checkpointing)
+    if outputs.is_main_process():
+        for line in lines:
+            print(f"[trainbox] {line}", flush=True)
+    return choice, facts
+
+
+def build_trainer(model, training_args, train_ds, tokenizer, **extra):
+    """TRL's SFTTrainer with our callbacks (preemption, steady-state throughput); `extra`: peft_config, optimizer."""
+    from trl import SFTTrainer
+
+    # TRL tokenizes and packs inside the constructor, on every rank at once, into one datasets cache (shared by
+    # the nodes of a job on shared storage): the first process fills it, the others then read it.
+    with training_args.main_process_first(local=False, desc="tokenize and pack"):
+        return SFTTrainer(model=model, args=training_args, train_dataset=train_ds, processing_class=tokenizer,
+                          callbacks=[preemption.PreemptionCallback(), throughput.Throughput()], **extra)
+
+
+def finish_tuning(trainer, facts, qlora: bool = False) -> None:
+    """After the trainer is built: FSDP2 policies on accelerate's plugin, FLOPs per token for the summary's MFU.
+    qlora: checkpointing stays the model's own (PEFT prepared the 4-bit model for it), and memory comes first."""
+    line = speed.tune_fsdp(trainer, activation_checkpointing=not qlora and bool(trainer.args.gradient_checkpointing),
+                           memory_first=qlora)
+    if line and outputs.is_main_process():
+        print(f"[trainbox] {line}", flush=True)
+    if getattr(trainer.args, "trainbox_liger", False):
+        speed.apply_liger(trainer.model, facts.model_type)
+    cb = preemption.find_callback(trainer, throughput.Throughput)
+    if cb:
+        cb.flops_per_token = throughput.flops_per_token(facts, throughput.example_lengths(trainer.train_dataset))
+
+
+def check_before_launch(data_args, model_args, training_args) -> None:
+    """In the launcher, before torchrun: the tokenizer's chat template and the dataset's columns (on a few rows),
+    so a bad config is one `error:` line and exit 2 here, not a failure in every rank."""
+    validate(data_args, model_args, training_args)
+    load_tokenizer(model_args.model_name_or_path, training_args)
+    prepare_dataset(data_args, training_args, rows=8)

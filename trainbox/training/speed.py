@@ -1,0 +1,285 @@
+"""Speed defaults of the SFT-style trainers (sft, qlora), chosen for this model, GPU and data and printed.
+
+What is decided here, each only when the user did not set it (`--option` or YAML always wins):
+- packing: best-fit-decreasing packing with padding-free batches (TRL's `packing_strategy="bfd"`), so no compute is
+  spent on padding; each example keeps its own positions, and the attention kernel keeps examples apart (varlen
+  kernels take the sequence boundaries). With SDPA or eager batches stay padded (attention.UNPACKED_WHY).
+- Liger kernels (RMSNorm, RoPE, SwiGLU; TRL keeps its own fused LM head + loss) where liger-kernel supports the model.
+- memory (choose_memory): the job's memory plan (memplan.py: its ladder, its estimate and how it was checked),
+  decided once for every rank from the smallest free memory among them; an error naming what fits when nothing does.
+- precision: bf16 weights with float32 master weights in the optimizer (precision.py says why) for one process per
+  model copy; FSDP2 keeps float32 shards and computes in bf16.
+
+Measured on one H200, 8B Llama shape, batch 2 x 1024, checkpointing: `trl sft` and `trainbox sft` (float32
+path) both peaked at 119.75 GiB allocated, estimate 120.6 GiB.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, replace
+
+from common.errors import UsageError
+from trainbox.training import attention, memplan
+from trainbox.training import config as cfg
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    model_type: str
+    params: int
+    embedding_params: int  # input embedding (a lookup, not a matmul) when the LM head is a separate matrix
+    layers: int
+    hidden: int
+    intermediate: int
+    attn_width: int  # heads x head dim: the width of QK^T and AV
+    attention: "attention.Needs" = None  # windows, softcaps, sinks: what the attention kernel must honour
+    experts: int = 0  # routed experts per MoE layer (0: dense)
+    vocab: int = 0  # rows of the LM head (the loss head's width)
+
+    @property
+    def matmul_params(self) -> int:
+        return self.params - self.embedding_params
+
+
+def model_facts(model_path: str, revision: str | None = None) -> ModelFacts:
+    """Parameter count and shape, from the config alone (the model is built on the meta device: no weights read)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    conf = AutoConfig.from_pretrained(model_path, revision=revision)
+    text = conf.get_text_config()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(conf)
+    params = sum(p.numel() for p in model.parameters())
+    emb = model.get_input_embeddings()
+    out = model.get_output_embeddings()
+    tied = out is not None and out.weight is emb.weight
+    heads = getattr(text, "num_attention_heads", 0)
+    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else 0)
+    return ModelFacts(
+        model_type=conf.model_type,
+        params=params,
+        embedding_params=0 if tied else emb.weight.numel(),
+        layers=getattr(text, "num_hidden_layers", 0),
+        hidden=text.hidden_size,
+        intermediate=getattr(text, "intermediate_size", 4 * text.hidden_size) or 4 * text.hidden_size,
+        attn_width=heads * head_dim,
+        attention=attention.needs(conf, model),
+        experts=int(getattr(text, "num_local_experts", 0) or getattr(text, "num_experts", 0) or 0),
+        vocab=int(getattr(text, "vocab_size", 0) or 0),
+    )
+
+
+def _optim_name(args) -> str:
+    return str(getattr(args.optim, "value", args.optim))
+
+
+def job_for(args, f: ModelFacts, shards: int, *, tokens: int | None = None, masters_ok: bool = False,
+            extra: int = 0) -> memplan.Job:
+    """The memory plan's view of this run (memplan.Job): shape, batch, accumulation, optimizer, layout, and the
+    settings the user fixed (kept by every rung)."""
+    explicit = cfg.explicit(args)
+    fixed: dict = {}
+    if "gradient_checkpointing" in explicit:
+        fixed["checkpointing"] = bool(args.gradient_checkpointing)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    nodes = max(1, world // max(1, local))
+    fsdp_config = getattr(args, "fsdp_config", None) or {}
+    if shards > 1 and "fsdp_config" in explicit and "reshard_after_forward" in fsdp_config:
+        fixed["reshard"] = bool(fsdp_config["reshard_after_forward"])  # the user's own FSDP setting
+    elif shards > 1 and reshards_after_forward(memory_first=False):
+        fixed["reshard"] = True  # across nodes memory wins (reshards_after_forward)
+    if tokens is not None:
+        fixed["batch"] = True  # GRPO's micro-batch is its generation batch: not ours to split
+    return memplan.Job(f, batch=int(args.per_device_train_batch_size),
+                       max_length=int(getattr(args, "max_length", None) or 1024),
+                       grad_accum=int(getattr(args, "gradient_accumulation_steps", 1) or 1), optim=_optim_name(args),
+                       shards=shards, nodes=nodes, masters_ok=masters_ok, extra=extra, tokens=tokens, fixed=fixed,
+                       fsdp=shards > 1, liger=bool(getattr(args, "trainbox_liger", False)
+                                                   or getattr(args, "use_liger_kernel", False)))
+
+
+def choose_memory(args, f: ModelFacts, shards: int, free: int | None, *, tokens: int | None = None,
+                  masters_ok: bool = False, extra: int = 0) -> tuple[str, str | None]:
+    """The memory plan (memplan.py) for this run, agreed by every rank of the job: `free` is this rank's free GPU
+    memory (None: CPU); the group plans with the smallest. Sets args.gradient_checkpointing, the FSDP2 settings
+    (args.trainbox_reshard, sync_each_batch) and the micro-batch split; returns (the plan's line,
+    why master weights are off or None). `tokens`: of one micro-batch (default batch x max_length, SFT's worst case)."""
+    explicit = "gradient_checkpointing" in cfg.explicit(args)
+    job = job_for(args, f, shards, tokens=tokens, masters_ok=masters_ok, extra=extra)
+
+    def decide(smallest, seen):
+        if smallest is None:
+            return None
+        plan = memplan.decide(job, smallest)
+        lo, hi, ranks = seen
+        note = (f"the smallest of {ranks} ranks' free memory, largest {hi / GiB:.1f} GiB" if ranks > 1 else "")
+        if os.environ.get(memplan.FREE_ENV):
+            note = (note + "; " if note else "") + f"capped by {memplan.FREE_ENV}"
+        return plan, plan.line(note)
+
+    agreed = memplan.agree(free, decide)
+    if agreed is None:
+        if not explicit:
+            args.gradient_checkpointing = False
+        return (f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'} "
+                + ("(set by you)" if explicit else "(CPU: memory is not the limit)"), None)
+    plan, line = agreed
+    s = plan.settings
+    args.gradient_checkpointing = s.checkpointing
+    args.trainbox_reshard = s.reshard
+    if s.batch != args.per_device_train_batch_size:
+        args.per_device_train_batch_size, args.gradient_accumulation_steps = s.batch, s.grad_accum
+    if s.sync_each_batch:  # (TrainingArguments has made accelerator_config an AcceleratorConfig by now)
+        acc = args.accelerator_config
+        acc.gradient_accumulation_kwargs = dict(acc.gradient_accumulation_kwargs or {}, sync_each_batch=True)
+    masters_off = None
+    if masters_ok and not s.masters:
+        with_masters = memplan.estimate(job, replace(s, masters=True))["total"]
+        masters_off = (f"master weights would need {with_masters / GiB:.1f} GiB, over the "
+                       f"{memplan.usable(plan.free) / GiB:.1f} GiB usable")
+    return line, masters_off
+
+
+def liger_reason(model_type: str) -> str | None:
+    """None when Liger's kernels can be applied to `model_type` here, else why not."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no GPU (Triton kernels)"
+    if importlib.util.find_spec("liger_kernel") is None:
+        return "liger-kernel not installed"
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        return f"no Liger kernels for model type {model_type}"
+    return None
+
+
+def choose_liger(args, f: ModelFacts) -> str:
+    """Sets args.trainbox_liger (apply_liger runs on the loaded model) unless the user set TRL's own flag."""
+    args.trainbox_liger = False
+    if "use_liger_kernel" in cfg.explicit(args):
+        return f"Liger kernels {'on' if args.use_liger_kernel else 'off'} (set by you)"
+    why = liger_reason(f.model_type)
+    args.trainbox_liger = why is None
+    return "Liger kernels on (RMSNorm, RoPE, SwiGLU)" if why is None else f"Liger kernels off: {why}"
+
+
+def apply_liger(model, model_type: str) -> None:
+    """Liger's own patch for this model type on the loaded model (a PEFT wrapper's base), instead of TRL's
+    `use_liger_kernel`, deprecated in TRL 1.16. Layer kernels only: TRL's fused LM head computes the loss."""
+    import inspect
+
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    fn = MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]
+    wanted = dict(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
+    params = inspect.signature(fn).parameters
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    fn(model=base, **{k: v for k, v in wanted.items() if k in params})
+
+
+def choose_packing(args, packed_ok: bool) -> str:
+    explicit = cfg.explicit(args)
+    if {"packing", "padding_free"} & explicit:
+        return (f"packing {'on (' + args.packing_strategy + ')' if args.packing else 'off'}, padding-free "
+                f"{'on' if args.padding_free or args.packing else 'off'} (set by you)")
+    if packed_ok:
+        args.packing = True
+        args.packing_strategy = args.packing_strategy if "packing_strategy" in explicit else "bfd"
+        return (f"packing on ({args.packing_strategy}, padding-free: no compute on padding; examples kept apart by "
+                "the attention kernel)")
+    return f"packing off: {attention.UNPACKED_WHY}; batches are padded"
+
+
+def apply(args, model_args, choice, f: ModelFacts, *, shards: int, checkpointing: bool = True) -> list[str]:
+    """Decide the defaults above on TRL's SFTConfig `args`; returns the lines to print. `checkpointing=False` leaves
+    gradient checkpointing as it is (qlora keeps it on: its point is fitting a big model in little memory)."""
+    import torch
+
+    on_gpu = torch.cuda.is_available() and not args.use_cpu
+    lines = [choice.line(), choose_packing(args, choice.packed), choose_liger(args, f)]
+    masters_off = None
+    if checkpointing:
+        line, masters_off = choose_memory(args, f, shards, memplan.free_memory() if on_gpu else None,
+                                          masters_ok=_float32_reason(args, model_args, on_gpu, shards) is None)
+        lines.append(line)
+    else:
+        lines.append(f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}"
+                     + (" (set by you)" if "gradient_checkpointing" in cfg.explicit(args) else " (qlora default)"))
+    if "include_num_input_tokens_seen" not in cfg.explicit(args):
+        args.include_num_input_tokens_seen = "non_padding"  # the summary's tokens/s counts real tokens only
+    if on_gpu and "dataloader_num_workers" not in cfg.explicit(args):
+        args.dataloader_num_workers = min(2, os.cpu_count() or 1)
+    lines.append(choose_precision(args, model_args, on_gpu, shards, masters_off))
+    return lines
+
+
+MASTER_WEIGHT_OPTIMS = ("adamw_torch", "adamw_torch_fused")
+
+
+def _float32_reason(args, model_args, on_gpu: bool, shards: int) -> str | None:
+    """The precision line when float32 master weights are not for this run, None when they are."""
+    if "dtype" in cfg.explicit(model_args):
+        return f"precision: {model_args.dtype} weights (set by you)"
+    if not on_gpu or not args.bf16:
+        return "precision: float32" + (" (CPU)" if not on_gpu else "")
+    if getattr(model_args, "load_in_4bit", False):
+        return (f"precision: 4-bit {model_args.bnb_4bit_quant_type} base, {model_args.dtype} compute"
+                + (", base and adapters sharded by FSDP2 (bf16 quant storage)" if shards > 1 else ""))
+    if shards > 1:
+        return "precision: float32 shards, bf16 compute, fp32 gradient reduction (FSDP2)"
+    optim = _optim_name(args)
+    if optim not in MASTER_WEIGHT_OPTIMS:
+        return f"precision: float32 weights under bf16 autocast (optim {optim} is not wrapped with master weights)"
+    return None
+
+
+def choose_precision(args, model_args, on_gpu: bool, shards: int, masters_off: str | None = None) -> str:
+    """bf16 weights + float32 master weights in the optimizer (precision.py) for one process per model copy on a
+    GPU, unless `masters_off` (choose_memory: they don't fit) says why not; sets model_args.dtype and
+    args.trainbox_master_weights. FSDP keeps its own float32 shards."""
+    args.trainbox_master_weights = False
+    line = _float32_reason(args, model_args, on_gpu, shards)
+    if line:
+        return line
+    if masters_off:
+        return f"precision: float32 weights under bf16 autocast (TRL's; {masters_off})"
+    model_args.dtype = "bfloat16"
+    args.trainbox_master_weights = True
+    return f"precision: bf16 weights, float32 master weights in the optimizer ({_optim_name(args)}); no autocast casts"
+
+
+def reshards_after_forward(memory_first: bool) -> bool:
+    """FSDP2 keeps all-gathered layers from forward to backward inside one node (less traffic), not across nodes."""
+    single_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) == int(os.environ.get("WORLD_SIZE", "1"))
+    return memory_first or not single_node
+
+
+def tune_fsdp(trainer, activation_checkpointing: bool, memory_first: bool = False) -> str | None:
+    """FSDP2 on GPUs: bf16 compute with fp32 gradient reduction, no re-shard after forward inside one node (the
+    all-gathered layer stays for backward; across nodes memory wins), checkpointing through FSDP's own wrapper.
+    Set on accelerate's plugin before train() wraps the model. memory_first (qlora): re-shard after forward on one
+    node too, since keeping every gathered layer would hold a whole copy of the base on each GPU."""
+    if not getattr(trainer, "is_fsdp_enabled", False):
+        return None
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    plugin = trainer.accelerator.state.fsdp_plugin
+    planned = getattr(trainer.args, "trainbox_reshard", None)  # the memory plan's choice (memplan.py)
+    plugin.reshard_after_forward = reshards_after_forward(memory_first) if planned is None or memory_first else planned
+    plugin.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                                         output_dtype=torch.bfloat16)
+    if activation_checkpointing:
+        plugin.activation_checkpointing = True
+        trainer.args.gradient_checkpointing = False
+    reshard = ("on (memory first)" if memory_first else "on") if plugin.reshard_after_forward else "off"
+    return (f"FSDP2: bf16 compute, fp32 reduce, reshard after forward {reshard}"
+            + (", activation checkpointing by FSDP" if activation_checkpointing else ""))
