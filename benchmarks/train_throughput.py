@@ -124,7 +124,7 @@ def write_chat(path: Path, lens: list[int], seed: int = 0) -> Path:
 
 
 def flops_per_token(model: Path, lens: list[int]) -> float:
-    """The entrypoints' own formula (6N + causal attention) for the model built here; for MoE shapes N counts the
+    """The trainers' own formula (6N + causal attention) for the model built here; for MoE shapes N counts the
     active experts only (top-k of E), and windowed layers count their window (a token attends to at most W keys)."""
     import json as _json
 
@@ -476,8 +476,8 @@ def grpo(a) -> None:
 
     def trl(out, steps):
         return [py, "-m", "trl.cli.main", "grpo", "--dataset_name", str(data), "--output_dir", str(out),
-                "--max_steps", str(steps), "--reward_funcs", *[f"trainbox.training.rewards.{r}" for r in rewards], *common,
-                *plain_vllm]
+                "--max_steps", str(steps), "--reward_funcs", *[f"trainbox.training.rewards.{r}" for r in rewards],
+                *common, *plain_vllm]
 
     def ours(out, steps):
         return [py, "-m", "trainbox", "grpo", "--dataset", str(data / "train.jsonl"), "--output_dir", str(out),

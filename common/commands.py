@@ -36,6 +36,8 @@ TABLE = (
     Command("healthcheck", "healthcheck", public=False),
 )
 BY_NAME = {c.name: c for c in TABLE}
+# Where a command's module lives in the in-image package (a name, not an import: common/ never imports trainbox).
+PACKAGE = "trainbox.cli"
 
 
 def names(*, public: bool | None = None, trainer: bool | None = None, slurm: bool | None = None) -> tuple[str, ...]:
@@ -50,3 +52,13 @@ def module(name: str) -> str:
     table maps as `-` -> `_`."""
     c = BY_NAME.get(name)
     return c.module if c else name.replace("-", "_")
+
+
+def qualified(name: str) -> str:
+    """The importable name of a command's module: `trainbox.cli.nccl_check` (`python -m` it, torchrun it)."""
+    return f"{PACKAGE}.{module(name)}"
+
+
+def path(name: str) -> str:
+    """A command's source file, relative to the folder holding the package: `trainbox/cli/nccl_check.py`."""
+    return qualified(name).replace(".", "/") + ".py"

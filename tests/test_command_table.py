@@ -22,7 +22,7 @@ from trainbox import dispatch
 from trainbox.run import notebook
 
 ROOT = Path(__file__).resolve().parents[1]
-PRODUCT = ("entrypoints", "common", "builder", "devenv")
+PRODUCT = ("trainbox", "common", "builder", "devenv")
 TABLE_FILE = ROOT / "common" / "commands.py"
 
 DUMMY = '''"""Dummy trainer: one module and one table entry (tests/test_command_table.py)."""
@@ -31,7 +31,7 @@ import sys
 
 from common import launch
 from common.errors import UsageError
-from . import config, runner
+from trainbox.training import config, runner
 
 
 class Options:
@@ -67,9 +67,9 @@ if __name__ == "__main__":
 def add_dummy(tmp_path: Path) -> Path:
     """A copy of the packages with the dummy trainer's module and its one table entry; returns the copy's parent."""
     home = tmp_path / "pkg"
-    for package in ("entrypoints", "common"):
+    for package in ("trainbox", "common"):
         shutil.copytree(ROOT / package, home / package, ignore=shutil.ignore_patterns("__pycache__"))
-    (home / "entrypoints" / "dummy.py").write_text(DUMMY)
+    (home / "trainbox" / "cli" / "dummy.py").write_text(DUMMY)
     # The skeleton's signal set-up shields transformers' DataLoader workers if transformers is there; the dummy has
     # none to shield, and the import costs 6 s a run on a busy host: an unimportable stub stands in for it.
     (home / "transformers").mkdir()
@@ -121,8 +121,8 @@ def test_a_dummy_trainer_is_one_module_and_one_table_entry(tmp_path):
 def test_the_checkout_refuses_the_dummy_it_does_not_list(tmp_path):
     """The same calls on the package as it is: the table entry is what made them pass."""
     home = tmp_path / "pkg"
-    shutil.copytree(ROOT / "entrypoints", home / "entrypoints", ignore=shutil.ignore_patterns("__pycache__"))
-    (home / "entrypoints" / "dummy.py").write_text(DUMMY)  # the module alone is not enough
+    shutil.copytree(ROOT / "trainbox", home / "trainbox", ignore=shutil.ignore_patterns("__pycache__"))
+    (home / "trainbox" / "cli" / "dummy.py").write_text(DUMMY)  # the module alone is not enough
     assert "dummy" not in run(home, "-m", "trainbox", "--help").stdout
     assert run(home, "-m", "trainbox", "dummy", "--ok").returncode == 2
     job = run(home, "-m", "builder.slurm", "--tag", "t", "--entrypoint", "dummy", "--config", "/d.yaml",
@@ -141,7 +141,8 @@ def test_the_table_gives_the_lists_it_replaced():
     assert set(slurm.NO_CONFIG) == {"nccl-check", "ray", "verl-ppo", "verl-sft"}
     assert dispatch.module_name("ray") == "ray_cluster" and dispatch.module_name("nccl-check") == "nccl_check"
     for c in commands.TABLE:
-        assert (ROOT / "entrypoints" / f"{c.module}.py").is_file(), c
+        assert (ROOT / "trainbox" / "cli" / f"{c.module}.py").is_file(), c
+        assert (ROOT / commands.path(c.name)).is_file() and commands.qualified(c.name) == f"trainbox.cli.{c.module}"
     with pytest.raises(ValueError, match=r"^unknown entrypoint 'doctor'; one of grpo, qlora, sft$"):
         notebook.run("doctor", [], output_dir="/nonexistent")
 

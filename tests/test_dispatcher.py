@@ -82,11 +82,11 @@ def run(args, env=None, cwd=ROOT, **kw):
 @pytest.fixture
 def pkg(tmp_path):
     """A copy of the packages whose `sft` entrypoint is the marker stand-in (the real dispatcher runs it)."""
-    dst = tmp_path / "pkg" / "entrypoints"
-    for package in ("entrypoints", "common"):
-        shutil.copytree(ROOT / package, dst.parent / package, ignore=shutil.ignore_patterns("__pycache__"))
-    (dst / "sft.py").write_text(MARKER_ENTRYPOINT)
-    return dst.parent
+    home = tmp_path / "pkg"
+    for package in ("trainbox", "common"):
+        shutil.copytree(ROOT / package, home / package, ignore=shutil.ignore_patterns("__pycache__"))
+    (home / "trainbox" / "cli" / "sft.py").write_text(MARKER_ENTRYPOINT)
+    return home
 
 
 def wait_for(path: Path, text: str, proc=None, timeout=60):
@@ -122,7 +122,7 @@ def test_help_imports_nothing_heavy():
 @pytest.mark.parametrize("name", NAMES + ("healthcheck",))
 def test_entrypoint_module_honours_the_contract(name):
     """Each module: one-line docstring, top-level `main(argv)`, and runnable with `python -m` (a __main__ guard)."""
-    path = ROOT / "entrypoints" / f"{name}.py"
+    path = ROOT / "trainbox" / "cli" / f"{name}.py"
     assert path.is_file(), f"{path} missing"
     tree = ast.parse(path.read_text())
     doc = ast.get_docstring(tree)
@@ -157,13 +157,13 @@ def test_other_programs_on_path_run_as_given(tmp_path):
     assert r.returncode == 2 and "usage:" in r.stderr
 
 
-def test_ours_wins_over_pypi_entrypoints(tmp_path):
-    """PyPI's old `entrypoints` (a single module) installed in site-packages must not shadow the package."""
+def test_ours_wins_over_an_installed_trainbox(tmp_path):
+    """Another `trainbox` installed in site-packages (an older wheel of this project) must not shadow the package."""
     venv = tmp_path / "venv"
     subprocess.run([PY, "-m", "venv", "--without-pip", str(venv)], check=True)
     site = next((venv / "lib").glob("python3*/site-packages"))
-    (site / "entrypoints.py").write_text('"""PyPI entrypoints 0.4 stand-in."""\n'
-                                        'raise SystemExit("wrong entrypoints")\n')
+    (site / "trainbox.py").write_text('"""An installed trainbox stand-in."""\n'
+                                     'raise SystemExit("wrong trainbox")\n')
     r = subprocess.run([venv / "bin" / "python", "-m", "trainbox", "doctor", "--help"], cwd=tmp_path,
                        env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True)
     assert r.returncode == 0 and "--json" in r.stdout, r.stderr
@@ -184,8 +184,8 @@ def test_name_help_passes_through_to_the_entrypoint():
 
 
 def test_missing_or_broken_module_does_not_break_listing(pkg):
-    (pkg / "entrypoints" / "grpo.py").unlink(missing_ok=True)
-    (pkg / "entrypoints" / "qlora.py").write_text("def main(argv:\n")  # a syntax error mid-edit
+    (pkg / "trainbox" / "cli" / "grpo.py").unlink(missing_ok=True)
+    (pkg / "trainbox" / "cli" / "qlora.py").write_text("def main(argv:\n")  # a syntax error mid-edit
     r = run(["--help"], env={"PYTHONPATH": str(pkg)}, cwd=pkg)
     assert r.returncode == 0, r.stderr
     assert "grpo       (not installed in this image)" in r.stdout

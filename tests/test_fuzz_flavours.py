@@ -25,10 +25,10 @@ SETTINGS = settings(max_examples=int(os.environ.get("TRAINBOX_FUZZ_EXAMPLES", "6
 DOC = tomllib.loads((ROOT / "matrix.toml").read_text())
 REAL = load_matrix()
 # what the build context holds: the .dockerignore allowlist's folders (locks/ only for its *.txt files)
-CONTEXT_TOPS = ("images", "entrypoints", "common", "wheelhouse", "locks")
+CONTEXT_TOPS = ("images", "trainbox", "common", "wheelhouse", "locks")
 
 folders = st.one_of(hostile, st.sampled_from([
-    "images", "images/notebooks", "images/notebooks/unsloth", "images/smoke-x86_64", "images/certs", "entrypoints",
+    "images", "images/notebooks", "images/notebooks/unsloth", "images/smoke-x86_64", "images/certs", "trainbox",
     "wheelhouse", "locks", "builder", "builder/templates", "tests", "devenv", ".git", ".github/workflows", "..",
     "../x", "images/../builder", "images//notebooks", "images/./notebooks", "/etc", "images/notebooks/unsloth/",
     "images/smoke-x86_64/Dockerfile", "a" * 300]))

@@ -115,5 +115,5 @@ def test_two_cells_of_one_venv_cost_the_registry_little_more_than_one(built):
     assert s["images"] == 2 and s["stored_bytes"] <= 1.1 * sizes[-1], s
     a, b = (built.report["cells"][i]["blobs"] for i in (0, 1))
     shared = set(a) & set(b)
-    # everything but the per-cell record/labels layer and the entrypoints (same content, same layer) is shared
+    # everything but the per-cell record/labels layer and the trainbox package (same content, same layer) is shared
     assert sum(a[d] for d in shared) >= 0.99 * sum(a.values())

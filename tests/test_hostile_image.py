@@ -467,20 +467,20 @@ def test_help_kept_in_a_checkout_is_found_with_a_fresh_home(tmp_path, monkeypatc
     from trainbox import helpcache
 
     monkeypatch.delenv("TRAINBOX_HELP_DIR", raising=False)
-    monkeypatch.setattr(helpcache, "PACKAGE", tmp_path / "repo" / "entrypoints")
-    (tmp_path / "repo" / "entrypoints").mkdir(parents=True)
+    monkeypatch.setattr(helpcache, "PACKAGE", tmp_path / "repo" / "trainbox")
+    (tmp_path / "repo" / "trainbox" / "cli").mkdir(parents=True)
     (tmp_path / "repo" / "pyproject.toml").write_text("")
-    for name in ("__init__.py", "sft.py"):
-        (tmp_path / "repo" / "entrypoints" / name).write_text("x = 1\n")
+    for name in ("__init__.py", "cli/__init__.py", "cli/sft.py"):
+        (tmp_path / "repo" / "trainbox" / name).write_text("x = 1\n")
     monkeypatch.setenv("HOME", str(tmp_path / "home1"))
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     helpcache.store("sft", "usage: trainbox sft\n")
     assert (tmp_path / "repo" / ".cache" / "trainbox-help" / "sft.txt").is_file()
     monkeypatch.setenv("HOME", str(tmp_path / "home2"))  # a fresh home
     assert helpcache.load("sft") == "usage: trainbox sft\n"
-    (tmp_path / "repo" / "entrypoints" / "doctor.py").write_text("y = 2\n")  # not imported by sft
+    (tmp_path / "repo" / "trainbox" / "cli" / "doctor.py").write_text("y = 2\n")  # not imported by sft
     assert helpcache.load("sft") == "usage: trainbox sft\n"
-    (tmp_path / "repo" / "entrypoints" / "sft.py").write_text("x = 2\n")
+    (tmp_path / "repo" / "trainbox" / "cli" / "sft.py").write_text("x = 2\n")
     assert helpcache.load("sft") is None
 
 

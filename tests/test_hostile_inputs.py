@@ -1,4 +1,4 @@
-"""Every input path of the entrypoints gives one line and exit 2, before any model loads, and leaves nothing behind:
+"""Every input path of the commands gives one line and exit 2, before any model loads, and leaves nothing behind:
 output folders that can't be one, models and datasets the hub can't serve, every dataset row checked (the message
 names the row), numbers out of range, YAML values of the wrong type, binary files. Then a hypothesis fuzz over
 options and YAML through the real parser: a UsageError or a parse, never another exception."""

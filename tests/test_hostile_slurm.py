@@ -1,5 +1,5 @@
 """Issue 29's hostile cases on `python -m builder.slurm` and the output targets every host writer shares
-(#1 injection through --log-dir, #2 and #7 output targets, #16 Slurm's limits, #17 options of other entrypoints).
+(#1 injection through --log-dir, #2 and #7 output targets, #16 Slurm's limits, #17 options of other commands).
 Each: exit 2, one `error:` line, nothing written or replaced."""
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ def test_image_config_says_arm64(smoke_arm64):  # noqa: F811
 
 def test_runs_arm64_code_under_qemu(smoke_arm64):  # noqa: F811
     r = docker("run", "--rm", "--platform", "linux/arm64", "--entrypoint", "python", smoke_arm64.refs[0], "-c",
-               "import platform, entrypoints; print(platform.machine(), trainbox.__file__)")
+               "import platform, trainbox; print(platform.machine(), trainbox.__file__)")
     assert r.stdout.split() == ["aarch64", "/opt/trainbox/trainbox/__init__.py"]
 
 

@@ -29,7 +29,7 @@ ENV = ["-e", "HF_HUB_OFFLINE=1", "-e", "OMP_NUM_THREADS=1", "-e", "TOKENIZERS_PA
 
 @pytest.fixture(scope="module")
 def mounts(tiny_model, tmp_path_factory):
-    """(model dir, data dir) on the host; the data in the real formats the entrypoints read."""
+    """(model dir, data dir) on the host; the data in the real formats the trainers read."""
     data = tmp_path_factory.mktemp("data")
     write_verl_gsm8k(data / "gsm8k.parquet")
     write_messages(data / "messages.jsonl")
@@ -64,10 +64,10 @@ def test_image_has_the_cell_facts(smoke_build, smoke_image):  # noqa: F811
     assert cfg["Labels"]["io.trainbox.tag"] == "smoke-x86_64"
     assert smoke_build.layers == len(info["RootFS"]["Layers"]) and smoke_build.size == info["Size"]
     r = docker("run", "--rm", "--entrypoint", "python", smoke_image, "-c",
-               "import common, entrypoints, torch, trl; "
+               "import common, trainbox, torch, trl; "
                "print(trainbox.__file__, common.__file__, torch.__version__, trl.__version__)")
     path, common_path, torch_version, trl_version = r.stdout.split()
-    assert path == "/opt/trainbox/trainbox/__init__.py"  # ours, not PyPI's old `entrypoints`
+    assert path == "/opt/trainbox/trainbox/__init__.py"  # ours, from PYTHONPATH
     assert common_path == "/opt/trainbox/common/__init__.py"  # ours, not an installed distribution's `common`
     assert torch_version == "2.13.0+cpu" and trl_version == "1.16.0"  # the wheelhouse's CPU torch
     # uv installed the venv in the deps stage; neither uv nor its download cache (a cache mount) reached a layer

@@ -107,6 +107,7 @@ COMMON_LAZY_LIBRARIES = {
 }
 HOST_PACKAGES = ("builder", "devenv")
 COMMON = "common"
+IMAGE = "trainbox"  # the in-image package: dispatcher, commands (cli/), trainer library, a run's life, the image's own
 # Import circles known and being removed elsewhere, each as the set of its modules.
 KNOWN_CYCLES: list[set[str]] = []  # none; a cycle found here is a bug, not an exception to list
 
@@ -123,12 +124,13 @@ def module_imports(path: Path) -> set[str]:
     return names
 
 
-def import_graph() -> dict[str, set[str]]:
-    """{builder module: the builder modules it imports}, imports inside functions included."""
+def import_graph(package: str = PACKAGE) -> dict[str, set[str]]:
+    """{module of PACKAGE: the modules of PACKAGE it imports}, imports inside functions included. The package's own
+    __init__ is left out (every import of a submodule runs it; it is a node only where it imports something)."""
     graph = {}
-    for name in builder_modules() - {PACKAGE}:
+    for name in {module_name(p) for p in (ROOT / package).rglob("*.py")} - {package}:
         graph[name] = {n for n in module_imports(module_file(name))
-                       if n.split(".")[0] == PACKAGE and n != PACKAGE and n != name and module_file(n) is not None}
+                       if n.split(".")[0] == package and n != package and n != name and module_file(n) is not None}
     return graph
 
 
@@ -173,17 +175,37 @@ def test_builder_has_no_import_cycle():
     assert not found, f"import circles in builder/ (imports inside functions count): {found}"
 
 
+def test_the_in_image_package_has_no_import_cycle():
+    """The same rule in trainbox/: commands (cli/) over the trainer library, a run's life and the image's facts;
+    none of those imports a command, and no two modules import each other, even inside a function."""
+    graph = import_graph(IMAGE)
+    assert f"{IMAGE}.cli.sft" in graph and f"{IMAGE}.training.runner" in graph[f"{IMAGE}.cli.sft"]
+    found = [sorted(c) for c in cycles(graph)]
+    assert not found, f"import circles in {IMAGE}/ (imports inside functions count): {found}"
+
+
 def package_imports(package: str) -> dict[Path, set[str]]:
     """{file of PACKAGE: the absolute names it imports (relative imports resolved), inside functions too}."""
     return {path: module_imports(path) for path in sorted((ROOT / package).rglob("*.py"))}
 
 
 def test_the_host_never_imports_the_in_image_package():
-    for package in HOST_PACKAGES:
+    """builder/ and devenv/ (the host) and common/ (shared by both) never import trainbox, even inside a function."""
+    for package in (*HOST_PACKAGES, COMMON):
         for path, names in package_imports(package).items():
-            bad = {n for n in names if n.split(".")[0] == "entrypoints"}
+            bad = {n for n in names if n.split(".")[0] == IMAGE}
             assert not bad, (f"{path.relative_to(ROOT)} imports {sorted(bad)}: the host may not import the in-image "
                              f"package; what both sides need belongs in {COMMON}/")
+
+
+def test_pyproject_installs_every_package():
+    """pyproject's packages list names every package folder: a subpackage left out (trainbox.cli...) is missing
+    from an installed wheel while every test run from the checkout still passes."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {module_name(p) for top in (PACKAGE, COMMON, "devenv", IMAGE) for p in (ROOT / top).rglob("__init__.py")}
+    assert found == listed, f"not in pyproject: {sorted(found - listed)}; listed, absent: {sorted(listed - found)}"
 
 
 def top_level_imports(path: Path) -> set[str]:
@@ -214,7 +236,7 @@ def test_common_init_runs_nothing():
     assert len(body) == 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value.value, str), body
 
 
-def test_the_checks_catch_a_planted_cycle_and_an_entrypoints_import(tmp_path, monkeypatch):
+def test_the_checks_catch_a_planted_cycle_and_an_in_image_import(tmp_path, monkeypatch):
     """The checks are real: a circle closed by an import inside a function is reported, and so are a builder module
     importing the in-image package (even inside a function) and a common module importing it or a library."""
     fake = tmp_path / PACKAGE
@@ -223,9 +245,10 @@ def test_the_checks_catch_a_planted_cycle_and_an_entrypoints_import(tmp_path, mo
     (fake / "a.py").write_text("from builder import b\n")
     (fake / "b.py").write_text("import builder.c\n")
     (fake / "c.py").write_text("def f():\n    from builder.a import x\n    return x\n")
-    (fake / "d.py").write_text("from . import a\nfrom common import atomic\n\ndef f():\n    import trainbox.cli.doctor\n")
+    (fake / "d.py").write_text("from . import a\nfrom common import atomic\n\n"
+                               "def f():\n    import trainbox.cli.doctor\n")
     (tmp_path / COMMON).mkdir()
-    (tmp_path / COMMON / "__init__.py").write_text('"""Shared."""\nfrom entrypoints import quiet\n')
+    (tmp_path / COMMON / "__init__.py").write_text('"""Shared."""\nfrom trainbox import quiet\n')
     (tmp_path / COMMON / "ok.py").write_text("import os\nfrom . import x\n\ndef f():\n    import psutil\n")
     (tmp_path / COMMON / "lazy.py").write_text("import psutil\n")  # a listed library, but at import time
     (tmp_path / COMMON / "lib.py").write_text("def f():\n    import jinja2\n")
@@ -237,11 +260,16 @@ def test_the_checks_catch_a_planted_cycle_and_an_entrypoints_import(tmp_path, mo
     assert cycles(import_graph()) == [{"builder.a", "builder.b", "builder.c"}]
     assert import_graph()["builder.d"] == {"builder.a"}
     assert import_graph()["builder.sub.e"] == {"builder.sub", "builder.sub.f", "builder.a"}
+    (tmp_path / "trainbox" / "cli").mkdir(parents=True)  # the in-image package's graph: subpackages, lazy imports
+    (tmp_path / "trainbox" / "training").mkdir()
+    (tmp_path / "trainbox" / "cli" / "x.py").write_text("from trainbox.training import y\n")
+    (tmp_path / "trainbox" / "training" / "y.py").write_text("def f():\n    from trainbox.cli import x\n")
+    assert cycles(import_graph("trainbox")) == [{"trainbox.cli.x", "trainbox.training.y"}]
     with pytest.raises(AssertionError, match=r"builder/d.py imports \['trainbox.cli.doctor'\]: the host may not"):
         test_the_host_never_imports_the_in_image_package()
     with pytest.raises(AssertionError, match="import circles"):
         test_builder_has_no_import_cycle()
-    with pytest.raises(AssertionError, match=r"common/__init__.py imports \['entrypoints'\]"):
+    with pytest.raises(AssertionError, match=r"common/__init__.py imports \['trainbox'\]"):
         test_common_imports_only_the_standard_library_and_itself()
     (tmp_path / COMMON / "__init__.py").write_text('"""Shared."""\n')
     with pytest.raises(AssertionError, match=r"common/lazy.py imports \['psutil'\]"):

@@ -280,7 +280,7 @@ def test_dataloader_workers_outlive_the_preemption_signal(tmp_path):
                             worker_init_fn=partial(hf_trainer.seed_worker, num_workers=1, rank=0))
         print("batches", len(list(loader)))
         """))
-    env = dict(os.environ, PYTHONPATH=str(Path(outputs.__file__).resolve().parents[1]))
+    env = dict(os.environ, PYTHONPATH=str(Path(outputs.__file__).resolve().parents[2]))
     runs = {how: subprocess.run([sys.executable, str(script), how], capture_output=True, text=True, env=env,
                                 timeout=120) for how in ("plain", "shielded")}
     assert runs["plain"].returncode != 0 and "killed by signal: Terminated" in runs["plain"].stderr  # the failure
@@ -401,7 +401,7 @@ def test_ranks_agree_on_the_flag_at_the_same_step_one_step_later(tmp_path):
     step end) tells both ranks at the end of step 4, never one without the other (FlagAgreement's bound)."""
     init = f"file://{tmp_path / 'store'}"
     procs = [subprocess.Popen([sys.executable, "-c", _AGREE_RANK, str(r), init], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, cwd=Path(outputs.__file__).parents[1])
+                              stderr=subprocess.STDOUT, text=True, cwd=Path(outputs.__file__).parents[2])
              for r in (0, 1)]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs

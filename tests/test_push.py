@@ -1,6 +1,6 @@
 """Push through the real CLI: both arches of the smoke cell, a manifest list joining them (build.py, and
 `python -m builder.publish manifest` for arches pushed by separate runs), digests that are the registry's own (sha256
-of the bytes it serves); refusals (missing arch, failed push) publish no list; an entrypoints-only change re-pushes
+of the bytes it serves); refusals (missing arch, failed push) publish no list; a trainbox-package-only change re-pushes
 one layer."""
 
 from __future__ import annotations
@@ -165,9 +165,9 @@ def test_failed_push_publishes_no_list(pushed, smoke_build, registry):  # noqa: 
         docker("rmi", dead.refs[0], check=False)
 
 
-def test_entrypoints_change_rebuilds_and_repushes_only_the_last_layer(pushed, tmp_path, test_base):  # noqa: F811
+def test_package_change_rebuilds_and_repushes_only_the_last_layer(pushed, tmp_path, test_base):  # noqa: F811
     ctx = eng.snapshot_context(tmp_path / "ctx")
-    with open(ctx / "entrypoints" / "__init__.py", "a") as f:
+    with open(ctx / "trainbox" / "__init__.py", "a") as f:
         f.write(f"\n# cache test {uuid.uuid4().hex}\n")
     cell = smoke_cells()["x86_64"]
     args = build_args(cell)

@@ -80,7 +80,7 @@ def test_verl_sft_job_runs_the_torchrun_launcher_without_ray():
     job = render(JobSpec(tag="t", entrypoint="verl-sft", mode="bare", python="/v/bin/python", workdir="/w", nodes=2,
                          gpus_per_node=8, args=("model.path=/m",)))
     assert 'ARGS=(-c "$LAUNCHER" 8 verl.trainer.sft_trainer model.path=/m)' in job
-    assert "launch.run_torchrun(plan" in job and "entrypoints ray" not in job and "RAY" not in job
+    assert "launch.run_torchrun(plan" in job and "trainbox ray" not in job and "RAY" not in job
     assert "export TRAINBOX_PYTHON=/v/bin/python" in job
 
 

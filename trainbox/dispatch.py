@@ -17,8 +17,9 @@ import signal
 import sys
 from pathlib import Path
 
-PACKAGE_DIR = Path(__file__).resolve().parent
 from common import commands
+
+PACKAGE_DIR = Path(__file__).resolve().parent
 
 PROG = "trainbox"
 
@@ -29,7 +30,7 @@ def module_name(name: str) -> str:
 
 
 def module_file(name: str) -> Path:
-    return PACKAGE_DIR / f"{module_name(name)}.py"
+    return PACKAGE_DIR.parent / commands.path(name)
 
 
 def summary(name: str) -> str | None:
@@ -43,7 +44,7 @@ def summary(name: str) -> str | None:
 
 
 def usage() -> str:
-    lines = [f"usage: {PROG} NAME [ARGS...]   ({PROG} NAME --help for an entrypoint's options)", "", "entrypoints:"]
+    lines = [f"usage: {PROG} NAME [ARGS...]   ({PROG} NAME --help for an entrypoint's options)", "", "commands:"]
     for name in commands.names(public=True):
         line = summary(name)
         lines.append(f"  {name:<10} {line if line is not None else '(not installed in this image)'}")
@@ -55,11 +56,11 @@ def usage() -> str:
 
 
 def child_command(name: str, args: list[str]) -> list[str]:
-    return [sys.executable, "-m", f"trainbox.cli.{module_name(name)}", *args]
+    return [sys.executable, "-m", commands.qualified(name), *args]
 
 
 def child_env() -> dict[str, str]:
-    """Make sure the child imports this same package (and not PyPI's old `entrypoints`) whatever its cwd."""
+    """Make sure the child imports this same package (not another installed `trainbox`) whatever its cwd."""
     env = dict(os.environ)
     home = str(PACKAGE_DIR.parent)
     parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]

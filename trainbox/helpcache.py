@@ -18,7 +18,7 @@ from pathlib import Path
 
 from common import commands
 
-IMAGE_DIR = "/opt/trainbox/help"  # written at image build (the entrypoints' folder's sibling)
+IMAGE_DIR = "/opt/trainbox/help"  # written at image build (the package folder's sibling)
 LIBRARIES = ("trl", "transformers", "peft", "accelerate")
 
 
@@ -30,40 +30,49 @@ def asked(argv: list[str]) -> bool:
 
 PACKAGE = Path(__file__).resolve().parent
 # Our packages, by import name: this one and its sibling `common` (the launcher's options are common/launch.py's).
-OURS = ("entrypoints", "common")
+OURS = ("trainbox", "common")
+
+
+def _files(parts: list[str]) -> set[Path]:
+    """The files importing our module `a.b.c` runs: a/__init__.py, a/b/__init__.py, then a/b/c.py (or its
+    __init__.py); a name that is not a module (`from a.b import some_function`) adds nothing."""
+    root, out = PACKAGE.parent, set()
+    for i in range(1, len(parts) + 1):
+        folder = root.joinpath(*parts[:i])
+        out |= {f for f in (folder / "__init__.py", folder.with_suffix(".py")) if f.is_file()}
+    return out
 
 
 def _imports(path: Path) -> frozenset[Path]:
-    """Files of our packages that `path` imports, anywhere in it (`from . import a`, `from .b import c`,
-    `from trainbox import a`, `import common.a`): a relative import is of PATH's own package."""
+    """Files of our packages that `path` imports, anywhere in it (`from trainbox.training import a`,
+    `import common.launch`, `from .b import c`: a relative import is of PATH's own package)."""
     try:
         tree = ast.parse(path.read_text(encoding="utf-8"))
+        package = list(path.resolve().parent.relative_to(PACKAGE.parent).parts)
     except (OSError, SyntaxError, ValueError):
         return frozenset()
-    out = set()  # (folder, module)
+    out: set[Path] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
-            base = (node.module or "").split(".")
-            if node.level == 1:
-                folder, inner = path.parent, base
-            elif node.level == 0 and base[0] in OURS:
-                folder, inner = PACKAGE.parent / base[0], base[1:]
+            if node.level:
+                base = package[:len(package) - node.level + 1] + (node.module.split(".") if node.module else [])
+            elif node.module and node.module.split(".")[0] in OURS:
+                base = node.module.split(".")
             else:
                 continue
-            if inner and inner[0]:
-                out.add((folder, inner[0]))
-            else:
-                out.update((folder, a.name) for a in node.names)
+            out |= _files(base)
+            for a in node.names:
+                out |= _files([*base, a.name])
         elif isinstance(node, ast.Import):
-            out.update((PACKAGE.parent / a.name.split(".")[0], a.name.split(".")[1]) for a in node.names
-                       if a.name.split(".")[0] in OURS and "." in a.name)
-    files = (folder / f"{m}.py" for folder, m in out)
-    return frozenset(f for f in files if f.is_file())
+            for a in node.names:
+                if a.name.split(".")[0] in OURS:
+                    out |= _files(a.name.split("."))
+    return frozenset(out)
 
 
 def sources(name: str) -> list[Path]:
-    """The entrypoint's module, every module of ours it imports (transitively) and the package's __init__."""
-    seen, todo = set(), [PACKAGE / f"{commands.module(name)}.py", PACKAGE / "__init__.py"]
+    """The command's module, every module of ours it imports (transitively) and the packages' __init__ files."""
+    seen, todo = set(), [*_files(commands.qualified(name).split("."))]
     while todo:
         f = todo.pop()
         if f in seen or not f.is_file():
@@ -81,15 +90,15 @@ def key(name: str) -> str:
         except metadata.PackageNotFoundError:
             h.update(f"{lib}=none\n".encode())
     for src in sources(name):
-        h.update(f"{src.parent.name}/{src.name}".encode() + b"\0" + src.read_bytes())
+        h.update(src.relative_to(PACKAGE.parent).as_posix().encode() + b"\0" + src.read_bytes())
     return h.hexdigest()[:32]
 
 
 def _dirs() -> list[Path]:
-    """$TRAINBOX_HELP_DIR, else the image's folder (in an image: beside /opt/trainbox/entrypoints), else a source
+    """$TRAINBOX_HELP_DIR, else the image's folder (in an image: beside /opt/trainbox/trainbox), else a source
     checkout's .cache (git-ignored); then the user's cache."""
     user = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trainbox" / "help"
-    in_image = PACKAGE == Path(IMAGE_DIR).parent / "entrypoints"
+    in_image = PACKAGE == Path(IMAGE_DIR).parent / "trainbox"
     checkout = PACKAGE.parent / ".cache" / "trainbox-help" if (PACKAGE.parent / "pyproject.toml").is_file() else None
     first = os.environ.get("TRAINBOX_HELP_DIR") or (IMAGE_DIR if in_image else checkout)
     return [Path(first), user] if first else [user]
@@ -136,9 +145,9 @@ def render_all() -> list[str]:
     if importlib.util.find_spec("trl") is None:  # a light image (jupyter, doctor): no trainer to ask
         return done
     for name in commands.names(trainer=True):
-        if not (Path(__file__).parent / f"{commands.module(name)}.py").is_file():
+        if not (PACKAGE.parent / commands.path(name)).is_file():
             continue
-        module = importlib.import_module(f"trainbox.cli.{commands.module(name)}")
+        module = importlib.import_module(commands.qualified(name))
         with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
             module.parse(["--help"])
         if load(name) is None:

@@ -43,7 +43,7 @@ def _watchdog(p: subprocess.Popen, seconds: float) -> None:
     for pid in procs:
         try:
             # Only our processes dump stacks on SIGUSR2; it would kill torchrun itself.
-            if b"entrypoints." in Path(f"/proc/{pid}/cmdline").read_bytes():
+            if b"trainbox.cli." in Path(f"/proc/{pid}/cmdline").read_bytes():
                 os.kill(pid, signal.SIGUSR2)
         except (OSError, ProcessLookupError):
             pass

@@ -1,4 +1,4 @@
-"""argparse pieces of the entrypoints that are not trainers (nccl-check, ray): one-line errors, whole numbers."""
+"""argparse pieces of the commands that are not trainers (nccl-check, ray): one-line errors, whole numbers."""
 
 from __future__ import annotations
 

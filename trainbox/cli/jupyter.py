@@ -17,9 +17,9 @@ Quiet start: the auth probe asks /login without credentials (200 = the login for
 server let an anonymous user in), which the server logs at debug level, unlike a refused /api/status (a `403` warning
 at every start). The URL carrying a generated token is printed once, by this module (the server masks it).
 
-Examples: the notebooks shipped in the image (/opt/trainbox/trainbox/image/examples) are copied to ROOT/examples at start
-when that folder does not exist yet and the root is writable (a mounted work folder gets them once; a user's own
-`examples` folder is never touched).
+Examples: the notebooks shipped in the image (/opt/trainbox/trainbox/image/examples) are copied to ROOT/examples at
+start when that folder does not exist yet and the root is writable (a mounted work folder gets them once; a user's
+own `examples` folder is never touched).
 """
 
 from __future__ import annotations
@@ -215,7 +215,7 @@ def auth_probe(base: str, timeout: float = 5.0) -> int | None:
         return None
 
 
-EXAMPLES = Path(__file__).resolve().parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[1] / "image" / "examples"
 
 
 def seed_examples(root_dir: Path, source: Path = EXAMPLES) -> Path | None:

@@ -1,6 +1,6 @@
 """Run an entrypoint from a notebook: the same code as `trainbox NAME ARGS`, with the run's log kept as a file.
 
-`run("qlora", [...], output_dir=D)` calls `entrypoints.<name>.main(args + ["--output_dir", D])` in this kernel
+`run("qlora", [...], output_dir=D)` calls `trainbox.cli.<name>.main(args + ["--output_dir", D])` in this kernel
 (no copy of the training logic). What it prints shows in the notebook and goes to D/logs/<name>.log as well. The
 entrypoint itself copies D to $ARTIFACT_DIR (or the GPU cloud's variable) at the end, as it does for `trainbox NAME`;
 then this puts the finished log there too (D/logs/ in the copy), so the platform gets adapter, merged model and log.
@@ -24,7 +24,7 @@ def run(name: str, args: list[str], *, output_dir: str) -> int:
     """`trainbox NAME ARGS --output_dir OUTPUT_DIR` in this kernel; returns 0 or raises RuntimeError."""
     if name not in commands.names(trainer=True):
         raise ValueError(f"unknown entrypoint {name!r}; one of {', '.join(commands.names(trainer=True))}")
-    module = importlib.import_module(f"trainbox.cli.{commands.module(name)}")
+    module = importlib.import_module(commands.qualified(name))
     argv = [*map(str, args), "--output_dir", str(output_dir)]
     handlers = {s: signal.getsignal(s) for s in _SIGNALS}
     # The same log file and artifact copy as a command run (runlog.py), teeing Python's streams: the kernel's

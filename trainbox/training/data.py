@@ -1,4 +1,4 @@
-"""Datasets for the training entrypoints: load a local file/directory or a hub id, check columns, convert formats.
+"""Datasets for the training commands: load a local file/directory or a hub id, check columns, convert formats.
 
 Formats understood (detected from the columns, or named with `dataset_format`):
 - `messages`: a chat list `[{"role", "content"}, ...]` per row (TRL's conversational format).

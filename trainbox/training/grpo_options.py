@@ -76,8 +76,8 @@ class GRPOScriptArgs:
         default=0,
         metadata={
             "help": "Run `trl vllm-serve` on the last node of the srun step (one task per node) and train on the "
-            "others with vllm_mode server (trainbox/training/vllm_server.py; ports: vllm_server_port 8000, vllm_group_port "
-            "51216, lease = server port + 1). 0: off."
+            "others with vllm_mode server (trainbox/training/vllm_server.py; ports: vllm_server_port 8000, "
+            "vllm_group_port 51216, lease = server port + 1). 0: off."
         },
     )
     vllm_server_gpus: int = field(

@@ -61,7 +61,7 @@ def run_trainer(name: str, argv: list[str], parse: Callable[[list[str]], Options
                 check_before_launch(options, plan)
                 if torchrun is not None:
                     return torchrun(plan, argv)
-                return launch.run_torchrun(plan, f"trainbox.cli.{commands.module(name)}", argv)
+                return launch.run_torchrun(plan, commands.qualified(name), argv)
             if plan.env:
                 # One Slurm task per rank: set RANK/WORLD_SIZE/... first, then parse again so the
                 # distributed defaults (FSDP2 on GPUs) and the Trainer's device setup see them.
