@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 class Command(NamedTuple):
     name: str
-    module: str  # trainbox/<module>.py
+    module: str  # trainbox/cli/<module>.py (PACKAGE)
     public: bool = True  # listed by `trainbox --help`; a hidden one runs but isn't listed
     # A trainer takes --config YAML, keeps a rendered --help (helpcache.py), starts torchrun itself
     # (runner.run_trainer) and may run from a notebook (notebook.run).

@@ -139,7 +139,7 @@ def test_the_table_gives_the_lists_it_replaced():
     assert set(commands.names(trainer=True)) == {"sft", "qlora", "grpo"}
     assert set(slurm.ENTRYPOINTS) == {"sft", "grpo", "nccl-check", "ray", "verl-ppo", "verl-sft"}
     assert set(slurm.NO_CONFIG) == {"nccl-check", "ray", "verl-ppo", "verl-sft"}
-    assert dispatch.module_name("ray") == "ray_cluster" and dispatch.module_name("nccl-check") == "nccl_check"
+    assert commands.module("ray") == "ray_cluster" and commands.module("nccl-check") == "nccl_check"
     for c in commands.TABLE:
         assert (ROOT / "trainbox" / "cli" / f"{c.module}.py").is_file(), c
         assert (ROOT / commands.path(c.name)).is_file() and commands.qualified(c.name) == f"trainbox.cli.{c.module}"

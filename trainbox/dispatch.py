@@ -18,15 +18,12 @@ import sys
 from pathlib import Path
 
 from common import commands
+from common.errors import UsageError, line
+from trainbox.run import cachedirs
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 PROG = "trainbox"
-
-
-def module_name(name: str) -> str:
-    """The module of an entrypoint (the command table's: `nccl-check` lives in nccl_check.py)."""
-    return commands.module(name)
 
 
 def module_file(name: str) -> Path:
@@ -71,13 +68,9 @@ def child_env() -> dict[str, str]:
 
 def run_main(main, argv: list[str] | None = None, prog: str | None = None) -> int:
     """For an entrypoint's `if __name__ == "__main__":` — a UsageError becomes one line on stderr and exit 2."""
-    from common.errors import UsageError
-
     try:
         return main(sys.argv[1:] if argv is None else argv)
     except UsageError as e:
-        from common.errors import line
-
         print(f"{prog or PROG}: error: {line(e)}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
@@ -108,14 +101,13 @@ def main(argv: list[str]) -> int:
     public = commands.BY_NAME[name].public
     if public:
         # First of all: without a usable temp folder (`docker run --read-only`) tempfile raises in whatever asks.
-        from trainbox.run import cachedirs
-        from common.errors import UsageError, line
-
         try:
             cachedirs.apply_temp()
         except UsageError as e:
             print(f"{PROG}: error: {line(e)}", file=sys.stderr)
             return 2
+    # Here, not at the top: the commands import run_main from this module, and only the dispatcher needs the help
+    # cache (importlib.metadata).
     from trainbox import helpcache
 
     if public and helpcache.asked(args) and "--config" not in args:
@@ -125,8 +117,6 @@ def main(argv: list[str]) -> int:
             return 0
     if public:
         # Before the entrypoint imports HF/torch: under enroot/pyxis defaults $HOME is read-only (cachedirs.py).
-        from trainbox.run import cachedirs
-
         cachedirs.apply()
     return run_child(child_command(name, args), child_env())
 
