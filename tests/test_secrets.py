@@ -11,7 +11,8 @@ import textwrap
 
 import pytest
 
-from enginefix import BUILD_TIMEOUT, FAKE_TOKEN, SECRET_ID, ThrowawayCell, docker, secret_file
+from enginefix import (BUILD_TIMEOUT, FAKE_TOKEN, SECRET_ID, ThrowawayCell, docker, engine,  # noqa: F401
+                       secret_file, smoke_build, test_base)
 
 from builder import engine as eng
 from builder.options import parse_secrets
