@@ -266,3 +266,38 @@ def test_plain_models_keep_their_kernels():
     assert attention.decide(None, None, lambda n: None).impl == "sdpa"
     windowed = attention.Needs(window=WINDOW)
     assert attention.decide(hopper, (9, 0), lambda n: None, model=windowed).impl == "flash_attention_3"
+
+
+def test_a_torch_without_a_per_function_budget_gets_the_global_limit_raised_never_lowered(monkeypatch):
+    """torch 2.11 (the H100's) has no recompile_limit argument to torch.compile: there flex_check's kernel table hit
+    the global limit of 8 under fullgraph (an error). compiled() raises the global limit to RECOMPILE_LIMIT instead,
+    and leaves a larger one a user set."""
+    import torch._dynamo.config as dyn
+
+    calls = []
+
+    def old_compile(model, backend="inductor", fullgraph=False):  # torch 2.11's shape: no recompile_limit
+        calls.append((backend, fullgraph))
+        return model
+
+    monkeypatch.setattr(torch, "compile", old_compile)
+    for before, after in ((8, flexattn.RECOMPILE_LIMIT), (4 * flexattn.RECOMPILE_LIMIT, 4 * flexattn.RECOMPILE_LIMIT)):
+        monkeypatch.setattr(flexattn, "_compiled", {})
+        monkeypatch.setattr(dyn, "recompile_limit", before)
+        assert flexattn.compiled("aot_eager") is flexattn.flex_fn()
+        assert dyn.recompile_limit == after
+    assert calls == [("aot_eager", True)] * 2
+
+
+def test_the_gpu_default_has_an_off_switch(monkeypatch):
+    """On by default on a GPU (tests/gpu/flex_check.py passed on an H100); TRAINBOX_FLEX_GPU=0 turns it off, and
+    says so in the choice line's reason."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv(flexattn.GPU_ENV, "0")
+    assert flexattn.usable(64) == f"{flexattn.GPU_ENV}=0 turns it off"
+    monkeypatch.setenv(flexattn.GPU_ENV, "1")
+    monkeypatch.setattr(flexattn, "trial", lambda device, head_dim, dtype: f"trial on {device} at {head_dim}")
+    import torch.utils._triton as tt
+
+    monkeypatch.setattr(tt, "has_triton", lambda: True)
+    assert flexattn.usable(128) == "trial on cuda at 128"

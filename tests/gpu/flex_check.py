@@ -275,7 +275,7 @@ def main() -> int:
 
     from trainbox.training import attention, flexattn, speed
 
-    os.environ[flexattn.GPU_ENV] = "1"  # the check is what lifts the GPU default: run the choice's trial too
+    os.environ.pop(flexattn.GPU_ENV, None)  # the default choice, its trial included
     if DEV != "cuda":  # smoke run: the compiled path without inductor (no FlexAttention backward on CPU)
         from torch.nn.attention import flex_attention as fa
 
