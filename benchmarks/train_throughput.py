@@ -28,6 +28,7 @@ import json
 import math
 import os
 import random
+import shlex
 import shutil
 import subprocess
 import sys
@@ -157,6 +158,18 @@ if _out:
     import transformers
     from transformers import TrainerCallback
 
+    _phases = []  # GRPO: (end time, name, seconds) of TRL's own profiled sections (generate, sync_weights, rewards)
+    if os.environ.get("BENCH_PHASES"):
+        try:
+            from trl.extras import profiling as _prof
+            _log = _prof.ProfilingContext._log_metrics
+            def _log_metrics(self, duration):
+                _phases.append((time.perf_counter(), self.name, duration))
+                return _log(self, duration)
+            _prof.ProfilingContext._log_metrics = _log_metrics
+        except Exception:
+            pass
+
     class _Measure(TrainerCallback):
         def __init__(self, trainer):
             self.trainer, self.marks, self.losses, self.num_tokens = trainer, [], [], []
@@ -164,7 +177,8 @@ if _out:
             import torch
             ev = torch.cuda.Event(enable_timing=True); ev.record()
             tokens = getattr(self.trainer, "_bench_tokens", None)
-            self.marks.append((state.global_step, ev, tokens.clone() if tokens is not None else torch.zeros(())))
+            self.marks.append((state.global_step, ev, tokens.clone() if tokens is not None else torch.zeros(()),
+                               time.perf_counter()))
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "loss" in logs:
                 self.losses.append((state.global_step, logs["loss"]))
@@ -178,10 +192,14 @@ if _out:
             a, b = m[min(skip, len(m) - 2)], m[-1]
             secs = a[1].elapsed_time(b[1]) / 1000
             tok = int((b[2] - a[2]).item())
+            phases = {}
+            for end, name, d in _phases:  # per step, over the same steady window as `seconds`
+                if a[3] < end <= b[3]:
+                    phases[name] = phases.get(name, 0.0) + d / max(1, b[0] - a[0])
             json.dump({"steps": b[0] - a[0], "seconds": secs, "real_tokens": tok,
                        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
                        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30, "losses": self.losses,
-                       "num_tokens": self.num_tokens,
+                       "num_tokens": self.num_tokens, "phases": phases,
                        "gradient_checkpointing": bool(args.gradient_checkpointing),
                        "packing": bool(getattr(args, "packing", False)),
                        "padding_free": bool(getattr(args, "padding_free", False)),
@@ -488,10 +506,13 @@ def grpo(a) -> None:
           f"{'installed' if importlib.util.find_spec('vllm') else 'NOT installed'}; plain = trl grpo with "
           f"{'vLLM colocate' if plain == 'vllm' else 'its defaults (transformers generate)'}", flush=True)
     results = {}
+    os.environ["BENCH_PHASES"] = "1"  # TRL's profiled sections per step (generate, weight sync, rewards) in results
     run("warmup", trl(work / "o-warm", 3), work, log)  # a fresh GPU's first process: not reported
-    for i, (who, fn) in enumerate([("trl", trl), ("ours", ours), ("ours", ours), ("trl", trl)][: a.runs]):
+    order = [("trl", trl, []), ("ours", ours, []), ("ours", ours, []), ("trl", trl, [])][: a.runs]
+    order += [(f"ours+{name}", ours, shlex.split(extra)) for name, extra in a.also]
+    for i, (who, fn, extra) in enumerate(order):
         label = f"grpo-{who}-{i}"
-        res = run(label, fn(work / f"o-{label}", a.steps), work, log)
+        res = run(label, fn(work / f"o-{label}", a.steps) + extra, work, log)
         if not res.get("failed"):
             res["steps_per_s"] = res["steps"] / res["seconds"]
             toks = dict(res.pop("num_tokens"))
@@ -499,12 +520,19 @@ def grpo(a) -> None:
             print(f"  {label:<16} {res['steps_per_s']:.3f} steps/s  peak {res['peak_gib']:5.1f} GiB  "
                   f"ckpt={res['gradient_checkpointing']} attn={res['attn']} params={res['param_dtype']} "
                   f"tokens logged {max(toks.values()) if toks else 0:,.0f}", flush=True)
+            if res.get("phases"):
+                print("    per step: " + ", ".join(f"{k} {v:.3f} s" for k, v in sorted(res["phases"].items(),
+                                                                                    key=lambda kv: -kv[1])), flush=True)
         results[label] = res
     o = [r["steps_per_s"] for k, r in results.items() if "-ours-" in k and "steps_per_s" in r]
     t = [r["steps_per_s"] for k, r in results.items() if "-trl-" in k and "steps_per_s" in r]
     if o and t:
         print(f"SUMMARY grpo: ours {sum(o) / len(o):.3f} vs trl grpo ({plain}) {sum(t) / len(t):.3f} steps/s = "
               f"{sum(o) / len(o) / (sum(t) / len(t)):.2f}x (runs {o} vs {t})", flush=True)
+        for k, r in results.items():
+            if "-ours+" in k and "steps_per_s" in r:
+                print(f"SUMMARY grpo: {k} {r['steps_per_s']:.3f} steps/s = {r['steps_per_s'] / (sum(t) / len(t)):.2f}x "
+                      f"trl", flush=True)
     json.dump(results, open(work / "grpo-results.json", "w"), indent=1, default=str)
 
 
@@ -543,6 +571,13 @@ def check(a) -> None:
         raise SystemExit(1)
 
 
+def variant(text: str) -> tuple[str, str]:
+    name, sep, extra = text.partition("=")
+    if not sep or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=ARGS, e.g. nosleep='--vllm_enable_sleep_mode false'")
+    return name, extra
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=["sft", "qlora", "grpo", "check", "memory"])
@@ -555,6 +590,9 @@ def main() -> None:
                     help="grpo: the plain run is TRL's GRPOTrainer with vLLM colocate (what TRL's docs show; the "
                          "default where vllm imports) or with its defaults (transformers generate)")
     ap.add_argument("--runs", type=int, default=4, help="how many of plain, ours, ours, plain")
+    ap.add_argument("--also", action="append", default=[], type=variant, metavar="NAME=ARGS",
+                    help="grpo: one more run of ours with these extra arguments, e.g. "
+                         "nosleep='--vllm_enable_sleep_mode false' (repeatable; not in the ours average)")
     ap.add_argument("--no-loss-check", dest="loss_check", action="store_false")
     ap.add_argument("--no-warmup", dest="warmup", action="store_false",
                     help="sft: no warm-up process first (the first --skip steps of every run are not timed anyway)")

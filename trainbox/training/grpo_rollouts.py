@@ -36,9 +36,12 @@ def resolve_rollouts(args, ours: str | None = None) -> str:
     if args.vllm_mode == "server":
         where = args.vllm_server_base_url or f"{args.vllm_server_host}:{args.vllm_server_port}"
         return f"rollouts: vLLM server at {where} ({why}; {ours or 'start it with `trl vllm-serve --model MODEL`'})"
+    sleep = f"sleep mode {'on' if args.vllm_enable_sleep_mode else 'off'} (set by you)"
     if "vllm_enable_sleep_mode" not in explicit:
-        # Colocated vLLM frees its weights and KV cache while the policy trains: the optimizer step gets the memory.
+        # Colocated vLLM frees its weights and KV cache while the policy trains, for the memory's sake; the memory
+        # plan turns it off where training fits beside vLLM's share anyway (grpo_trainer.choose_sleep_mode).
         args.vllm_enable_sleep_mode = True
+        sleep = "sleep mode by the memory plan"
     sized = ""
     if "vllm_gpu_memory_utilization" not in explicit:
         import torch
@@ -49,7 +52,7 @@ def resolve_rollouts(args, ours: str | None = None) -> str:
             total = None
         if total:
             args.vllm_gpu_memory_utilization, sized = rollout_memory_share(total)
-    return (f"rollouts: vLLM colocate, sleep mode {'on' if args.vllm_enable_sleep_mode else 'off'}, "
+    return (f"rollouts: vLLM colocate, {sleep}, "
             f"gpu_memory_utilization {args.vllm_gpu_memory_utilization:.2f}{sized} ({why})")
 
 

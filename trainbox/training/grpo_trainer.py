@@ -16,7 +16,8 @@ def choose_checkpointing(args, model_args, mode: str, max_prompt_tokens: int | N
     completion). LoRA/QLoRA keep TRL's choice: their point is fitting a big base in little memory."""
     if mode != "full" or "gradient_checkpointing" in config.explicit(args):
         return (f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'} ("
-                + ("set by you" if "gradient_checkpointing" in config.explicit(args) else f"{mode}: TRL's default") + ")")
+                + ("set by you" if "gradient_checkpointing" in config.explicit(args) else f"{mode}: TRL's default") + ")"
+                + choose_sleep_mode(args, planned=False))
     import torch
 
     free = memplan.free_memory()  # this rank's GPU (TRAINBOX_GPU_FREE_GIB caps it); the ranks agree in choose_memory
@@ -26,7 +27,23 @@ def choose_checkpointing(args, model_args, mode: str, max_prompt_tokens: int | N
     tokens = args.per_device_train_batch_size * ((max_prompt_tokens or 512) + args.max_completion_length)
     # TRL loads a reference model like the policy (float32 here) only when the KL term is on.
     ref = 4 * facts.params if args.beta else 0
-    return speed.choose_memory(args, facts, shards=1, free=free, tokens=tokens, extra=ref)[0]
+    line = speed.choose_memory(args, facts, shards=1, free=free, tokens=tokens, extra=ref)[0]
+    return line + choose_sleep_mode(args, planned=free is not None)
+
+
+def choose_sleep_mode(args, planned: bool) -> str:
+    """Colocated vLLM's sleep mode, unless set: off where the plan kept its fastest settings (checkpointing off)
+    beside vLLM's share of the GPU, since the plan counted that share as taken anyway; on where it had to save memory
+    (sleeping hands vLLM's memory back while the policy trains). Sleeping costs every step a weight reload and cache
+    remap: on one H100, a 1B policy, 16 x 256-token rollouts, 1.07 steps/s with it, 1.19 without, TRL 1.13
+    (benchmarks/results/grpo_vllm-2026-11-26.txt). Returns the note for the plan's line."""
+    if not (args.use_vllm and args.vllm_mode == "colocate") or "vllm_enable_sleep_mode" in config.explicit(args):
+        return ""
+    if planned and not args.gradient_checkpointing:
+        args.vllm_enable_sleep_mode = False
+        return "; vLLM sleep mode off (training fits beside its share)"
+    args.vllm_enable_sleep_mode = True
+    return "; vLLM sleep mode on" + (" (the plan saves memory)" if planned else " (no memory plan here)")
 
 
 def choose_policy_forward(script, args, model_args, needs=None) -> list[str]:
