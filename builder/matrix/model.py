@@ -48,10 +48,12 @@ def table_values(rows: dict[str, dict | None]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in fields(Cell):
         key = f.metadata.get(_FROM_TABLE)
-        row = next((rows[t] for t in key.tables if rows[t] is not None and f.name in rows[t]), None) if key else None
-        if row is not None:
-            value = row[f.name]
-            out[f.name] = tuple(value) if isinstance(value, list) else value
+        for table in key.tables if key else ():
+            row = rows[table]
+            if row is not None and f.name in row:
+                value = row[f.name]
+                out[f.name] = tuple(value) if isinstance(value, list) else value
+                break
     return out
 
 
