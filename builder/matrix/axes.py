@@ -6,8 +6,9 @@ import re
 
 from builder.errors import UserError
 from builder.matrix.grammar import PYTHON, grammar
-from builder.matrix.schema import (ARCH_KEYS, ATTENTION_KEYS, CUDA_KEYS, GPU_KEYS, INDEX_NAMES, VARIANT_KEYS,
-                                   check_table, str_list, str_table)
+from builder.matrix.schema import (ARCH_KEYS, ATTENTION_KEYS, CUDA_KEYS, GPU_KEYS, INDEX_NAMES, REQUIRED_ARCH,
+                                   REQUIRED_CUDA, REQUIRED_GPU, REQUIRED_VARIANT, VARIANT_KEYS, check_table, str_list,
+                                   str_table)
 
 
 def check_axes(f: str, data: dict) -> None:
@@ -16,16 +17,16 @@ def check_axes(f: str, data: dict) -> None:
     if not arches:
         raise UserError("no arch defined", where=f"{f}: arch")
     for name, t in arches.items():
-        check_table(f"{f}: arch.{name}", t, ARCH_KEYS, tuple(ARCH_KEYS))
+        check_table(f"{f}: arch.{name}", t, ARCH_KEYS, REQUIRED_ARCH)
     cudas = data.get("cuda", {})
     for name, t in cudas.items():
-        check_table(f"{f}: cuda.{name!r}", t, CUDA_KEYS, ("base_image", "python", "min_driver"))
+        check_table(f"{f}: cuda.{name!r}", t, CUDA_KEYS, REQUIRED_CUDA)
         _version(f"{f}: cuda.{name!r}", name)
         grammar(f"{f}: cuda.{name!r}", "python", t["python"], PYTHON, "a Python version like 3.12")  # unused too
     gpus = data["gpu"]
     for name, t in gpus.items():
         w = f"{f}: gpu.{name}"
-        check_table(w, t, GPU_KEYS, tuple(GPU_KEYS))
+        check_table(w, t, GPU_KEYS, REQUIRED_GPU)
         for sm in str_list(f"{w}.sm", t["sm"]):
             _version(f"{w}.sm", sm)
         _version(f"{w}.min_cuda", t["min_cuda"])
@@ -36,7 +37,7 @@ def check_axes(f: str, data: dict) -> None:
     variants = data["torch_variant"]
     for name, t in variants.items():
         w = f"{f}: torch_variant.{name}"
-        check_table(w, t, VARIANT_KEYS, ("arch_list",))
+        check_table(w, t, VARIANT_KEYS, REQUIRED_VARIANT)
         str_table(f"{w}.arch_list", t["arch_list"])
         for a in t["arch_list"]:
             if a not in arches:

@@ -12,10 +12,10 @@ from builder.matrix.axes import check_axes
 from builder.matrix.fabric import check_fabric
 from builder.matrix.facts import check_facts_tables, check_rule_entries
 from builder.matrix.flavours import flavour_cells
-from builder.matrix.model import Cell, Exclusion, Matrix
+from builder.matrix.model import Cell, Exclusion, Matrix, table_values
 from builder.matrix.packages import extras_table, resolve_stacks
-from builder.matrix.schema import (CELL_KEYS, EXPAND_KEYS, NAMING_KEYS, REQUIRED_NAMING, REQUIRED_TOP, TOP_KEYS,
-                                   check_table, str_list)
+from builder.matrix.schema import (CELL_KEYS, EXPAND_KEYS, NAMING_KEYS, REQUIRED_CELL, REQUIRED_NAMING, REQUIRED_TOP,
+                                   TOP_KEYS, check_table, str_list)
 
 
 def build_matrix(path: Path, data: dict) -> Matrix:
@@ -74,9 +74,7 @@ def build_matrix(path: Path, data: dict) -> Matrix:
                                    cuda_nodot=cuda.replace(".", ""), gpu=gpu, arch=arch)
             cells.append(_make_cell(f, data, naming, vtags, name=name, arch=arch, cuda=cuda, gpu=gpu,
                                     variant=variant, stack=expand["stack"], pins=stacks[expand["stack"]],
-                                    attention=attention, base_image=cudas[cuda]["base_image"],
-                                    python=cudas[cuda]["python"],
-                                    venv=f"cu{cuda.replace('.', '')}-{expand['stack']}-{arch}"))
+                                    attention=attention, venv=f"cu{cuda.replace('.', '')}-{expand['stack']}-{arch}"))
         # Non-default attention backends per GPU: what an explicit cell may not ask for, and why.
         for gpu in e_gpu:
             for attention in sorted(data["attention"]):
@@ -117,7 +115,7 @@ def build_matrix(path: Path, data: dict) -> Matrix:
 
 
 def _explicit_cells(w, f, data, ctx, naming, vtags, stacks, c) -> list[Cell]:
-    check_table(w, c, CELL_KEYS, ("name", "arch", "base_image", "python", "stack"))
+    check_table(w, c, CELL_KEYS, REQUIRED_CELL)
     name = c["name"]
     if not name or not all(ch.isalnum() or ch in "-_." for ch in name) or not name[0].isalnum():
         raise UserError(f"cell name {name!r} must be letters, digits, '-', '_' or '.'", where=f"{w}.name")
@@ -165,8 +163,7 @@ def _explicit_cells(w, f, data, ctx, naming, vtags, stacks, c) -> list[Cell]:
             raise UserError(f"cell {name!r} ({arch}) breaks rule {hit[0]!r}: {hit[1]} — {ctx.rules[hit[0]]}",
                             where=w, fix="change the cell or drop it")
         out.append(_make_cell(f, data, naming, vtags, name=name, arch=arch, cuda=cuda, gpu=gpu, variant=variant,
-                              stack=sname, pins=stacks[sname], attention=attention, base_image=c["base_image"],
-                              python=c["python"], fabric_plugin=plugin))
+                              stack=sname, pins=stacks[sname], attention=attention, cell=c, fabric_plugin=plugin))
     return out
 
 
@@ -184,8 +181,10 @@ def _flash(table: dict, arch: str, variant: str | None) -> dict | None:
     return {"how": "none"}
 
 
-def _make_cell(f, data, naming, vtags, *, name, arch, cuda, gpu, variant, stack, pins, attention, base_image,
-               python, venv=None, fabric_plugin=None) -> Cell:
+def _make_cell(f, data, naming, vtags, *, name, arch, cuda, gpu, variant, stack, pins, attention, cell=None,
+               venv=None, fabric_plugin=None) -> Cell:
+    """One cell: the from_table fields copied from its rows (CELL, the [[cell]] table of an explicit cell, first),
+    the rest worked out here."""
     tag = templating.fill(naming["tag"], f"{f}: naming.tag", name=name, arch=arch)
     if not tag or not all(ch.isalnum() or ch in "-_." for ch in tag) or len(tag) > 128:
         raise UserError(f"tag {tag!r} is not a valid image tag", where=f"{f}: naming.tag")
@@ -193,23 +192,20 @@ def _make_cell(f, data, naming, vtags, *, name, arch, cuda, gpu, variant, stack,
     # A cell without torch (smoke-aarch64) gets no torch{torch} tag rather than a meaningless one.
     version_tags = tuple(templating.fill(t, f"{f}: naming.version_tags", **fields) for t in vtags
                          if "torch" in pins or "{torch}" not in t)
+    rows = {"cell": cell, "arch": data["arch"][arch], "cuda": data["cuda"][cuda] if cuda else None,
+            "gpu": data["gpu"][gpu] if gpu else None,
+            "torch_variant": data["torch_variant"][variant] if variant else None, "naming": naming}
+    copied = table_values(rows)
+    if cuda and data["cuda"][cuda].get("glibc"):
+        copied["uv_platform"] = f"{arch}-manylinux_{data['cuda'][cuda]['glibc'].replace('.', '_')}"
     arch_list = ""
-    cuda_t = data["cuda"][cuda] if cuda else {}
-    uv_platform = data["arch"][arch]["uv_platform"]
-    if cuda_t.get("glibc"):
-        uv_platform = f"{arch}-manylinux_{cuda_t['glibc'].replace('.', '_')}"
     if variant:
         arch_list = data["torch_variant"][variant]["arch_list"].get(arch, "")
     return Cell(
-        name=name, tag=tag, arch=arch, platform=data["arch"][arch]["platform"],
-        uv_platform=uv_platform, cuda=cuda, gpu=gpu, base_image=base_image, python=python,
-        build_image=cuda_t.get("build_image"),
+        **copied, name=name, tag=tag, arch=arch, cuda=cuda, gpu=gpu,
         stack=stack, pins=dict(sorted(pins.items())), torch_variant=variant if "torch" in pins else None,
-        cuda_arch_list=data["gpu"][gpu]["cuda_arch_list"] if gpu else "", torch_arch_list=arch_list,
-        attention_backend=attention, attention=dict(data["attention"][attention]),
-        min_driver=data["cuda"][cuda]["min_driver"] if cuda else None, repository=naming["repository"],
-        version=naming["version"], source=naming["source"], version_tags=version_tags, venv=venv or tag,
-        default_index=bool(variant and data["torch_variant"][variant].get("default_index")),
+        torch_arch_list=arch_list, attention_backend=attention, attention=dict(data["attention"][attention]),
+        version_tags=version_tags, venv=venv or tag,
         flash=_flash(data["attention"][attention], arch, variant) if cuda else None,
         index_templates=dict(data.get("index", {})),
         fabric_packages=tuple(sorted(data.get("fabric", {}).get("packages", []))) if cuda else (),

@@ -1,11 +1,60 @@
 """The matrix's data model: Cell (one image), Exclusion (a combination the rules leave out, and why) and Matrix
-(the cells, exclusions and rule reasons of one matrix.toml, with the CLI's selection)."""
+(the cells, exclusions and rule reasons of one matrix.toml, with the CLI's selection). A Cell field copied from a
+matrix.toml table says so itself (from_table): schema.py allows the key there and expand.py copies it, so a new key is
+this field, its value in matrix.toml and its user."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from builder.errors import UserError
+
+# The tables a cell draws values from, each the cell's own row of it: its [[cell]] table (explicit cells only), its
+# [arch.X], [cuda.X] and [gpu.X] (none for a CPU cell), its [torch_variant.X] (none without one) and [naming].
+CELL_TABLES = ("cell", "arch", "cuda", "gpu", "torch_variant", "naming")
+_FROM_TABLE = "trainbox.matrix"   # the metadata key of a from_table field
+
+
+@dataclass(frozen=True)
+class TableKey:
+    """A Cell field's home in matrix.toml: the key of the field's name in the first of TABLES whose row the cell has
+    and that holds it; allowed there with TYPE, required in each if REQUIRED."""
+    tables: tuple[str, ...]
+    type: type | tuple[type, ...]
+    required: bool
+
+
+def from_table(*tables: str, required: bool = False, type: type | tuple[type, ...] = str,
+               default: Any = MISSING) -> Any:
+    """A Cell field whose value is the matrix.toml key of its name in TABLES (the first that has it: "cell" before
+    "cuda" lets an explicit cell override its CUDA's value); DEFAULT where none does (a CPU cell has no [cuda] row).
+    An array becomes a tuple (a Cell is frozen and hashable)."""
+    unknown = [t for t in tables if t not in CELL_TABLES]
+    if not tables or unknown:
+        raise ValueError(f"from_table: tables must be among {CELL_TABLES}, got {tables}")
+    return field(default=default, metadata={_FROM_TABLE: TableKey(tables, type, required)})
+
+
+def table_keys(table: str) -> dict[str, TableKey]:
+    """The keys of TABLE that Cell fields come from, in field order."""
+    return {f.name: f.metadata[_FROM_TABLE] for f in fields(Cell)
+            if _FROM_TABLE in f.metadata and table in f.metadata[_FROM_TABLE].tables}
+
+
+def table_values(rows: dict[str, dict | None]) -> dict[str, Any]:
+    """The from_table fields' values from a cell's ROWS (CELL_TABLES -> its row, None where it has none); a field no
+    row gives is left out (its default applies)."""
+    out: dict[str, Any] = {}
+    for f in fields(Cell):
+        key = f.metadata.get(_FROM_TABLE)
+        for table in key.tables if key else ():
+            row = rows[table]
+            if row is not None and f.name in row:
+                value = row[f.name]
+                out[f.name] = tuple(value) if isinstance(value, list) else value
+                break
+    return out
 
 
 @dataclass(frozen=True)
@@ -25,33 +74,36 @@ class Exclusion:
         return " ".join(parts)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Cell:
-    """One image: a (cell name, arch) pair with everything the renderer, locker and engine need."""
+    """One image: a (cell name, arch) pair with everything the renderer, locker and engine need. The from_table
+    fields are matrix.toml keys, copied as they are (keyword-only: a new one may go anywhere, with its default)."""
     name: str
     tag: str
     arch: str
-    platform: str
-    uv_platform: str
+    platform: str = from_table("arch", required=True)
+    uv_platform: str = from_table("arch", required=True)   # [cuda.X] glibc, when given, overrides it (expand.py)
     cuda: str | None
     gpu: str | None
-    base_image: str
-    build_image: str | None   # the CUDA devel image, for a stage that compiles (never the runtime)
-    python: str
+    base_image: str = from_table("cell", "cuda", required=True)
+    # the CUDA devel image, for a stage that compiles (never the runtime)
+    build_image: str | None = from_table("cuda", default=None)
+    python: str = from_table("cell", "cuda", required=True)
     stack: str
     pins: dict = field(hash=False, compare=True)
     torch_variant: str | None
-    cuda_arch_list: str
+    cuda_arch_list: str = from_table("gpu", required=True, default="")
     torch_arch_list: str
     attention_backend: str
     attention: dict = field(hash=False, compare=True)   # the backend's table: package, source, build_env...
-    min_driver: str | None
-    repository: str
-    version: str
-    source: str
+    min_driver: str | None = from_table("cuda", required=True, default=None)
+    repository: str = from_table("naming", required=True)
+    version: str = from_table("naming", required=True)
+    source: str = from_table("naming", required=True)
     version_tags: tuple[str, ...]
     venv: str                 # lock name: cells that share (CUDA, arch, stack, python) share locks/<venv>.txt
-    default_index: bool       # torch (and vLLM) come from the default index, no +variant local version
+    # torch (and vLLM) come from the default index, no +variant local version
+    default_index: bool = from_table("torch_variant", type=bool, default=False)
     flash: dict | None = field(default=None, hash=False, compare=True)   # {"how": "index"|"source", ...}
     index_templates: dict = field(default_factory=dict, hash=False, compare=False)
     # [fabric]: GPU cells only (NCCL's InfiniBand/RoCE transport needs the RDMA userspace; CPU cells run no NCCL).

@@ -1,25 +1,41 @@
 """The schema of matrix.toml: every table's allowed keys and their types, and the checks of a table, a list of strings
-and a table of strings against it. Unknown keys are errors (typos must not pass silently)."""
+and a table of strings against it. Unknown keys are errors (typos must not pass silently). A table a cell draws values
+from (model.CELL_TABLES) lists only its own keys here; the keys Cell fields are copied from join them from model.py."""
 from __future__ import annotations
 
 from typing import Any
 
 from builder.errors import UserError
+from builder.matrix.model import table_keys
+
+
+def cell_table(table: str, own: dict, required: tuple) -> tuple[dict, tuple]:
+    """TABLE's allowed keys and required keys: its OWN (structural, read by the checks and rules) and, after them, those
+    a Cell field comes from (model.from_table)."""
+    copied = table_keys(table)
+    both = set(own) & set(copied)
+    if both:
+        raise ValueError(f"[{table}] keys declared twice (schema.py and a Cell field): {', '.join(sorted(both))}")
+    return ({**own, **{k: t.type for k, t in copied.items()}},
+            (*required, *(k for k, t in copied.items() if t.required)))
+
 
 TOP_KEYS = {"schema": int, "naming": dict, "arch": dict, "cuda": dict, "gpu": dict, "torch_variant": dict,
             "attention": dict, "stack": dict, "facts": dict, "expand": dict, "cell": list, "rule": list, "index": dict,
             "fabric": dict, "flavour": dict, "extras": dict}
 REQUIRED_TOP = ("schema", "naming", "arch", "gpu", "torch_variant", "attention", "stack", "rule")
-NAMING_KEYS = {"repository": str, "tag": str, "cell_name": str, "version_tags": list, "version": str, "source": str,
-               "flavour_cell_name": str, "flavour_tag": str}
-REQUIRED_NAMING = ("repository", "tag", "cell_name", "version_tags", "version", "source")
+NAMING_KEYS, REQUIRED_NAMING = cell_table("naming", {"tag": str, "cell_name": str, "version_tags": list,
+                                                     "flavour_cell_name": str, "flavour_tag": str},
+                                          ("tag", "cell_name", "version_tags"))
 # A flavour's names when [naming] doesn't give them: cu130-hopper-unsloth, tag cu130-hopper-x86_64-unsloth.
 FLAVOUR_CELL_NAME = "{name}-{flavour}"
 FLAVOUR_TAG = "{tag}-{flavour}"
-ARCH_KEYS = {"platform": str, "uv_platform": str}
-CUDA_KEYS = {"base_image": str, "build_image": str, "python": str, "min_driver": str, "glibc": str}
-GPU_KEYS = {"sm": list, "cuda_arch_list": str, "attention": str, "min_cuda": str}
-VARIANT_KEYS = {"cuda": str, "arch_list": dict, "vllm": bool, "default_index": bool}
+ARCH_KEYS, REQUIRED_ARCH = cell_table("arch", {}, ())
+CUDA_KEYS, REQUIRED_CUDA = cell_table("cuda", {"glibc": str}, ())
+GPU_KEYS, REQUIRED_GPU = cell_table("gpu", {"sm": list, "attention": str, "min_cuda": str},
+                                    ("sm", "attention", "min_cuda"))
+VARIANT_KEYS, REQUIRED_VARIANT = cell_table("torch_variant", {"cuda": str, "arch_list": dict, "vllm": bool},
+                                            ("arch_list",))
 # Wheel indexes: NAME -> URL template; the build arg each one becomes (see builder/indexes.py).
 INDEX_NAMES = ("default", "torch", "vllm", "flash")
 ATTENTION_KEYS = {"package": str, "version": str, "source": str, "source_subdir": str, "build_env": dict,
@@ -30,8 +46,9 @@ STACK_KEYS = {"packages": dict, "extends": str}
 FLAVOUR_KEYS = {"description": str, "cells": list, "packages": dict, "remove": list, "rules": list, "files": dict,
                 "cmd": list, "sdists": list}
 EXPAND_KEYS = {"arch": list, "cuda": list, "gpu": list, "stack": str}
-CELL_KEYS = {"name": str, "arch": (str, list), "cuda": str, "gpu": str, "torch_variant": str, "base_image": str,
-             "python": str, "attention": str, "stack": (str, dict), "fabric_plugin": str}
+CELL_KEYS, REQUIRED_CELL = cell_table("cell", {"name": str, "arch": (str, list), "cuda": str, "gpu": str,
+                                               "torch_variant": str, "attention": str, "stack": (str, dict),
+                                               "fabric_plugin": str}, ("name", "arch", "stack"))
 # [[rule]]: a registered check's reason (a template: rules.reason_fields), or a facts rule: `facts = "TABLE"` holds a
 # flavour's pins to [facts] TABLE, the Requires-Dist of `packages` (default [TABLE]; several: shipped together).
 RULE_KEYS = {"id": str, "reason": str, "facts": str, "packages": list}
