@@ -81,17 +81,20 @@ def make_tokenizer(path: Path):
     fast.save_pretrained(path)
 
 
-def make_model(path: Path, shape: str) -> Path:
+def make_model(path: Path, shape: str, device: str = "cuda", **overrides) -> Path:
+    """The shape's random-init bf16 model and the word-level tokenizer in `path` (kept if already there);
+    `overrides`: config fields over the shape's (profile_step.py's CPU smoke: a tiny Llama)."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
 
     if (path / "config.json").is_file():
         return path
-    conf = getattr(transformers, CONFIG_CLASS.get(shape, "LlamaConfig"))(**SHAPES[shape], pad_token_id=0,
-                                                                         bos_token_id=1, eos_token_id=2)
+    conf = getattr(transformers, CONFIG_CLASS.get(shape, "LlamaConfig"))(**{**SHAPES[shape], **overrides},
+                                                                         pad_token_id=0, bos_token_id=1,
+                                                                         eos_token_id=2)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = AutoModelForCausalLM.from_config(conf).to(torch.bfloat16)
     model.save_pretrained(path)
     make_tokenizer(path)
@@ -284,6 +287,13 @@ def show(res: dict, fpt: float, peak: float) -> dict:
     return res
 
 
+def sft_common(model: Path, max_length: int = 2048, batch: int = 8) -> list[str]:
+    """The options both sft runs share (trl sft and trainbox sft; profile_step.py runs ours with them too)."""
+    return ["--model_name_or_path", str(model), "--max_length", str(max_length), "--per_device_train_batch_size",
+            str(batch), "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none", "--seed", "0",
+            "--disable_tqdm", "true"]  # fmt: skip
+
+
 def sft(a) -> None:
     """One GPU: the Llama-3.2-1B shape. `--nproc N` (N > 1): the Llama-3.1-8B shape on N GPUs, `trl sft` launched as
     TRL's docs say (`--accelerate_config fsdp2 --num_processes N`: accelerate with TRL's FSDP2 config) vs `trainbox
@@ -293,9 +303,7 @@ def sft(a) -> None:
     shape = a.shape or ("llama-1b" if a.nproc == 1 else "llama-8b")
     model = make_model(work / shape, shape)
     peak = peak_tflops()
-    common = ["--model_name_or_path", str(model), "--max_length", "2048", "--per_device_train_batch_size", "8",
-              "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none", "--seed", "0",
-              "--disable_tqdm", "true"]  # fmt: skip
+    common = sft_common(model)
     py = sys.executable
     launch_trl = ["--accelerate_config", "fsdp2", "--num_processes", str(a.nproc)] if a.nproc > 1 else []
     launch_ours = ["--nproc-per-node", str(a.nproc)] if a.nproc > 1 else []

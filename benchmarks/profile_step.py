@@ -1,0 +1,403 @@
+"""Where a `trainbox sft` step's time goes: torch.profiler around a few steady-state steps, kernels by category.
+
+On the device (one H100, no network; about 1 to 1.5 minutes per run, 2 runs here):
+
+    python benchmarks/profile_step.py --kinds uniform mix --json /tmp/profile.json
+
+Before/after in the same call: one run per kind and variant, each variant extra `trainbox sft` options (the last
+occurrence of an option wins), e.g. without the per-step host syncs of logging every step and counting input tokens
+(the benchmark logs every step; 4 runs, about 5 to 6 minutes):
+
+    python benchmarks/profile_step.py --kinds uniform mix --variant base= \\
+        --variant fewer-syncs="--logging_steps 10 --include_num_input_tokens_seen no" --json /tmp/profile.json
+
+Here (CPU, a tiny Llama, ~10 s): `python benchmarks/profile_step.py --device cpu`.
+
+What runs: the Llama-3.2-1B shape, word-level tokenizer and synthetic chat data of train_throughput.py (its
+make_model, lengths, write_chat, flops_per_token, peak_tflops, sft_common), and `trainbox sft` with train_throughput's
+`ours` options (batch 8 x max length 2048, `--resume never`), called in this process (trainbox.cli.sft.main). The
+measurement is attached from outside: trainbox.cli.sft's `build_trainer` is wrapped here to add a callback to the
+trainer it builds (and to count real tokens per micro-batch on the GPU, no host sync). Nothing in trainbox changes.
+
+Steps 1..--warm run unprofiled (a fresh GPU's first steps are slow; steps --skip+1..--warm-1 give the unprofiled
+rate; step --warm is the profiler's warm-up), steps --warm+1 .. --warm+--active run under the profiler (CPU + CUDA
+activities), then one more step. Reported:
+wall per step (CUDA events, GPU timeline) profiled and unprofiled, GPU busy time (the union of kernel, memcpy and
+memset intervals) vs wall (idle = launch/CPU/sync gaps), kernel time by category (share of kernel time and of the
+step), the top 15 kernels, and MFU over the profiled steps (train_throughput's flops_per_token x real tokens /
+time / peak). A kernel's category: "loss" or "optimizer" when it was launched under TRL's fused LM head + log-prob
+(forward or backward) or the optimizer's step/zero_grad, else by its name (CATEGORIES, first match). So "loss" holds
+the LM head's GEMMs (useful work, in 6N) as well as the log-softmax; "matmul" is the decoder layers' GEMMs.
+Several kinds or variants: each runs in its own process (one after another), then a table compares them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import train_throughput as tt
+
+# Name patterns, first match wins: attention before matmul (FA3's kernels are cutlass::device_kernel<flash::..Sm90>),
+# loss before the rest (liger's fused linear CE runs GEMMs of its own).
+CATEGORIES = [
+    ("communication", r"nccl"),
+    ("loss", r"cross_?entropy|fused_linear|logprob|log_softmax|nll_loss"),
+    ("optimizer", r"adam|foreach|multi_tensor|optimizer"),
+    ("attention", r"flash|fmha|flex|attention|triton_tem|sdpa|_efficient_attention"),
+    ("norms+activations", r"rms|norm|silu|swiglu|rope|rotary|gelu|act_and_mul"),
+    ("matmul", r"gemm|cutlass|nvjet|xmma|sm90|sm80|wgmma|aten::mm|aten::addmm|aten::bmm|matmul|linear"),
+]
+OTHER = "elementwise/copies/casts"
+ORDER = [c for c, _ in CATEGORIES] + [OTHER]
+# Launched under these (a kernel's CPU op or one of its parents): the region decides, not the kernel's name. The
+# profiler records an autograd Function's forward under its class name and its backward as <name>Backward: TRL's
+# fused LM head (ChunkedLogProbFunction: the LM-head GEMMs in tiles + log-softmax) is the loss, GEMMs included;
+# torch.optim records every optimizer's step and zero_grad.
+REGIONS = [("loss", re.compile(r"ChunkedLogProb|LigerFusedLinearCrossEntropy")),
+           ("optimizer", re.compile(r"Optimizer\.(step|zero_grad)"))]
+_COMPILED = [(c, re.compile(p, re.I)) for c, p in CATEGORIES]
+
+
+def categorize(name: str) -> str:
+    """A kernel's (or CPU op's) category from its name."""
+    return next((c for c, rx in _COMPILED if rx.search(name)), OTHER)
+
+
+def summarize(kernels: list[tuple], wall_us: float, busy_us: float | None, steps: int, top: int = 15) -> dict:
+    """kernels: (name, microseconds, category or None: from the name[, calls: 1 if absent]). Shares of kernel time
+    sum to 1; shares of the step are of the wall time (idle is the rest when busy is known)."""
+    total = sum(k[1] for k in kernels) or 1.0
+    by_cat = {c: 0.0 for c in ORDER}
+    by_name: dict[str, list] = {}
+    for name, us, cat, *calls in kernels:
+        cat = cat or categorize(name)
+        by_cat[cat] += us
+        entry = by_name.setdefault(name, [0.0, 0, cat])
+        entry[0] += us
+        entry[1] += calls[0] if calls else 1
+    cats = {c: {"ms_per_step": us / steps / 1e3, "share_of_kernels": us / total, "share_of_step": us / wall_us}
+            for c, us in sorted(by_cat.items(), key=lambda kv: -kv[1])}
+    tops = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "wall_ms_per_step": wall_us / steps / 1e3,
+        "kernel_ms_per_step": total / steps / 1e3,
+        "busy_ms_per_step": None if busy_us is None else busy_us / steps / 1e3,
+        "busy_share": None if busy_us is None else busy_us / wall_us,
+        "idle_share": None if busy_us is None else 1 - busy_us / wall_us,
+        "categories": cats,
+        "top": [{"name": n, "category": cat, "ms_per_step": us / steps / 1e3, "calls_per_step": k / steps,
+                 "share_of_kernels": us / total} for n, (us, k, cat) in tops],
+    }
+
+
+def union_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals: time the GPU ran anything (streams may overlap)."""
+    busy, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e <= end:
+            continue
+        busy += e - max(s, end)
+        end = e
+    return busy
+
+
+def region_of(evt) -> str | None:
+    """'loss'/'optimizer' when this CPU op or a parent is the LM-head log-prob function or the optimizer step."""
+    while evt is not None:
+        for cat, rx in REGIONS:
+            if rx.search(evt.name):
+                return cat
+        evt = evt.cpu_parent
+    return None
+
+
+def device_kernels(events) -> tuple[list[tuple[str, float, str | None]], float]:
+    """The CUDA activities (kernels, memcpy, memset) of a profile: (name, us, region category), and busy time.
+    A device event names its launching CPU op by linked_correlation_id; a torch whose events lack it gets the
+    same list from the CPU ops' own kernel lists (activities launched outside any op are then left out)."""
+    from torch.autograd import DeviceType
+
+    gpu = [e for e in events if e.device_type == DeviceType.CUDA]
+    busy = union_us([(e.time_range.start, e.time_range.end) for e in gpu])
+    frontend = [e for e in events if e.device_type == DeviceType.CPU and not e.is_async
+                and getattr(e, "linked_correlation_id", 0) == 0]
+    if gpu and hasattr(gpu[0], "linked_correlation_id"):
+        ops = {e.id: e for e in frontend}
+        return [(e.name, e.time_range.end - e.time_range.start, region_of(ops.get(e.linked_correlation_id)))
+                for e in gpu], busy
+    return [(k.name, k.duration, region_of(e)) for e in frontend for k in e.kernels], busy
+
+
+def cpu_ops(prof) -> list[tuple[str, float, None, int]]:
+    """CPU mode: each op's self time (no double counting of nested ops); the plumbing, not a GPU profile."""
+    return [(k.key, k.self_cpu_time_total, None, k.count) for k in prof.key_averages()
+            if k.self_cpu_time_total > 0 and not k.key.startswith("ProfilerStep")]
+
+
+class Profile:
+    """A TrainerCallback (built in attach(): transformers is imported late) that marks every step end and runs the
+    profiler over steps warm+1 .. warm+active. The profiler starts one step earlier, in its warm-up phase (CUPTI's
+    set-up stalls the host): that step, `warm`, is in neither timed window."""
+
+    def __init__(self, trainer, warm: int, active: int, skip: int, cuda: bool):
+        self.trainer, self.warm, self.active, self.skip, self.cuda = trainer, warm, active, skip, cuda
+        self.marks: dict[int, tuple] = {}  # global step -> (time mark, real tokens so far)
+        self.prof = None
+        # Real tokens so far: counted on the host where the shape says it (padding-free), summed on the device where
+        # a mask does (read at the end). Never a host<->device copy: a blocking one would sync every step.
+        self.tokens_host, self.tokens_dev = 0, None
+
+    def mark(self):
+        import torch
+
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+        else:
+            ev = time.perf_counter()
+        return ev, self.tokens_host, (self.tokens_dev.clone() if self.tokens_dev is not None else None)
+
+    def on_step_end(self, args, state, control, **kw):
+        import torch
+
+        step = state.global_step
+        self.marks[step] = self.mark()
+        if step == self.warm - 1:
+            acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if self.cuda else [])
+            self.prof = torch.profiler.profile(activities=acts, schedule=torch.profiler.schedule(
+                wait=0, warmup=1, active=self.active, repeat=1))
+            self.prof.start()
+        elif self.warm <= step < self.warm + self.active and self.prof is not None:
+            self.prof.step()  # at `warm`: warm-up -> recording
+        elif step == self.warm + self.active and self.prof is not None:
+            self.prof.stop()
+
+    def count(self, inputs) -> None:
+        """Real tokens of a micro-batch, kept on its device: the mask's sum where there is padding, every position
+        of a padding-free (flattened) batch."""
+        if "attention_mask" not in inputs:
+            self.tokens_host += inputs["input_ids"].numel()
+            return
+        n = inputs["attention_mask"].sum()
+        self.tokens_dev = n if self.tokens_dev is None else self.tokens_dev + n
+
+    def seconds(self, a: int, b: int) -> float:
+        x, y = self.marks[a][0], self.marks[b][0]
+        if self.cuda:
+            return x.elapsed_time(y) / 1e3
+        return y - x
+
+    def tokens_between(self, a: int, b: int) -> int:
+        (_, hx, dx), (_, hy, dy) = self.marks[a], self.marks[b]
+        return hy - hx + (int((dy - (dx if dx is not None else 0)).item()) if dy is not None else 0)
+
+
+def attach(trainer, opts) -> Profile:
+    """Adds the profile callback and the token count to a trainer trainbox built."""
+    from transformers import TrainerCallback
+
+    prof = Profile(trainer, opts.warm, opts.active, opts.skip, cuda=opts.device == "cuda")
+    callback = type("ProfileCallback", (TrainerCallback,), {"on_step_end": lambda self, *a, **k:
+                                                             prof.on_step_end(*a, **k)})()
+    trainer.add_callback(callback)
+    step = trainer.training_step
+
+    def training_step(model, inputs, *a, **k):
+        if isinstance(inputs, dict):
+            prof.count(inputs)
+        return step(model, inputs, *a, **k)
+
+    trainer.training_step = training_step
+    return prof
+
+
+@contextlib.contextmanager
+def patched(opts, found: list):
+    """trainbox.cli.sft's build_trainer wrapped: the trainer it returns gets the profile (appended to `found` with
+    it); restored after. sft.py imported the name from sftlib, so it is replaced where sft.train looks it up."""
+    from trainbox.cli import sft
+
+    build = sft.build_trainer
+
+    def build_trainer(*a, **k):
+        trainer = build(*a, **k)
+        found.append((trainer, attach(trainer, opts)))
+        return trainer
+
+    sft.build_trainer = build_trainer
+    try:
+        yield
+    finally:
+        sft.build_trainer = build
+
+
+# CPU smoke: a tiny Llama, short rows, small batches (the plumbing, not the numbers).
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=tt.WORDS + 7, max_position_embeddings=256)
+
+
+def run_one(opts, kind: str, label: str, extra: list[str]) -> dict:
+    """One `trainbox sft` in this process, profiled; the summary as a dict (printed too)."""
+    work = Path(opts.work)
+    cuda = opts.device == "cuda"
+    max_len, batch = (2048, 8) if cuda else (64, 2)
+    model = (tt.make_model(work / "llama-1b", "llama-1b") if cuda else
+             tt.make_model(work / "tiny-llama", "llama-1b", device="cpu", **TINY))
+    steps = opts.warm + opts.active + 1
+    lens = tt.lengths(kind, steps * batch * 6, max_len)
+    data = tt.write_chat(work / f"data-{kind}-{max_len}-{steps}", lens)
+    fpt = tt.flops_per_token(model, lens)
+    out = work / f"o-{kind}-{label}"
+    argv = ["--dataset", str(data / "train.jsonl"), "--output_dir", str(out), "--max_steps", str(steps),
+            "--resume", "never", *tt.sft_common(model, max_len, batch), *extra]  # fmt: skip
+    if not cuda:
+        argv += ["--use_cpu", "true"]
+    os.environ.update(TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    print(f"# profile {kind}/{label}: trainbox sft {shlex.join(argv)}", flush=True)
+    from trainbox.cli import sft
+
+    found: list = []
+    with patched(opts, found):
+        rc = sft.main(argv)
+    shutil.rmtree(out, ignore_errors=True)  # the saved 1B model: only the figures are kept
+    if rc != 0 or not found or found[-1][1].prof is None:
+        raise SystemExit(f"error: trainbox sft exited {rc} before the profiled steps ran (see its output above)")
+    trainer, p = found[-1]
+    a, b = opts.warm, opts.warm + opts.active
+    if cuda:
+        kernels, busy = device_kernels(p.prof.events())
+    else:
+        kernels, busy = cpu_ops(p.prof), None
+    wall = p.seconds(a, b)
+    res = summarize(kernels, wall * 1e6, busy, opts.active)
+    tokens = p.tokens_between(a, b)
+    start, end = min(opts.skip, a - 2), a - 1  # unprofiled: steps start+1 .. end, before the profiler's warm-up
+    res.update(kind=kind, variant=label, extra=extra, device=opts.device, profiled_steps=[a + 1, b],
+               unprofiled_wall_ms_per_step=1e3 * p.seconds(start, end) / (end - start),
+               unprofiled_steps=[start + 1, end], real_tokens_per_step=tokens / opts.active,
+               flops_per_token=fpt, attn=str(getattr(trainer.model.config, "_attn_implementation", "?")),
+               gradient_checkpointing=bool(trainer.args.gradient_checkpointing),
+               packing=bool(getattr(trainer.args, "packing", False)),
+               liger=bool(getattr(trainer.args, "trainbox_liger", False)
+                          or getattr(trainer.args, "use_liger_kernel", False)))
+    if cuda:
+        peak = tt.peak_tflops()
+        res.update(gpu=__import__("torch").cuda.get_device_name(), peak_tflops=peak,
+                   mfu=fpt * tokens / wall / (peak * 1e12),
+                   mfu_unprofiled=fpt * p.tokens_between(start, end) / p.seconds(start, end) / (peak * 1e12))
+    if opts.trace:
+        trace = Path(opts.trace)
+        trace = trace.with_name(f"{trace.stem}-{kind}-{label}{trace.suffix or '.json'}")
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        p.prof.export_chrome_trace(str(trace))
+        res["trace"] = str(trace)
+    show(res)
+    return res
+
+
+def show(res: dict) -> None:
+    busy = ("" if res["busy_share"] is None else
+            f", GPU busy {res['busy_ms_per_step']:.1f} ms = {100 * res['busy_share']:.1f} % "
+            f"(idle {100 * res['idle_share']:.1f} %: launch/CPU/sync gaps)")
+    mfu = (f"; MFU {100 * res['mfu']:.1f} % profiled, {100 * res['mfu_unprofiled']:.1f} % unprofiled"
+           if "mfu" in res else "")
+    print(f"\n== {res['kind']}/{res['variant']} ({res['device']}; attn={res['attn']} liger={res['liger']} "
+          f"packing={res['packing']} ckpt={res['gradient_checkpointing']})\n"
+          f"steps {res['profiled_steps'][0]}-{res['profiled_steps'][1]}: {res['wall_ms_per_step']:.1f} ms/step "
+          f"(unprofiled steps {res['unprofiled_steps'][0]}-{res['unprofiled_steps'][1]}: "
+          f"{res['unprofiled_wall_ms_per_step']:.1f} ms){busy}; {res['real_tokens_per_step']:,.0f} real tokens/step"
+          f"{mfu}", flush=True)
+    print(f"  {'category':<26}{'ms/step':>9}{'% kernels':>11}{'% step':>9}")
+    for cat, c in res["categories"].items():
+        if c["ms_per_step"] > 0:
+            print(f"  {cat:<26}{c['ms_per_step']:>9.2f}{100 * c['share_of_kernels']:>10.1f}%"
+                  f"{100 * c['share_of_step']:>8.1f}%")
+    if res["idle_share"] is not None:
+        print(f"  {'GPU idle':<26}{res['wall_ms_per_step'] - res['busy_ms_per_step']:>9.2f}{'':>11}"
+              f"{100 * res['idle_share']:>8.1f}%")
+    print(f"  top {len(res['top'])} kernels:")
+    for t in res["top"]:
+        print(f"  {t['ms_per_step']:>8.2f} ms {100 * t['share_of_kernels']:5.1f}% x{t['calls_per_step']:<6.0f} "
+              f"[{t['category']}] {t['name'][:110]}")
+    print(f"RESULT {json.dumps({k: v for k, v in res.items() if k not in ('top', 'categories')})}", flush=True)
+
+
+def compare(results: list[dict]) -> None:
+    print("\nSUMMARY (kind/variant: ms/step profiled | unprofiled, idle, MFU unprofiled, three largest categories)")
+    for r in results:
+        cats = sorted(r["categories"].items(), key=lambda kv: -kv[1]["share_of_step"])[:3]
+        idle = "" if r["idle_share"] is None else f" idle {100 * r['idle_share']:.1f} %"
+        mfu = f" MFU {100 * r['mfu_unprofiled']:.1f} %" if "mfu_unprofiled" in r else ""
+        print(f"  {r['kind']}/{r['variant']}: {r['wall_ms_per_step']:.1f} | {r['unprofiled_wall_ms_per_step']:.1f} "
+              f"ms{idle}{mfu}; " + ", ".join(f"{c} {100 * v['share_of_step']:.1f} %" for c, v in cats), flush=True)
+
+
+def variant(text: str) -> tuple[str, list[str]]:
+    label, eq, args = text.partition("=")
+    if not eq or not label or not re.fullmatch(r"[\w.-]+", label):
+        raise argparse.ArgumentTypeError(f"--variant {text!r}: expected LABEL=OPTIONS (LABEL: letters, digits, "
+                                         "'.', '-', '_'; OPTIONS: trainbox sft options, may be empty)")
+    return label, shlex.split(args)
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kinds", nargs="+", default=["uniform"], choices=["uniform", "mix"],
+                    help="data: uniform (every row 2,048 tokens) and/or mix (lognormal, median 350); default uniform")
+    ap.add_argument("--variant", action="append", type=variant, default=None, metavar="LABEL=OPTIONS",
+                    help="a run with these extra `trainbox sft` options (repeatable; default: one run, none)")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                    help="cpu: a tiny Llama on the CPU, CPU ops instead of kernels (tests the plumbing)")
+    ap.add_argument("--warm", type=int, default=8, help="unprofiled steps before the profiled ones (default 8)")
+    ap.add_argument("--active", type=int, default=3, help="profiled steps (default 3)")
+    ap.add_argument("--skip", type=int, default=3, help="steps before the unprofiled rate's start (default 3)")
+    ap.add_argument("--json", help="write the results (a list, one per run) to this file")
+    ap.add_argument("--trace", help="chrome trace per run: FILE becomes FILE-STEM-KIND-VARIANT.json")
+    ap.add_argument("--work", help="folder for the model and data (default: a new temporary one)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parser().parse_args(argv)
+    if opts.warm < 3 or opts.active < 1:
+        print("error: --warm must be >= 3 and --active >= 1 (steps before the profiled ones, and profiled steps)",
+              file=sys.stderr)
+        return 2
+    opts.work = opts.work or tempfile.mkdtemp(prefix="profile-")
+    Path(opts.work).mkdir(parents=True, exist_ok=True)
+    runs = [(k, lab, extra) for k in opts.kinds for lab, extra in (opts.variant or [("default", [])])]
+    if len(runs) == 1:
+        results = [run_one(opts, *runs[0])]
+    else:  # one process per run: no compile caches, allocator state or patches carried from one to the next
+        results = []
+        for k, lab, extra in runs:
+            child = Path(opts.work) / f"result-{k}-{lab}.json"
+            child.unlink(missing_ok=True)
+            argv = [sys.executable, __file__, "--kinds", k, "--variant", f"{lab}={shlex.join(extra)}", "--device",
+                    opts.device, "--warm", str(opts.warm), "--active", str(opts.active), "--skip", str(opts.skip),
+                    "--work", opts.work, "--json", str(child), *(["--trace", opts.trace] if opts.trace else [])]
+            r = subprocess.run(argv)
+            if r.returncode != 0 or not child.is_file():
+                print(f"{k}/{lab}: FAILED (exit {r.returncode})", flush=True)
+                continue
+            results += json.loads(child.read_text())
+        compare(results)
+    if opts.json:
+        Path(opts.json).write_text(json.dumps(results, indent=1))
+    return 0 if len(results) == len(runs) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

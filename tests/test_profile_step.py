@@ -1,0 +1,122 @@
+"""benchmarks/profile_step.py: the kernel categories and shares (synthetic kernel lists), and its CPU smoke end to end
+(a tiny Llama through `trainbox sft` in the script's process, profiled; ~10 s)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import profile_step as ps  # noqa: E402  (benchmarks/ is no package: its folder goes on the path first)
+
+# Kernel names as the H100 profiles show them (shortened templates) -> category by name.
+NAMES = {
+    "nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNT": "matmul",
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1": "matmul",
+    "void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x2_tn_align8>": "matmul",
+    "void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<...>>>": "attention",
+    "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<128>>": "attention",
+    "fmha_cutlassF_bf16_aligned_64x128_rf_sm80": "attention",
+    "triton_tem_fused_flex_attention_0": "attention",
+    "_rms_norm_forward_kernel": "norms+activations",
+    "_swiglu_backward_kernel": "norms+activations",
+    "_triton_rope": "norms+activations",
+    "liger_cross_entropy_kernel": "loss",
+    "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, c10::BFloat16>": ps.OTHER,
+    "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<TensorListMetadata<4>, FusedAdamMathFunctor>":
+        "optimizer",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>": ps.OTHER,
+    "Memcpy DtoD (Device -> Device)": ps.OTHER,
+    "ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL": "communication",
+    "aten::mm": "matmul",
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward": "attention",
+    "ChunkedLogProbFunctionBackward": "loss",
+}
+
+
+@pytest.mark.parametrize("name,category", NAMES.items())
+def test_kernel_names_fall_in_their_category(name, category):
+    assert ps.categorize(name) == category
+
+
+def test_shares_sum_to_one_and_a_region_wins_over_the_name():
+    kernels = [(name, 10.0 * (i + 1), None) for i, name in enumerate(NAMES)]
+    kernels.append(("nvjet_tst_lm_head", 500.0, "loss"))  # a GEMM launched under the fused LM head: loss
+    res = ps.summarize(kernels, wall_us=4000.0, busy_us=3000.0, steps=2, top=5)
+    shares = [c["share_of_kernels"] for c in res["categories"].values()]
+    assert sum(shares) == pytest.approx(1.0)
+    assert set(res["categories"]) == set(ps.ORDER)
+    total = sum(k[1] for k in kernels)
+    assert res["kernel_ms_per_step"] == pytest.approx(total / 2 / 1e3)
+    assert sum(c["share_of_step"] for c in res["categories"].values()) == pytest.approx(total / 4000.0)
+    assert res["idle_share"] == pytest.approx(0.25) and res["busy_ms_per_step"] == pytest.approx(1.5)
+    assert res["top"][0]["name"] == "nvjet_tst_lm_head" and res["top"][0]["category"] == "loss"
+    assert len(res["top"]) == 5 and res["top"][0]["calls_per_step"] == 0.5
+    assert list(res["categories"])[0] == "loss"  # ordered by time
+
+
+def test_busy_time_is_the_union_of_overlapping_intervals():
+    assert ps.union_us([(0, 10), (5, 15), (20, 30), (21, 22)]) == 25
+    assert ps.union_us([]) == 0
+
+
+def test_a_variant_needs_a_label():
+    assert ps.variant('off=--include_num_input_tokens_seen no') == ("off", ["--include_num_input_tokens_seen", "no"])
+    assert ps.variant("base=") == ("base", [])
+    with pytest.raises(Exception, match="LABEL=OPTIONS"):
+        ps.variant("--packing false")
+
+
+def test_cpu_smoke_profiles_trainbox_sft_in_process(tmp_path):
+    out = tmp_path / "profile.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_step.py"), "--device", "cpu", "--warm", "3",
+                        "--active", "2", "--skip", "1", "--json", str(out), "--trace", str(tmp_path / "t" / "tr.json"),
+                        "--work", str(tmp_path / "w")], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (res,) = json.loads(out.read_text())
+    assert res["profiled_steps"] == [4, 5] and res["unprofiled_steps"] == [2, 2]
+    assert sum(c["share_of_kernels"] for c in res["categories"].values()) == pytest.approx(1.0)
+    # TRL's fused LM head (forward and backward) and the decoder's matmuls were seen and told apart
+    assert res["categories"]["loss"]["ms_per_step"] > 0 and res["categories"]["matmul"]["ms_per_step"] > 0
+    assert res["categories"]["optimizer"]["ms_per_step"] > 0
+    assert res["real_tokens_per_step"] > 0 and res["wall_ms_per_step"] > 0
+    assert Path(res["trace"]).is_file() and res["trace"].endswith("tr-uniform-default.json")
+    assert "GPU idle" not in r.stdout and "kernels:" in r.stdout  # CPU: no busy/idle split
+
+
+def _events(linked: bool):
+    """A profile's events as the parsed profiler gives them: the fused LM head's op and the GEMM it launched, a
+    decoder GEMM, an optimizer step's kernel; GPU events name their CPU op by linked_correlation_id."""
+    from types import SimpleNamespace as E
+
+    from torch.autograd import DeviceType
+
+    def cpu(id, name, parent=None, kernels=()):
+        return E(id=id, name=name, cpu_parent=parent, device_type=DeviceType.CPU, is_async=False,
+                 linked_correlation_id=0, kernels=list(kernels))
+
+    def gpu(name, start, end, op):
+        e = E(name=name, time_range=E(start=start, end=end), device_type=DeviceType.CUDA)
+        if linked:
+            e.linked_correlation_id = op
+        return e
+
+    head = cpu(1, "ChunkedLogProbFunction")
+    opt = cpu(3, "Optimizer.step#AdamW.step")
+    k = [("nvjet_tst_lm_head", 0, 50, 2), ("nvjet_tst_mlp", 40, 100, 4), ("multi_tensor_apply_kernel", 200, 210, 5)]
+    ops = [head, cpu(2, "aten::mm", head, [E(name=k[0][0], duration=50)]), opt,
+           cpu(4, "aten::mm", None, [E(name=k[1][0], duration=60)]),
+           cpu(5, "aten::_foreach_add_", opt, [E(name=k[2][0], duration=10)])]
+    return ops + [gpu(n, s, e, op) for n, s, e, op in k]
+
+
+@pytest.mark.parametrize("linked", [True, False])
+def test_gpu_kernels_take_the_region_they_were_launched_in(linked):
+    kernels, busy = ps.device_kernels(_events(linked))
+    assert busy == 110  # [0, 100) and [200, 210)
+    assert sorted(kernels) == [("multi_tensor_apply_kernel", 10, "optimizer"), ("nvjet_tst_lm_head", 50, "loss"),
+                               ("nvjet_tst_mlp", 60, None)]
