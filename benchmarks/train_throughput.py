@@ -333,6 +333,7 @@ def sft(a) -> None:
             run("warmup", ours(data, work / "o-warm", 8), work, log)
         order = ([("trl", trl), ("ours", ours), ("ours", ours), ("trl", trl)] if kind == "mix" else
                  [("ours", ours), ("trl", trl)])[: a.runs]
+        order += [(f"ours+{name}", lambda d, o, s, e=shlex.split(extra): ours(d, o, s, *e)) for name, extra in a.also]
         for i, (who, fn) in enumerate(order):
             label = f"{kind}-{who}-{i}"
             results[label] = show(run(label, fn(data, work / f"o-{label}", a.steps), work, log), fpt, peak)
@@ -599,7 +600,7 @@ def main() -> None:
                          "default where vllm imports) or with its defaults (transformers generate)")
     ap.add_argument("--runs", type=int, default=4, help="how many of plain, ours, ours, plain")
     ap.add_argument("--also", action="append", default=[], type=variant, metavar="NAME=ARGS",
-                    help="grpo: one more run of ours with these extra arguments, e.g. "
+                    help="sft, grpo: one more run of ours with these extra arguments, e.g. "
                          "nosleep='--vllm_enable_sleep_mode false' (repeatable; not in the ours average)")
     ap.add_argument("--no-loss-check", dest="loss_check", action="store_false")
     ap.add_argument("--no-warmup", dest="warmup", action="store_false",
