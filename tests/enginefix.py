@@ -1,9 +1,9 @@
 """Shared pytest fixtures for the real-image tests: engine + registry, the debootstrapped test base, the smoke images.
 
-Everything is built once per session (memoised here too, so a fixture imported into several modules still builds
-once) and cached between runs (debootstrap layers under $TRAINBOX_CACHE, the engine's build cache).
-Use: `from enginefix import engine, registry, test_base, smoke_image, smoke_build, smoke_arm64  # noqa: F401`
-(or `pytest_plugins = ["enginefix"]` in conftest.py).
+Everything is built once per session and cached between runs (debootstrap layers under $TRAINBOX_CACHE, the engine's
+build cache). tests/conftest.py registers the fixtures, once: a test module names them as arguments and imports from
+here only the helpers (docker, BUILD_TIMEOUT, ...), never a fixture (its own copy would run again for that module;
+tests/test_shared_fixtures.py checks). The builds are memoised too, for the helpers that call them directly.
 
 - `engine`      {"registry": "127.0.0.1:PORT", "docker": CLI} after `python -m devenv.engine up`.
 - `test_base`   REGISTRY/trainbox/base:bookworm-KEY, amd64+arm64; `--base debian:bookworm=<it>` for the smoke cell.

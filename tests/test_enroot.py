@@ -529,8 +529,6 @@ def _with_epoch(fn):
 
 # ------------------------------------------------------------------ the smoke image (built once per session by enginefix)
 
-from enginefix import engine, smoke_build, smoke_image, smoke_sqsh  # noqa: E402,F401  (session fixtures)
-
 
 @pytest.fixture(scope="session")
 def smoke_root(smoke_sqsh, tmp_path_factory):

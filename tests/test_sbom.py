@@ -13,7 +13,7 @@ import uuid
 import pytest
 from packaging.utils import canonicalize_name
 
-from enginefix import BUILD_TIMEOUT, ROOT, docker, engine, registry, smoke_build, smoke_image, smoke_sqsh  # noqa: F401
+from enginefix import BUILD_TIMEOUT, ROOT, docker
 
 from builder import referrers, registry as reg_client, sbomgen
 from builder.errors import UserError
