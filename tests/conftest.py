@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -7,6 +8,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from devenv import slurm as devslurm  # noqa: E402
+
+# The session fixtures live here, once, for every module: a fixture a test module imports is that module's own copy,
+# and "session" scope then means once per importing module (the smoke .sqsh was exported five times, the test Slurm
+# started and stopped four times). Test modules import only enginefix's helpers (docker, BUILD_TIMEOUT, ...);
+# tests/test_shared_fixtures.py fails on a module that imports a session fixture.
+from enginefix import engine, registry, smoke_arm64, smoke_build, smoke_image, smoke_sqsh, test_base  # noqa: E402,F401
+
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
@@ -14,6 +23,29 @@ def tiny_model(tmp_path_factory):
     from tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """The test Slurm (devenv.slurm): the one-node partition plus two netns nodes, up once for the session's job tests,
+    stopped at the end only if this session started it."""
+    was_up = devslurm.answers(devslurm.load_state(), netns_nodes=2)
+    info = devslurm.up(cpus=max(2, os.cpu_count() or 2), netns_nodes=2)
+    yield dict(os.environ, SLURM_CONF=info["conf"]), info["netns_partition"]
+    if not was_up:
+        devslurm.down()
+
+
+@pytest.fixture(scope="session")
+def slurm(slurm_cluster):
+    """The env (SLURM_CONF) of the test Slurm, whose default partition is this host's one node."""
+    return slurm_cluster[0]
+
+
+@pytest.fixture(scope="session")
+def slurm2(slurm_cluster):
+    """(env, partition): the test Slurm and the partition of its two netns nodes."""
+    return slurm_cluster
 
 
 def pytest_collection_modifyitems(config, items):

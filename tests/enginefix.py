@@ -1,14 +1,17 @@
 """Shared pytest fixtures for the real-image tests: engine + registry, the debootstrapped test base, the smoke images.
 
-Everything is built once per session (memoised here too, so a fixture imported into several modules still builds
-once) and cached between runs (debootstrap layers under $TRAINBOX_CACHE, the engine's build cache).
-Use: `from enginefix import engine, registry, test_base, smoke_image, smoke_build, smoke_arm64  # noqa: F401`
-(or `pytest_plugins = ["enginefix"]` in conftest.py).
+Everything is built once per session and cached between runs (debootstrap layers under $TRAINBOX_CACHE, the engine's
+build cache). tests/conftest.py registers the fixtures, once: a test module names them as arguments and imports from
+here only the helpers (docker, BUILD_TIMEOUT, ...), never a fixture (its own copy would run again for that module;
+tests/test_shared_fixtures.py checks). The builds are memoised too, for the helpers that call them directly.
 
 - `engine`      {"registry": "127.0.0.1:PORT", "docker": CLI} after `python -m devenv.engine up`.
 - `test_base`   REGISTRY/trainbox/base:bookworm-KEY, amd64+arm64; `--base debian:bookworm=<it>` for the smoke cell.
 - `smoke_build` BuildResult of the smoke cell for x86_64 (full stack, CPU torch from a wheelhouse); `smoke_image`
-                its local ref (str), e.g. `trainbox:smoke-x86_64`.
+                its local ref (str), e.g. `trainbox:smoke-x86_64`. No test may build anything else under that tag:
+                `image_id(smoke_image) == smoke_build.image_id` all session (tests/test_readme.py builds the smoke cell
+                from a copy of the checkout under a repository of its own).
+- `smoke_sqsh`  the .sqsh exported from `smoke_build.image_id` (the image, not the tag), with its sidecars.
 - `smoke_arm64` BuildResult of the smoke cell for aarch64 (light profile) built under QEMU.
 """
 
@@ -136,14 +139,16 @@ def smoke_image(smoke_build):
 
 
 @pytest.fixture(scope="session")
-def smoke_sqsh(smoke_image, tmp_path_factory):
-    """The x86_64 smoke image as an enroot .sqsh (zstd, the default; fixed SOURCE_DATE_EPOCH), exported once per session."""
+def smoke_sqsh(smoke_build, tmp_path_factory):
+    """The x86_64 smoke image as an enroot .sqsh (zstd, the default; fixed SOURCE_DATE_EPOCH), exported once per session
+    from smoke_build.image_id: its sidecars (.sha256, .cdx.json) and every test comparing with it name that one image,
+    whatever a tag names by the time they run."""
     from builder.enroot import export_image
 
     d = tmp_path_factory.mktemp("smoke-sqsh")
     os.environ["SOURCE_DATE_EPOCH"] = "1700000000"
     try:
-        return export_image(smoke_image, d / "smoke.sqsh", progress=False, arch="amd64")
+        return export_image(smoke_build.image_id, d / "smoke.sqsh", progress=False, arch="amd64")
     finally:
         del os.environ["SOURCE_DATE_EPOCH"]
 
@@ -151,6 +156,12 @@ def smoke_sqsh(smoke_image, tmp_path_factory):
 @pytest.fixture(scope="session")
 def smoke_arm64(engine):
     return build_smoke("aarch64")
+
+
+def image_id(ref: str) -> str | None:
+    """The ID of the local image REF names, or None where it names none."""
+    r = docker("image", "inspect", "--format", "{{.Id}}", ref, check=False)
+    return r.stdout.strip() if r.returncode == 0 else None
 
 
 def docker(*args: str, check: bool = True, timeout: float = 600, **kw) -> subprocess.CompletedProcess:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import simpleindex
-from enginefix import engine, install_certs, test_base  # noqa: F401
+from enginefix import install_certs
 from builder import cli, engine as eng, lock
 from builder.errors import UserError
 from builder.matrix import load_matrix

@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from enginefix import docker, engine, registry, test_base  # noqa: F401
+from enginefix import docker
 from builder import bases, lock, render
 from builder.errors import UserError
 from builder.matrix import load_matrix

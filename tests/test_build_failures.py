@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from enginefix import BUILD_TIMEOUT, ROOT, ThrowawayCell, docker, engine, test_base  # noqa: F401
+from enginefix import BUILD_TIMEOUT, ROOT, ThrowawayCell, docker
 
 from builder import engine as eng
 from devenv import engine as devengine

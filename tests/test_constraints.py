@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from enginefix import BUILD_TIMEOUT, docker, engine, smoke_build, smoke_image  # noqa: F401
+from enginefix import BUILD_TIMEOUT, docker
 from common.errors import UsageError
 from trainbox.image import constraints, pipwrap
 from simpleindex import serve, stand_in_wheel, write_index

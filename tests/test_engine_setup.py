@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from enginefix import BUILD_TIMEOUT, ROOT, engine  # noqa: F401
+from enginefix import BUILD_TIMEOUT, ROOT
 
 from builder.errors import UserError
 from devenv import engine as devengine

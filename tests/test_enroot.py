@@ -529,8 +529,6 @@ def _with_epoch(fn):
 
 # ------------------------------------------------------------------ the smoke image (built once per session by enginefix)
 
-from enginefix import engine, smoke_build, smoke_image, smoke_sqsh  # noqa: E402,F401  (session fixtures)
-
 
 @pytest.fixture(scope="session")
 def smoke_root(smoke_sqsh, tmp_path_factory):
@@ -543,7 +541,7 @@ def _environment(root: Path) -> dict:
 
 @pytest.mark.engine
 @pytest.mark.timeout(3600)  # the first one also builds the smoke image (shared, once per session) and exports it
-def test_smoke_sqsh_rootfs_and_enroot_files(smoke_sqsh, smoke_root, smoke_image, engine):
+def test_smoke_sqsh_rootfs_and_enroot_files(smoke_sqsh, smoke_root, smoke_build, engine):
     listing = subprocess.run(["unsquashfs", "-l", str(smoke_sqsh)], capture_output=True, text=True,
                              check=True).stdout.splitlines()
     for p in ("etc/rc", "etc/rc.local", "etc/fstab", "etc/environment", "opt/venv/bin/python",
@@ -551,9 +549,11 @@ def test_smoke_sqsh_rootfs_and_enroot_files(smoke_sqsh, smoke_root, smoke_image,
               "opt/trainbox/common/launch.py"):
         assert f"squashfs-root/{p}" in listing, p
     assert not [x for x in listing if x.startswith("squashfs-root/dev/") or x == "squashfs-root/.dockerenv"]
-    inspect = json.loads(subprocess.run([engine["docker"], "image", "inspect", smoke_image], capture_output=True,
+    # the session's .sqsh was exported from the build's image ID (enginefix.smoke_sqsh), its provenance line says so
+    pinned = smoke_build.image_id
+    inspect = json.loads(subprocess.run([engine["docker"], "image", "inspect", pinned], capture_output=True,
                                         check=True).stdout)[0]
-    want = configure_files(inspect, f"dockerd://{smoke_image}")
+    want = configure_files(inspect, f"dockerd://{pinned}")
     for rel in ("/etc/rc", "/etc/rc.local", "/etc/environment", "/etc/fstab"):
         assert (smoke_root / rel.lstrip("/")).read_text() == want[rel], rel
     assert "    exec '/usr/bin/tini' '-g' '--' '/usr/local/bin/trainbox' 'jupyter'\n" in want["/etc/rc"]
@@ -624,13 +624,13 @@ def test_smoke_path_survives_the_login_shell(smoke_root):
 
 @pytest.mark.engine
 @pytest.mark.timeout(3600)  # the first one also builds the smoke image (shared, once per session) and exports it
-def test_smoke_exports_reproducible(smoke_image, smoke_sqsh, tmp_path, monkeypatch):
+def test_smoke_exports_reproducible(smoke_build, smoke_sqsh, tmp_path, monkeypatch):
     """lzo (enroot's, on request) against zstd: test_same_source_date_epoch_is_byte_identical, on the small image;
     sizes on the smoke image: benchmarks/sqsh_export.py."""
     import filecmp
 
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
-    again = export_image(smoke_image, tmp_path / "again.sqsh", progress=False)
+    again = export_image(smoke_build.image_id, tmp_path / "again.sqsh", progress=False)   # the image smoke_sqsh is of
     assert filecmp.cmp(again, smoke_sqsh, shallow=False)  # the session's export: the default, zstd
     assert "Compression zstd" in subprocess.run(["unsquashfs", "-s", str(again)], capture_output=True, text=True,
                                                 check=True).stdout

@@ -23,7 +23,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from enginefix import engine, smoke_build, smoke_image, smoke_sqsh  # noqa: F401  (session fixtures)
 from test_data import write_dolly, write_messages, write_verl_gsm8k
 from test_slurm_job import enroot_path
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from enginefix import BUILD_TIMEOUT, ROOT, docker, engine, install_certs, test_base  # noqa: F401
+from enginefix import BUILD_TIMEOUT, ROOT, docker, install_certs
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(BUILD_TIMEOUT)]
 CELL = "cu130-hopper-x86_64"

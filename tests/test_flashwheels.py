@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 import simpleindex
-from enginefix import BUILD_TIMEOUT, engine  # noqa: F401
+from enginefix import BUILD_TIMEOUT
 from builder import flashwheels, lock, workflow
 from builder.engine import choose_builder
 from builder.errors import UserError

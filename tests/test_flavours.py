@@ -18,7 +18,7 @@ from builder.errors import UserError
 from builder.lock import state
 from builder.matrix import load_matrix
 from builder.paths import ROOT
-from enginefix import BUILD_TIMEOUT, docker, engine, smoke_build, smoke_image, torch_wheelhouse  # noqa: F401
+from enginefix import BUILD_TIMEOUT, docker, torch_wheelhouse
 
 M = load_matrix(ROOT / "matrix.toml")
 SMOKE_FLAVOUR = next(c for c in M.cells if c.flavour == "unsloth-stack" and c.base.tag == "smoke-x86_64")

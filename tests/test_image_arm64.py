@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from enginefix import BUILD_TIMEOUT, docker, engine, smoke_arm64  # noqa: F401
+from enginefix import BUILD_TIMEOUT, docker
 
 # a cold first build (debootstrap + the session images, arm64 under QEMU) runs inside the first test's setup
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(BUILD_TIMEOUT)]

@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from enginefix import BUILD_TIMEOUT, docker, engine, smoke_build, smoke_image  # noqa: F401
+from enginefix import BUILD_TIMEOUT, docker
 from test_image_smoke import ENV, FAST, _outdir, mounts  # noqa: F401
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(BUILD_TIMEOUT)]

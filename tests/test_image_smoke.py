@@ -16,7 +16,7 @@ import uuid
 
 import pytest
 
-from enginefix import BUILD_TIMEOUT, docker, engine, smoke_build, smoke_image  # noqa: F401
+from enginefix import BUILD_TIMEOUT, docker
 from test_data import write_dolly, write_messages, write_verl_gsm8k
 
 # a cold first build (debootstrap + the session images, arm64 under QEMU) runs inside the first test's setup

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from enginefix import BUILD_TIMEOUT, ROOT, docker, engine, smoke_build, smoke_image  # noqa: F401
+from enginefix import BUILD_TIMEOUT, ROOT, docker
 from test_data import write_dolly, write_verl_gsm8k
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(BUILD_TIMEOUT)]

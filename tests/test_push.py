@@ -15,8 +15,7 @@ import uuid
 
 import pytest
 
-from enginefix import (BUILD_TIMEOUT, ROOT, build_args, docker, engine, registry, secret_file, smoke_arm64,  # noqa: F401
-                       smoke_build, smoke_cells, test_base, torch_wheelhouse)
+from enginefix import BUILD_TIMEOUT, ROOT, build_args, docker, secret_file, smoke_cells, torch_wheelhouse
 
 from builder import engine as eng, publish
 from builder.options import parse_bases

@@ -190,6 +190,3 @@ def test_the_readme_ray_job_command_writes_its_script(tmp_path):
     job = (tmp_path / "ray.sh").read_text()
     assert "ARGS=(ray -- python /data/my_driver.py)" in job and "LAUNCH=()" in job and "#SBATCH --nodes=2" in job
     assert "--container-image=\"$TRAINBOX_SQSH\"" in job and "/shared/rl:/data" in job
-
-
-from test_slurm_multinode import slurm2  # noqa: E402,F401  (module fixture: the cluster with two netns nodes)

@@ -13,9 +13,12 @@ import re
 import shutil
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
+
+from enginefix import docker, image_id
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -180,7 +183,10 @@ def test_ci_runs_the_readme_test_command():
 @pytest.mark.timeout(5400)
 def test_sqsh_command_exports_the_smoke_image(repo_copy):
     """The README's --sqsh command, run as written with this machine's bases and wheelhouse (made by `make build`'s
-    steps: devenv.bases, devenv.buildinputs); the build is a cache hit after the session's smoke build."""
+    steps: devenv.bases, devenv.buildinputs); the build is a cache hit after the session's smoke build, up to its
+    labels. The copy has no .git (revision "unknown"), so its image is another one: the copy's matrix names a
+    repository of this test's own, and the session's trainbox:smoke-x86_64 (enginefix's smoke_build, exported and
+    read by other tests) still names the image it named before."""
     from devenv import bases, buildinputs, engine
 
     engine.up()
@@ -190,6 +196,20 @@ def test_sqsh_command_exports_the_smoke_image(repo_copy):
     buildinputs.install_certs(repo_copy / "images" / "certs")
     assert buildinputs.main(["--wheelhouse", str(repo_copy / ".cache" / "wheels")]) == 0
     cmd = next(c for c in readme_commands() if "--sqsh out/" in c)
-    r = run(cmd, repo_copy, timeout=5000)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert (repo_copy / "out" / "smoke-x86_64.sqsh").stat().st_size > 10_000_000
+    matrix = repo_copy / "matrix.toml"
+    original = matrix.read_text()
+    repo = f"trainbox-readme-{uuid.uuid4().hex[:8]}"
+    assert original.count('\nrepository = "trainbox"\n') == 1
+    shared = image_id("trainbox:smoke-x86_64")
+    matrix.write_text(original.replace('\nrepository = "trainbox"\n', f'\nrepository = "{repo}"\n'))
+    try:
+        r = run(cmd, repo_copy, timeout=5000)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        assert (repo_copy / "out" / "smoke-x86_64.sqsh").stat().st_size > 10_000_000
+        assert image_id(f"{repo}:smoke-x86_64") is not None
+        assert image_id("trainbox:smoke-x86_64") == shared
+    finally:
+        matrix.write_text(original)
+        made = docker("image", "ls", "--format", "{{.Repository}}:{{.Tag}}", repo, check=False).stdout.split()
+        if made:
+            docker("rmi", *made, check=False)   # the tags; the layers stay in the build cache

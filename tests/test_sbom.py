@@ -13,7 +13,7 @@ import uuid
 import pytest
 from packaging.utils import canonicalize_name
 
-from enginefix import BUILD_TIMEOUT, ROOT, docker, engine, registry, smoke_build, smoke_image, smoke_sqsh  # noqa: F401
+from enginefix import BUILD_TIMEOUT, ROOT, docker, image_id
 
 from builder import referrers, registry as reg_client, sbomgen
 from builder.errors import UserError
@@ -23,7 +23,10 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(BUILD_TIMEOUT)]
 
 
 @pytest.fixture(scope="module")
-def smoke_sbom(smoke_image):
+def smoke_sbom(smoke_image, smoke_build):
+    # the tag must still name the session's build: a test that built another image under it (a copy of the checkout
+    # has revision "unknown") made this SBOM describe that image instead
+    assert image_id(smoke_image) == smoke_build.image_id, f"{smoke_image} was moved off the session's smoke build"
     return sbomgen.generate(smoke_image)
 
 
@@ -169,8 +172,13 @@ def test_cli_bad_input_one_line_exit_2_nothing_written(smoke_image, tmp_path, ar
     assert list(tmp_path.iterdir()) == []
 
 
-def test_sqsh_has_its_checksum_and_sbom_beside_it(smoke_sqsh, smoke_sbom):
+def test_sqsh_has_its_checksum_and_sbom_beside_it(smoke_sqsh, smoke_build):
+    """The session's .sqsh was exported from smoke_build.image_id (enginefix): its SBOM sidecar is that image's,
+    compared with one generated here from the same ID (never from a tag, which names whatever was built last)."""
     sums = smoke_sqsh.with_name(smoke_sqsh.name + ".sha256")
     r = subprocess.run(["sha256sum", "-c", sums.name], cwd=smoke_sqsh.parent, capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout == f"{smoke_sqsh.name}: OK\n", r.stdout + r.stderr
-    assert smoke_sqsh.with_name(smoke_sqsh.name + ".cdx.json").read_text() == sbomgen.dumps(smoke_sbom)
+    sidecar = smoke_sqsh.with_name(smoke_sqsh.name + ".cdx.json").read_text()
+    props = {p["name"]: p["value"] for p in json.loads(sidecar)["metadata"]["component"]["properties"]}
+    assert props["trainbox:image-id"] == smoke_build.image_id
+    assert sidecar == sbomgen.dumps(sbomgen.generate(smoke_build.image_id))

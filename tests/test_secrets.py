@@ -11,8 +11,7 @@ import textwrap
 
 import pytest
 
-from enginefix import (BUILD_TIMEOUT, FAKE_TOKEN, SECRET_ID, ThrowawayCell, docker, engine,  # noqa: F401
-                       secret_file, smoke_build, test_base)
+from enginefix import BUILD_TIMEOUT, FAKE_TOKEN, SECRET_ID, ThrowawayCell, docker, secret_file
 
 from builder import engine as eng
 from builder.options import parse_secrets

@@ -25,17 +25,6 @@ TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
             "DEADLINE"}
 
 
-@pytest.fixture(scope="module")
-def slurm():
-    """The one-node cluster; stopped afterwards only if this module started it."""
-    was_up = devslurm.answers(devslurm.load_state())
-    info = devslurm.up(cpus=max(2, os.cpu_count() or 2))
-    env = dict(os.environ, SLURM_CONF=info["conf"])
-    yield env
-    if not was_up:
-        devslurm.down()
-
-
 def _job_fields(job_id: str, env: dict) -> dict:
     r = subprocess.run(["scontrol", "-o", "show", "job", job_id], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
@@ -140,9 +129,6 @@ def enroot_path(tmp: Path) -> str:
     real = os.environ.get("TRAINBOX_REAL_ENROOT")
     (bin_dir / "enroot").symlink_to(real or ENROOT_STANDIN)
     return f"{bin_dir}:{os.environ['PATH']}"
-
-
-from enginefix import engine, smoke_build, smoke_image, smoke_sqsh  # noqa: E402,F401  (session fixtures)
 
 
 @pytest.mark.engine

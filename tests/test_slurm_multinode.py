@@ -8,7 +8,6 @@ submission of the same script resumes from that checkpoint.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -26,16 +25,6 @@ from test_slurm_job import _sft_setup, enroot_path, submit, wait_job
 pytestmark = pytest.mark.slurm
 ROOT = Path(__file__).resolve().parents[1]
 NODES = [devslurm.netns_node(i) for i in (1, 2)]
-
-
-@pytest.fixture(scope="module")
-def slurm2():
-    """The cluster with two netns nodes; stopped afterwards only if this module started it."""
-    was_up = devslurm.answers(devslurm.load_state(), netns_nodes=2)
-    info = devslurm.up(cpus=max(2, os.cpu_count() or 2), netns_nodes=2)
-    yield dict(os.environ, SLURM_CONF=info["conf"]), info["netns_partition"]
-    if not was_up:
-        devslurm.down()
 
 
 def _config(tmp: Path, model: Path, max_steps: int, save_steps: int) -> Path:
@@ -95,9 +84,6 @@ def test_two_node_bare_job_preempts_and_resumes(slurm2, tiny_model, tmp_path):
     _assert_two_nodes(log2, job2_id)
     assert f"[trainbox] sft done: steps 60/60 (this run {60 - step})" in log2, log2[-4000:]
     assert (tmp_path / "out" / "model.safetensors").stat().st_size > 0
-
-
-from enginefix import engine, smoke_build, smoke_image, smoke_sqsh  # noqa: E402,F401  (session fixtures)
 
 
 @pytest.mark.engine

@@ -231,6 +231,3 @@ def test_verl_sft_job_on_two_nodes_runs_one_torchrun_per_node(slurm2, verl_pytho
     ranks = re.search(r"VERLSFT (.*)", log)
     assert ranks and json.loads(ranks.group(1)) == [["tbx1", 0, 0], ["tbx2", 1, 0]], log[-4000:]
     assert "[trainbox] ray" not in log and "ray start" not in log  # SFT starts no Ray
-
-
-from test_slurm_multinode import slurm2  # noqa: E402,F401  (module fixture: the cluster with two netns nodes)

@@ -276,9 +276,6 @@ def test_grpo_one_node_split_end_to_end_wiring(tmp_path, tiny_model):
     assert not vllm_server.healthy("127.0.0.1", port, timeout=1)  # the launcher stopped its server
 
 
-from test_slurm_multinode import slurm2  # noqa: E402,F401  (module fixture: the cluster with two netns nodes)
-
-
 @pytest.mark.slurm
 def test_two_node_job_last_node_serves(tmp_path, tiny_model, slurm2):
     """The rendered job (--vllm-nodes 1) on the two netns Slurm nodes: tbx2 runs the (stand-in) server, tbx1 the
