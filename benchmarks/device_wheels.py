@@ -60,7 +60,8 @@ outlines_core==0.2.14 partial-json-parser==0.2.1.1.post7 prometheus-fastapi-inst
 pydantic_core==2.50.5 pydantic-extra-types==2.11.1 pydantic-settings==2.16.3 pydantic==2.14.4 python-dotenv==1.2.4
 python-json-logger==4.2.0 python-multipart==0.0.34 pyzmq==27.3.0 referencing==0.37.0 rpds-py==2026.9.1
 setproctitle==1.3.8 sniffio==1.3.1 sse-starlette==3.7.0 starlette==1.10.0 supervisor==4.3.0
-torch_c_dlpack_ext==0.1.5 trl==1.16.0 truststore==0.10.5 tzdata==2026.6 uvicorn==0.54.0 vllm==0.26.0
+torch_c_dlpack_ext==0.1.5 trl==1.16.0 truststore==0.10.5 typing-inspection==0.4.5 tzdata==2026.6 uvicorn==0.54.0
+vllm==0.26.0
 watchfiles==1.3.0 websockets==17.4 xgrammar==0.2.7
 """.split()
 
@@ -92,7 +93,8 @@ TRIM = [
     (r"vllm/third_party/deep_gemm/_C\.cpython-3(10|11|13|14)-.*\.so", "DeepGEMM for other Pythons"),
 ]
 
-# The image's Python packages (names as read on the machine on 2026-11-17) and the versions known of them: --resolve
+# The image's Python packages (names as read on the machine on 2026-11-17; typing-inspection, listed then, was
+# missing on 2026-11-26: pinned instead) and the versions known of them: --resolve
 # keeps them out of PINS and resolves against those versions.
 PRESENT = """absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build
 certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core
@@ -111,7 +113,7 @@ pytest-timeout pytest-xdist python-dateutil pytorch-lightning pyyaml regex reque
 scikit-build-core scikit-image scikit-learn scipy seaborn sentencepiece sentence-transformers setuptools shellingham
 simplejson six sortedcontainers statsmodels sympy tabulate tensorboard tensorboard-data-server tensorstore
 threadpoolctl tifffile tiktoken timm tokenizers toolz torch torchaudio torchdiffeq torch-geometric torchmetrics
-torchvision tqdm transformers treescope triton typer typing-extensions typing-inspection urllib3 uvloop
+torchvision tqdm transformers treescope triton typer typing-extensions urllib3 uvloop
 wadler-lindig werkzeug wheel wrapt xarray xxhash yarl zipp""".split()
 PRESENT_VERSIONS = {"torch": "2.11.0", "torchvision": "0.26.0", "torchaudio": "2.11.0", "triton": "3.6.0",
                     "transformers": "5.17.0", "tokenizers": "0.23.2", "safetensors": "0.8.0",
