@@ -343,20 +343,12 @@ def compare(results: list[dict]) -> None:
               f"ms{idle}{mfu}; " + ", ".join(f"{c} {100 * v['share_of_step']:.1f} %" for c, v in cats), flush=True)
 
 
-def variant(text: str) -> tuple[str, list[str]]:
-    label, eq, args = text.partition("=")
-    if not eq or not label or not re.fullmatch(r"[\w.-]+", label):
-        raise argparse.ArgumentTypeError(f"--variant {text!r}: expected LABEL=OPTIONS (LABEL: letters, digits, "
-                                         "'.', '-', '_'; OPTIONS: trainbox sft options, may be empty)")
-    return label, shlex.split(args)
-
-
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kinds", nargs="+", default=["uniform"], choices=["uniform", "mix"],
                     help="data: uniform (every row 2,048 tokens) and/or mix (lognormal, median 350); default uniform")
-    ap.add_argument("--variant", action="append", type=variant, default=None, metavar="LABEL=OPTIONS",
+    ap.add_argument("--variant", action="append", type=tt.variant, default=None, metavar="LABEL=OPTIONS",
                     help="a run with these extra `trainbox sft` options (repeatable; default: one run, none)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                     help="cpu: a tiny Llama on the CPU, CPU ops instead of kernels (tests the plumbing)")

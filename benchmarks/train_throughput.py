@@ -28,6 +28,7 @@ import json
 import math
 import os
 import random
+import re
 import shlex
 import shutil
 import subprocess
@@ -331,12 +332,12 @@ def sft(a) -> None:
             break
         if not results and a.warmup:  # warm-up process on a fresh GPU: not reported
             run("warmup", ours(data, work / "o-warm", 8), work, log)
-        order = ([("trl", trl), ("ours", ours), ("ours", ours), ("trl", trl)] if kind == "mix" else
-                 [("ours", ours), ("trl", trl)])[: a.runs]
-        order += [(f"ours+{name}", lambda d, o, s, e=shlex.split(extra): ours(d, o, s, *e)) for name, extra in a.also]
-        for i, (who, fn) in enumerate(order):
+        order = ([("trl", trl, []), ("ours", ours, []), ("ours", ours, []), ("trl", trl, [])] if kind == "mix" else
+                 [("ours", ours, []), ("trl", trl, [])])[: a.runs]
+        order += [(f"ours+{name}", ours, extra) for name, extra in a.also]
+        for i, (who, fn, extra) in enumerate(order):
             label = f"{kind}-{who}-{i}"
-            results[label] = show(run(label, fn(data, work / f"o-{label}", a.steps), work, log), fpt, peak)
+            results[label] = show(run(label, fn(data, work / f"o-{label}", a.steps) + extra, work, log), fpt, peak)
         if kind == "mix" and a.loss_check:
             # Same batches as plain TRL (padded, no packing): the loss per step must match TRL's.
             label = "mix-ours-nopacking"
@@ -518,7 +519,7 @@ def grpo(a) -> None:
     os.environ["BENCH_PHASES"] = "1"  # TRL's profiled sections per step (generate, weight sync, rewards) in results
     run("warmup", trl(work / "o-warm", 3), work, log)  # a fresh GPU's first process: not reported
     order = [("trl", trl, []), ("ours", ours, []), ("ours", ours, []), ("trl", trl, [])][: a.runs]
-    order += [(f"ours+{name}", ours, shlex.split(extra)) for name, extra in a.also]
+    order += [(f"ours+{name}", ours, extra) for name, extra in a.also]
     for i, (who, fn, extra) in enumerate(order):
         label = f"grpo-{who}-{i}"
         res = run(label, fn(work / f"o-{label}", a.steps) + extra, work, log)
@@ -533,13 +534,13 @@ def grpo(a) -> None:
                 print("    per step: " + ", ".join(f"{k} {v:.3f} s" for k, v in sorted(res["phases"].items(),
                                                                                     key=lambda kv: -kv[1])), flush=True)
         results[label] = res
-    o = [r["steps_per_s"] for k, r in results.items() if "-ours-" in k and "steps_per_s" in r]
-    t = [r["steps_per_s"] for k, r in results.items() if "-trl-" in k and "steps_per_s" in r]
+    o = [r["steps_per_s"] for k, r in results.items() if k.startswith("grpo-ours-") and "steps_per_s" in r]
+    t = [r["steps_per_s"] for k, r in results.items() if k.startswith("grpo-trl-") and "steps_per_s" in r]
     if o and t:
         print(f"SUMMARY grpo: ours {sum(o) / len(o):.3f} vs trl grpo ({plain}) {sum(t) / len(t):.3f} steps/s = "
               f"{sum(o) / len(o) / (sum(t) / len(t)):.2f}x (runs {o} vs {t})", flush=True)
         for k, r in results.items():
-            if "-ours+" in k and "steps_per_s" in r:
+            if k.startswith("grpo-ours+") and "steps_per_s" in r:
                 print(f"SUMMARY grpo: {k} {r['steps_per_s']:.3f} steps/s = {r['steps_per_s'] / (sum(t) / len(t)):.2f}x "
                       f"trl", flush=True)
     json.dump(results, open(work / "grpo-results.json", "w"), indent=1, default=str)
@@ -580,11 +581,14 @@ def check(a) -> None:
         raise SystemExit(1)
 
 
-def variant(text: str) -> tuple[str, str]:
-    name, sep, extra = text.partition("=")
-    if not sep or not name.isidentifier():
-        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=ARGS, e.g. nosleep='--vllm_enable_sleep_mode false'")
-    return name, extra
+def variant(text: str) -> tuple[str, list[str]]:
+    """LABEL=OPTIONS (--also here, --variant in profile_step.py): a run's label and its extra options."""
+    label, eq, args = text.partition("=")
+    if not eq or not re.fullmatch(r"[\w.-]+", label):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected LABEL=OPTIONS (LABEL: letters, digits, '.', '-', '_'; "
+                                         "OPTIONS: the command's options, may be empty), e.g. "
+                                         "nosleep='--vllm_enable_sleep_mode false'")
+    return label, shlex.split(args)
 
 
 def main() -> None:
@@ -599,7 +603,7 @@ def main() -> None:
                     help="grpo: the plain run is TRL's GRPOTrainer with vLLM colocate (what TRL's docs show; the "
                          "default where vllm imports) or with its defaults (transformers generate)")
     ap.add_argument("--runs", type=int, default=4, help="how many of plain, ours, ours, plain")
-    ap.add_argument("--also", action="append", default=[], type=variant, metavar="NAME=ARGS",
+    ap.add_argument("--also", action="append", default=[], type=variant, metavar="LABEL=OPTIONS",
                     help="sft, grpo: one more run of ours with these extra arguments, e.g. "
                          "nosleep='--vllm_enable_sleep_mode false' (repeatable; not in the ours average)")
     ap.add_argument("--no-loss-check", dest="loss_check", action="store_false")

@@ -65,10 +65,14 @@ def test_busy_time_is_the_union_of_overlapping_intervals():
 
 
 def test_a_variant_needs_a_label():
-    assert ps.variant('off=--include_num_input_tokens_seen no') == ("off", ["--include_num_input_tokens_seen", "no"])
-    assert ps.variant("base=") == ("base", [])
-    with pytest.raises(Exception, match="LABEL=OPTIONS"):
-        ps.variant("--packing false")
+    """One parser for profile_step's --variant and train_throughput's --also (train_throughput.variant)."""
+    assert ps.tt.variant('off=--include_num_input_tokens_seen no') == ("off", ["--include_num_input_tokens_seen", "no"])
+    assert ps.tt.variant("base=") == ("base", [])
+    assert ps.tt.variant("fewer-syncs=--logging_steps 10") == ("fewer-syncs", ["--logging_steps", "10"])
+    for bad in ("--packing false", "=--packing false", "a b=--x", "../x=--y"):
+        with pytest.raises(Exception, match="LABEL=OPTIONS"):
+            ps.tt.variant(bad)
+    assert ps.parser().parse_args(["--variant", "base="]).variant == [("base", [])]
 
 
 def test_cpu_smoke_profiles_trainbox_sft_in_process(tmp_path):

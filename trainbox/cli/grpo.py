@@ -37,9 +37,10 @@ def parse(argv: list[str]):
 
 
 def main(argv: list[str]) -> int:
-    # No expandable segments: colocated vLLM's sleep mode (on unless training fits beside it, grpo_trainer.choose_sleep_mode) allocates through
-    # vLLM's CuMemAllocator, which asserts that PYTORCH_CUDA_ALLOC_CONF does not turn them on (pytorch#147851);
-    # `trl vllm-serve` beside the trainers would inherit the variable too.
+    # No expandable segments: colocated vLLM's sleep mode (on unless training fits beside it:
+    # grpo_trainer.choose_sleep_mode) allocates through vLLM's CuMemAllocator, which asserts that
+    # PYTORCH_CUDA_ALLOC_CONF does not turn them on (pytorch#147851); `trl vllm-serve` beside the trainers would
+    # inherit the variable too.
     return runner.run_trainer("grpo", argv, parse, _check_before_launch, _train, arrange=_arrange,
                               reparse=False, failures={vllm_server.ServerDown: 1}, expandable_segments=False)
 

@@ -36,8 +36,9 @@ def resolve_rollouts(args, ours: str | None = None) -> str:
     if args.vllm_mode == "server":
         where = args.vllm_server_base_url or f"{args.vllm_server_host}:{args.vllm_server_port}"
         return f"rollouts: vLLM server at {where} ({why}; {ours or 'start it with `trl vllm-serve --model MODEL`'})"
-    sleep = f"sleep mode {'on' if args.vllm_enable_sleep_mode else 'off'} (set by you)"
-    if "vllm_enable_sleep_mode" not in explicit:
+    if "vllm_enable_sleep_mode" in explicit:
+        sleep = f"sleep mode {'on' if args.vllm_enable_sleep_mode else 'off'} (set by you)"
+    else:
         # Colocated vLLM frees its weights and KV cache while the policy trains, for the memory's sake; the memory
         # plan turns it off where training fits beside vLLM's share anyway (grpo_trainer.choose_sleep_mode).
         args.vllm_enable_sleep_mode = True
