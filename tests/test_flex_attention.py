@@ -293,11 +293,18 @@ def test_the_gpu_default_has_an_off_switch(monkeypatch):
     """On by default on a GPU (tests/gpu/flex_check.py passed on an H100); TRAINBOX_FLEX_GPU=0 turns it off, and
     says so in the choice line's reason."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setenv(flexattn.GPU_ENV, "0")
-    assert flexattn.usable(64) == f"{flexattn.GPU_ENV}=0 turns it off"
-    monkeypatch.setenv(flexattn.GPU_ENV, "1")
+    for off in ("0", "false", "OFF", " no "):
+        monkeypatch.setenv(flexattn.GPU_ENV, off)
+        assert flexattn.usable(64) == f"{flexattn.GPU_ENV}={off} turns it off"
+    for garbage in ("2", "maybe", "é\x00"):  # a typo never turns the kernel on silently, nor raises
+        monkeypatch.setenv(flexattn.GPU_ENV, garbage.replace("\x00", ""))
+        assert "is neither 0 nor 1: left off" in flexattn.usable(64)
     monkeypatch.setattr(flexattn, "trial", lambda device, head_dim, dtype: f"trial on {device} at {head_dim}")
     import torch.utils._triton as tt
 
     monkeypatch.setattr(tt, "has_triton", lambda: True)
+    for on in ("1", "true", ""):
+        monkeypatch.setenv(flexattn.GPU_ENV, on)
+        assert flexattn.usable(128) == "trial on cuda at 128"
+    monkeypatch.delenv(flexattn.GPU_ENV)
     assert flexattn.usable(128) == "trial on cuda at 128"
