@@ -80,3 +80,70 @@ def test_varlen_registers_with_transformers():
     attention.register_varlen()
     assert AttentionInterface._global_mapping[attention.VARLEN] is attention.varlen_attention_forward
     assert attention.VARLEN in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+
+
+# ------------------------------------------------------------ one kernel for the whole job (two gloo processes)
+AGREE = r'''
+import json, os, sys
+import torch.distributed as dist
+sys.path.insert(0, os.environ["ROOT"])
+from trainbox.training import attention
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+gemma = attention.Needs(window=1024, softcap=50.0, head_dim=256)
+out = {}
+for case, per_rank in json.loads(os.environ["CASES"]).items():
+    works = per_rank[rank].split(",")
+    asked = []
+    def usable(name):
+        asked.append(name)
+        return None if name in works else f"test op failed (rank {rank} pretends)"
+    cc = None if case.startswith("cpu") else (9, 0)
+    decide = lambda u: attention.decide({"attention_backend": "fa3"}, cc, u, model=gemma)
+    alone = decide(usable).line()
+    asked.clear()
+    agreed = attention.agree(decide, usable)
+    out[case] = {"alone": alone, "line": agreed.line(), "packed": agreed.packed, "asked": list(asked)}
+open(os.environ["OUT"] + f".{rank}", "w").write(json.dumps(out))
+dist.destroy_process_group()
+'''
+
+
+def test_ranks_agree_on_one_kernel(tmp_path):
+    """Each rank tries its kernels itself (a wheel or a compile can fail on one GPU only): alone, a rank whose
+    FlexAttention fails would train Gemma 2 on eager, unpacked, beside a rank training packed on FlexAttention. Agreed,
+    rank 0 decides, the others try only what it chose, and a kernel that fails anywhere is ruled out for all."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "agree.py"
+    script.write_text(AGREE)
+    cases = {"split": ["flex", "varlen"], "same": ["flex", "flex"], "rank0-lacks": ["varlen", "flex"],
+             "cpu": ["", ""]}
+    env = dict(os.environ, ROOT=str(Path(__file__).resolve().parents[1]), CASES=json.dumps(cases),
+               OMP_NUM_THREADS="1", OUT=str(tmp_path / "out"))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(script)], env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = [json.loads((tmp_path / f"out.{rank}").read_text()) for rank in (0, 1)]
+
+    split = [g["split"] for g in got]
+    assert "FlexAttention" in split[0]["alone"] and "eager" in split[1]["alone"]  # the bug agreement removes
+    assert split[0]["line"] == split[1]["line"] and split[0]["packed"] is split[1]["packed"] is False
+    assert split[0]["line"].startswith("attention: eager")
+    assert "PyTorch FlexAttention: fails on rank 1 of 2: test op failed (rank 1 pretends)" in split[0]["line"]
+    assert split[1]["asked"] == ["flex"]  # rank 1 tried rank 0's choice only, not the whole order
+
+    same = [g["same"] for g in got]
+    assert same[0]["line"] == same[1]["line"] and "FlexAttention (trainbox_flex)" in same[0]["line"]
+    assert same[0]["packed"] and same[1]["asked"] == ["flex"] and "fails on rank" not in same[0]["line"]
+
+    lacks = [g["rank0-lacks"] for g in got]  # rank 0's own failure: the group follows rank 0 to eager
+    assert lacks[0]["line"] == lacks[1]["line"] and lacks[0]["line"].startswith("attention: eager")
+    assert lacks[1]["asked"] == []  # eager needs no trial
+
+    cpu = [g["cpu"] for g in got]  # no GPU: FlexAttention's dense math is chosen without a trial, on every rank
+    assert cpu[0]["line"] == cpu[1]["line"] and "FlexAttention" in cpu[0]["line"] and cpu[1]["asked"] == []

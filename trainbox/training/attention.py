@@ -291,9 +291,51 @@ def choose(requested: str | None = None, info: dict | None = None, model: Needs 
 
     info = imageinfo.load() if info is None else info
     cc = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-    choice = decide(info, cc, lambda name: runtime_usable(name, model), requested, model)
+    if requested:  # the same option on every rank: no trials, nothing to agree on
+        choice = decide(info, cc, lambda name: None, requested, model)
+    else:
+        choice = agree(lambda usable: decide(info, cc, usable, requested, model),
+                       lambda name: runtime_usable(name, model))
     register(choice.impl)
     return choice
+
+
+def agree(decide_fn: Callable[[Callable[[str], str | None]], Choice], usable: Callable[[str], str | None]) -> Choice:
+    """One kernel for the whole process group, as memplan.agree gives one memory plan: rank 0 runs
+    `decide_fn(usable)` and broadcasts its choice, every other rank tries that kernel itself, and a kernel that fails
+    on any rank is ruled out (with that rank's reason) and rank 0 decides again, so the ranks never train with
+    different kernels and different packing. Eager runs everywhere, so this ends. Every rank of the group must call
+    it (as every rank calls memplan.agree); without a group of more than one rank it decides locally."""
+    import torch
+    import torch.distributed as dist
+
+    seen: dict[str, str | None] = {}
+
+    def tried(name: str) -> str | None:  # each kernel's trial once per process (they compile and allocate)
+        if name not in seen:
+            seen[name] = usable(name)
+        return seen[name]
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+        return decide_fn(tried)
+    rank, ranks = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    ruled_out: dict[str, str] = {}  # the same on every rank: built from all_gather's answers
+    while True:
+        box: list = [None]
+        if rank == 0:
+            choice = decide_fn(lambda n: ruled_out.get(n) or tried(n))
+            box[0] = (choice, choice.name in seen)  # tried on rank 0 (not SDPA/eager, not the no-GPU choice)
+        dist.broadcast_object_list(box, src=0, device=dev)
+        choice, tested = box[0]
+        why = tried(choice.name) if tested and rank != 0 else None
+        answers: list = [None] * ranks
+        dist.all_gather_object(answers, why)
+        failed = [(r, w) for r, w in enumerate(answers) if w]
+        if not failed:
+            return choice
+        r, w = failed[0]
+        ruled_out[choice.name] = f"fails on rank {r} of {ranks}: {w}"
 
 
 def register(impl: str) -> None:
