@@ -13,8 +13,9 @@ occurrence of an option wins), e.g. without the per-step host syncs of logging e
 
 Here (CPU, a tiny Llama, ~10 s): `python benchmarks/profile_step.py --device cpu`.
 
-What runs: the Llama-3.2-1B shape, word-level tokenizer and synthetic chat data of train_throughput.py (its
-make_model, lengths, write_chat, flops_per_token, peak_tflops, sft_common), and `trainbox sft` with train_throughput's
+What runs: the Llama-3.2-1B shape (`--shape`: another of train_throughput's, e.g. gemma2-1b or gpt-oss-2b), its
+word-level tokenizer and synthetic chat data (train_throughput's make_model, lengths, write_chat, flops_per_token,
+peak_tflops, sft_common), and `trainbox sft` with train_throughput's
 `ours` options (batch 8 x max length 2048, `--resume never`), called in this process (trainbox.cli.sft.main). The
 measurement is attached from outside: trainbox.cli.sft's `build_trainer` is wrapped here to add a callback to the
 trainer it builds (and to count real tokens per micro-batch on the GPU, no host sync). Nothing in trainbox changes.
@@ -247,13 +248,19 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             vocab_size=tt.WORDS + 7, max_position_embeddings=256)
 
 
+def tiny(shape: str) -> dict:
+    """TINY over `shape` (per-layer lists cut to its layers)."""
+    types = tt.SHAPES[shape].get("layer_types")
+    return {**TINY, **({"layer_types": types[: TINY["num_hidden_layers"]]} if types else {})}
+
+
 def run_one(opts, kind: str, label: str, extra: list[str]) -> dict:
     """One `trainbox sft` in this process, profiled; the summary as a dict (printed too)."""
     work = Path(opts.work)
     cuda = opts.device == "cuda"
     max_len, batch = (2048, 8) if cuda else (64, 2)
-    model = (tt.make_model(work / "llama-1b", "llama-1b") if cuda else
-             tt.make_model(work / "tiny-llama", "llama-1b", device="cpu", **TINY))
+    model = (tt.make_model(work / opts.shape, opts.shape) if cuda else
+             tt.make_model(work / f"tiny-{opts.shape}", opts.shape, device="cpu", **tiny(opts.shape)))
     steps = opts.warm + opts.active + 1
     lens = tt.lengths(kind, steps * batch * 6, max_len)
     data = tt.write_chat(work / f"data-{kind}-{max_len}-{steps}", lens)
@@ -350,6 +357,8 @@ def parser() -> argparse.ArgumentParser:
                     help="data: uniform (every row 2,048 tokens) and/or mix (lognormal, median 350); default uniform")
     ap.add_argument("--variant", action="append", type=tt.variant, default=None, metavar="LABEL=OPTIONS",
                     help="a run with these extra `trainbox sft` options (repeatable; default: one run, none)")
+    ap.add_argument("--shape", choices=list(tt.SHAPES), default="llama-1b",
+                    help="model shape (train_throughput's SHAPES; default llama-1b): e.g. gemma2-1b, gpt-oss-2b")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                     help="cpu: a tiny Llama on the CPU, CPU ops instead of kernels (tests the plumbing)")
     ap.add_argument("--warm", type=int, default=8, help="unprofiled steps before the profiled ones (default 8)")
@@ -377,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
         for k, lab, extra in runs:
             child = Path(opts.work) / f"result-{k}-{lab}.json"
             child.unlink(missing_ok=True)
-            argv = [sys.executable, __file__, "--kinds", k, "--variant", f"{lab}={shlex.join(extra)}", "--device",
+            argv = [sys.executable, __file__, "--kinds", k, "--variant", f"{lab}={shlex.join(extra)}", "--shape",
+                    opts.shape, "--device",
                     opts.device, "--warm", str(opts.warm), "--active", str(opts.active), "--skip", str(opts.skip),
                     "--work", opts.work, "--json", str(child), *(["--trace", opts.trace] if opts.trace else [])]
             r = subprocess.run(argv)

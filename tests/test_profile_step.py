@@ -92,6 +92,19 @@ def test_cpu_smoke_profiles_trainbox_sft_in_process(tmp_path):
     assert "GPU idle" not in r.stdout and "kernels:" in r.stdout  # CPU: no busy/idle split
 
 
+def test_cpu_smoke_takes_another_shape(tmp_path):
+    """--shape: gpt-oss's layout (sinks, windows on every other layer, MoE), tiny, through FlexAttention's CPU path."""
+    out = tmp_path / "profile.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_step.py"), "--device", "cpu", "--shape",
+                        "gpt-oss-2b", "--warm", "3", "--active", "1", "--json", str(out), "--work", str(tmp_path / "w")],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (res,) = json.loads(out.read_text())
+    assert res["attn"] == "trainbox_flex" and res["packing"] and res["real_tokens_per_step"] > 0
+    conf = json.loads((tmp_path / "w" / "tiny-gpt-oss-2b" / "config.json").read_text())
+    assert conf["model_type"] == "gpt_oss" and conf["num_hidden_layers"] == 2
+
+
 def _events(linked: bool):
     """A profile's events as the parsed profiler gives them: the fused LM head's op and the GEMM it launched, a
     decoder GEMM, an optimizer step's kernel; GPU events name their CPU op by linked_correlation_id."""
