@@ -301,6 +301,7 @@ def run_one(opts, kind: str, label: str, extra: list[str]) -> dict:
     if cuda:
         peak = tt.peak_tflops()
         res.update(gpu=__import__("torch").cuda.get_device_name(), peak_tflops=peak,
+                   peak_gib=__import__("torch").cuda.max_memory_allocated() / 2**30,
                    mfu=fpt * tokens / wall / (peak * 1e12),
                    mfu_unprofiled=fpt * p.tokens_between(start, end) / p.seconds(start, end) / (peak * 1e12))
     if opts.trace:
@@ -317,8 +318,8 @@ def show(res: dict) -> None:
     busy = ("" if res["busy_share"] is None else
             f", GPU busy {res['busy_ms_per_step']:.1f} ms = {100 * res['busy_share']:.1f} % "
             f"(idle {100 * res['idle_share']:.1f} %: launch/CPU/sync gaps)")
-    mfu = (f"; MFU {100 * res['mfu']:.1f} % profiled, {100 * res['mfu_unprofiled']:.1f} % unprofiled"
-           if "mfu" in res else "")
+    mfu = (f"; MFU {100 * res['mfu']:.1f} % profiled, {100 * res['mfu_unprofiled']:.1f} % unprofiled; peak "
+           f"{res['peak_gib']:.1f} GiB allocated" if "mfu" in res else "")
     print(f"\n== {res['kind']}/{res['variant']} ({res['device']}; attn={res['attn']} liger={res['liger']} "
           f"packing={res['packing']} ckpt={res['gradient_checkpointing']})\n"
           f"steps {res['profiled_steps'][0]}-{res['profiled_steps'][1]}: {res['wall_ms_per_step']:.1f} ms/step "
@@ -345,7 +346,8 @@ def compare(results: list[dict]) -> None:
     for r in results:
         cats = sorted(r["categories"].items(), key=lambda kv: -kv[1]["share_of_step"])[:3]
         idle = "" if r["idle_share"] is None else f" idle {100 * r['idle_share']:.1f} %"
-        mfu = f" MFU {100 * r['mfu_unprofiled']:.1f} %" if "mfu_unprofiled" in r else ""
+        mfu = (f" MFU {100 * r['mfu_unprofiled']:.1f} %, peak {r['peak_gib']:.1f} GiB" if "mfu_unprofiled" in r
+               else "")
         print(f"  {r['kind']}/{r['variant']}: {r['wall_ms_per_step']:.1f} | {r['unprofiled_wall_ms_per_step']:.1f} "
               f"ms{idle}{mfu}; " + ", ".join(f"{c} {100 * v['share_of_step']:.1f} %" for c, v in cats), flush=True)
 

@@ -15,7 +15,7 @@ import time
 
 from common import launch
 from trainbox.run import outputs, preemption, resume, runsummary
-from trainbox.training import precision, runner
+from trainbox.training import moe, precision, runner
 from trainbox.training import config as cfg
 # The SFT-style trainers' library (qlora uses it too); its names stay reachable here (sft.DataArguments).
 from trainbox.training.sftlib import (FSDP2_GPU, DataArguments, build_trainer, check_before_launch, finish_tuning,
@@ -80,12 +80,16 @@ def train(data_args, model_args, training_args, name: str = "sft") -> int:
         )
 
     choice, facts = tune(model_args, training_args, shards=shards(training_args))
+    experts, line = moe.choose(facts)
+    if line and outputs.is_main_process():
+        print(f"[trainbox] {line}", flush=True)
     dtype = model_args.dtype if model_args.dtype in ("auto", None) else getattr(torch, model_args.dtype)
     model = AutoModelForCausalLM.from_pretrained(
         model_args.model_name_or_path,
         dtype=dtype,
         attn_implementation=choice.impl,
         revision=model_args.model_revision,
+        **experts,
     )
     trainer = build_trainer(model, training_args, train_ds, tokenizer,
                             optimizer_cls_and_kwargs=(precision.optimizer_for(SFTTrainer, training_args, model)

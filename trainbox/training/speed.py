@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass, replace
 
 from common.errors import UsageError
-from trainbox.training import attention, memplan
+from trainbox.training import attention, memplan, moe
 from trainbox.training import config as cfg
 
 GiB = 2**30
@@ -39,6 +39,7 @@ class ModelFacts:
     attention: "attention.Needs" = None  # windows, softcaps, sinks: what the attention kernel must honour
     experts: int = 0  # routed experts per MoE layer (0: dense)
     vocab: int = 0  # rows of the LM head (the loss head's width)
+    experts_dispatch: str | None = None  # MoE: why moe.NAME can't be used (None: it can), moe.applies
 
     @property
     def matmul_params(self) -> int:
@@ -60,6 +61,7 @@ def model_facts(model_path: str, revision: str | None = None) -> ModelFacts:
     tied = out is not None and out.weight is emb.weight
     heads = getattr(text, "num_attention_heads", 0)
     head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else 0)
+    experts = int(getattr(text, "num_local_experts", 0) or getattr(text, "num_experts", 0) or 0)
     return ModelFacts(
         model_type=conf.model_type,
         params=params,
@@ -69,8 +71,9 @@ def model_facts(model_path: str, revision: str | None = None) -> ModelFacts:
         intermediate=getattr(text, "intermediate_size", 4 * text.hidden_size) or 4 * text.hidden_size,
         attn_width=heads * head_dim,
         attention=attention.needs(conf, model),
-        experts=int(getattr(text, "num_local_experts", 0) or getattr(text, "num_experts", 0) or 0),
+        experts=experts,
         vocab=int(getattr(text, "vocab_size", 0) or 0),
+        experts_dispatch=moe.applies(type(model)) if experts else None,
     )
 
 

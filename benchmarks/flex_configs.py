@@ -1,0 +1,137 @@
+"""FlexAttention's kernel block sizes on this GPU: forward+backward milliseconds per configuration, on one packed row.
+
+On the device (one H100; about 2-4 minutes):
+
+    python benchmarks/flex_configs.py --head-dim 256 --heads 8 --kv-heads 4 --softcap 50 --window 1024   # Gemma 2
+    python benchmarks/flex_configs.py --head-dim 64 --heads 32 --kv-heads 8 --window 128                 # gpt-oss
+
+The row is what trainbox sft feeds the kernel: examples of the chat-length mix (train_throughput.lengths) packed into
+--tokens positions, documents from position_ids, the same score_mod and block mask as trainbox_flex (flexattn.py),
+bf16. Each configuration is compiled afresh (torch._dynamo.reset), run 3 times, then timed over --iters calls with
+CUDA events; "default" is inductor's own choice (no kernel_options), "autotune" is `mode=max-autotune-no-cudagraphs`
+(inductor benchmarks its candidates; its compile time is printed too). A configuration that does not fit (shared
+memory) prints its error and is skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages): backward blocks (constraints: N1 % M1 == 0,
+# M2 % N2 == 0) over inductor's forward default.
+CONFIGS = [(m1, n1, m2, n2, w, s) for (m1, n1, m2, n2) in [(64, 64, 64, 64), (32, 64, 64, 32), (32, 128, 128, 32),
+                                                         (64, 128, 128, 64), (32, 32, 32, 32), (16, 64, 64, 16)]
+           for w in (4, 8) for s in (1, 2, 3)]
+
+
+def row(tokens: int, device):
+    import torch
+    import train_throughput as tt
+
+    lens, total = [], 0
+    for n in tt.lengths("mix", 4096, 2048):
+        if total + n > tokens:
+            break
+        lens.append(n)
+        total += n
+    lens.append(tokens - total)
+    pos = torch.cat([torch.arange(n) for n in lens])[None].to(device)
+    return pos, lens
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--head-dim", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--softcap", type=float, default=None)
+    ap.add_argument("--window", type=int, default=None, help="also time the windowed layers (every other layer)")
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--no-autotune", action="store_true")
+    ap.add_argument("--json", help="write the results here")
+    a = ap.parse_args()
+
+    import torch
+    from torch.nn.attention import flex_attention as fa
+
+    from trainbox.training import flexattn
+
+    dev = torch.device("cuda")
+    pos, lens = row(a.tokens, dev)
+    docs = flexattn.padded_documents(pos, None, 1, a.tokens, dev)
+    n = docs.shape[1]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, a.heads, n, a.head_dim, device=dev, dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(1, a.kv_heads, n, a.head_dim, device=dev, dtype=torch.bfloat16, generator=g) for _ in "kv")
+    grad = torch.randn_like(q)
+    mod = flexattn.score_mod(a.head_dim ** -0.5, a.softcap, dev)
+    windows = [None] + ([a.window] if a.window else [])
+    masks = {w: flexattn.block_mask(docs, w) for w in windows}
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}: head dim {a.head_dim}, {a.heads}/{a.kv_heads} "
+          f"heads, {len(lens)} examples in {a.tokens} tokens, softcap {a.softcap}, windows {windows}", flush=True)
+
+    def bench(label, fn, opts):
+        qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+        ms = {}
+        try:
+            t0 = time.perf_counter()
+            for w in windows:
+                for _ in range(3):
+                    out = fn(qq, kk, vv, score_mod=mod, block_mask=masks[w], scale=1.0, enable_gqa=a.heads != a.kv_heads,
+                             **({"kernel_options": opts} if opts else {}))
+                    out.backward(grad)
+            torch.cuda.synchronize()
+            first = time.perf_counter() - t0
+            for w in windows:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(a.iters):
+                    out = fn(qq, kk, vv, score_mod=mod, block_mask=masks[w], scale=1.0,
+                             enable_gqa=a.heads != a.kv_heads, **({"kernel_options": opts} if opts else {}))
+                    out.backward(grad)
+                end.record()
+                torch.cuda.synchronize()
+                ms[str(w)] = start.elapsed_time(end) / a.iters
+        except Exception as e:  # noqa: BLE001 - a configuration that does not fit is reported and skipped
+            print(f"{label:<28} FAILED {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}", flush=True)
+            return None
+        print(f"{label:<28} " + "  ".join(f"window {w}: {t:7.2f} ms" for w, t in ms.items())
+              + f"  (compile + 3 calls {first:.1f} s)", flush=True)
+        return {"label": label, "ms": ms, "first_s": first}
+
+    results = []
+    torch._dynamo.config.recompile_limit = 64
+    runs = [("default", None)] + [(f"bwd {c[:4]} w{c[4]} s{c[5]}", dict(BLOCK_M1=c[0], BLOCK_N1=c[1], BLOCK_M2=c[2],
+                                                                         BLOCK_N2=c[3], num_warps=c[4],
+                                                                         num_stages=c[5])) for c in CONFIGS]
+    for label, opts in runs:
+        torch._dynamo.reset()
+        r = bench(label, torch.compile(fa.flex_attention, fullgraph=True), opts)
+        if r:
+            r["options"] = opts
+            results.append(r)
+    if not a.no_autotune:
+        torch._dynamo.reset()
+        r = bench("autotune", torch.compile(fa.flex_attention, fullgraph=True, mode="max-autotune-no-cudagraphs"), None)
+        if r:
+            results.append(r)
+    best = min(results, key=lambda r: sum(r["ms"].values()))
+    base = next(r for r in results if r["label"] == "default")
+    print(f"SUMMARY best {best['label']} {sum(best['ms'].values()):.2f} ms vs default {sum(base['ms'].values()):.2f} ms "
+          f"({sum(base['ms'].values()) / sum(best['ms'].values()):.2f}x); options {best.get('options')}", flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

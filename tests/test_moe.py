@@ -1,0 +1,61 @@
+"""trainbox_grouped_mm (moe.py) against transformers' own experts on the zoo's MoE models (gpt-oss: biases and an
+interleaved gate; Mixtral, Qwen3-MoE: no biases), on the CPU in float32: the same logits and gradients, and the line
+`trainbox sft` prints."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from tests import zoo
+from trainbox.training import moe, speed
+
+
+def _model(name):
+    import torch
+    import transformers
+
+    cls, extra, _ = zoo.ZOO[name]
+    conf = getattr(transformers, cls)(**{**zoo.COMMON, **extra, "vocab_size": 97})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(conf).float()
+    for n, p in model.named_parameters():
+        if "bias" in n:  # random-init biases are zeros: make them count
+            torch.nn.init.normal_(p, std=0.2)
+    return model
+
+
+@pytest.mark.parametrize("name", ["gpt-oss", "mixtral", "qwen3-moe"])
+def test_same_logits_and_gradients_as_transformers_experts(name):
+    import torch
+
+    moe.register()
+    base = _model(name)
+    ids = torch.randint(0, 97, (3, 40), generator=torch.Generator().manual_seed(1))
+    got = {}
+    for impl in ("eager", moe.NAME):
+        m = copy.deepcopy(base)
+        m.set_experts_implementation(impl)
+        out = m(ids, labels=ids)
+        out.loss.backward()
+        got[impl] = out.logits.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+    ref_logits, ref_grads = got["eager"]
+    logits, grads = got[moe.NAME]
+    assert torch.allclose(logits, ref_logits, atol=1e-5, rtol=1e-5)
+    assert grads.keys() == ref_grads.keys()
+    experts = [n for n in ref_grads if ".experts." in n]
+    assert experts and all(ref_grads[n].abs().max() > 0 for n in experts)  # the experts (and biases) were trained
+    for n, ref in ref_grads.items():
+        assert torch.allclose(grads[n], ref, atol=1e-5 * float(ref.abs().max()) + 1e-7), n
+
+
+def test_sft_gets_it_for_moe_models_only(tmp_path):
+    for name in ("gpt-oss", "llama3"):
+        _model(name).save_pretrained(tmp_path / name)
+    kwargs, line = moe.choose(speed.model_facts(str(tmp_path / "gpt-oss")))
+    assert kwargs == {"experts_implementation": moe.NAME} and line.startswith(f"MoE experts: {moe.NAME}")
+    assert moe.choose(speed.model_facts(str(tmp_path / "llama3"))) == ({}, None)
+    facts = speed.model_facts(str(tmp_path / "gpt-oss"))
+    no = speed.ModelFacts(**{**facts.__dict__, "experts_dispatch": "X does not dispatch its experts"})
+    assert moe.choose(no) == ({}, "MoE experts: transformers' own (X does not dispatch its experts)")

@@ -1,0 +1,120 @@
+"""MoE experts for training: transformers' grouped_mm experts without its scatter-heavy backward.
+
+transformers (5.x) runs a MoE layer's experts through `experts_implementation` ("grouped_mm" by default: tokens
+sorted by expert, one grouped GEMM per projection). Its gathers - the tokens by the sort (`hidden_states[perm // k]`),
+each row's expert bias (`bias[expert_ids]`: tens of thousands of rows gathered from a handful) and the un-sort
+(`out[inv_perm]`) - are advanced indexing, whose backward is an accumulating index_put: CUDA sorts the indices and
+sums every run of equal ones serially. With 8 experts that is thousands of rows per run; on an H100 it took 46 % of a
+gpt-oss-shaped step (benchmarks/profile_step.py --shape gpt-oss-2b: `indexing_backward_kernel`, 275 of 629 ms).
+
+Here the same computation, registered as transformers' experts implementation "trainbox_grouped_mm":
+- the gathers by a permutation are autograd Functions whose backward is the inverse gather (no accumulation: each
+  row goes to one place, and a token's k rows are summed by a reshape);
+- the expert biases are added as one_hot(expert) @ bias, whose backward is one small GEMM (E x S @ S x width);
+- the grouped GEMMs are transformers' own (`_grouped_linear`).
+Expert parallelism's sentinel ids (>= num_experts) are not handled: `applies` says where this is used.
+"""
+
+from __future__ import annotations
+
+NAME = "trainbox_grouped_mm"
+
+
+def _functions():
+    import torch
+
+    class Gather(torch.autograd.Function):
+        """x[index] where index (S,) maps S = rows * k slots onto x's rows, each row exactly k times; backward: the
+        slots' gradients put back in slot order by `inverse` (the inverse of index's sort) and summed per row."""
+
+        @staticmethod
+        def forward(ctx, x, index, inverse, k: int):
+            ctx.save_for_backward(inverse)
+            ctx.k = k
+            return x[index]
+
+        @staticmethod
+        def backward(ctx, grad):
+            (inverse,) = ctx.saved_tensors
+            return grad[inverse].view(-1, ctx.k, grad.shape[-1]).sum(1), None, None, None
+
+    class Permute(torch.autograd.Function):
+        """x[perm] for a permutation; backward: grad[inverse]."""
+
+        @staticmethod
+        def forward(ctx, x, perm, inverse):
+            ctx.save_for_backward(inverse)
+            return x[perm]
+
+        @staticmethod
+        def backward(ctx, grad):
+            (inverse,) = ctx.saved_tensors
+            return grad[inverse], None, None
+
+    return Gather, Permute
+
+
+_FN: dict = {}
+
+
+def experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """transformers' experts interface: hidden_states (tokens, hidden), top_k_index/top_k_weights (tokens, k)."""
+    import torch
+    import torch.nn.functional as F
+    from transformers.integrations.moe import _grouped_linear
+
+    if not _FN:
+        _FN["gather"], _FN["permute"] = _functions()
+    tokens, k = top_k_index.shape
+    experts = self.num_experts
+    ids, order = torch.sort(top_k_index.reshape(-1))  # slots grouped by expert
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    x = _FN["gather"].apply(hidden_states, order // k, inverse, k)
+    counts = torch.histc(ids.int() if ids.is_cuda else ids.float(), bins=experts, min=0, max=experts - 1)
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    onehot = F.one_hot(ids, experts).to(x.dtype) if self.has_bias else None
+
+    up = self.gate_up_proj if self.has_gate else self.up_proj
+    h = _grouped_linear(x, up, offsets, is_transposed=self.is_transposed)
+    if self.has_bias:
+        h = h + onehot @ (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias).to(h.dtype)
+    h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
+    out = _grouped_linear(h, self.down_proj, offsets, is_transposed=self.is_transposed)
+    if self.has_bias:
+        out = out + onehot @ self.down_proj_bias.to(out.dtype)
+    out = out * _FN["permute"].apply(top_k_weights.reshape(-1), order, inverse).unsqueeze(-1).to(out.dtype)
+    out = _FN["permute"].apply(out, inverse, order)  # back to (token, slot) order
+    return out.view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+def register() -> None:
+    """Make experts_implementation="trainbox_grouped_mm" known to transformers."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ALL_EXPERTS_FUNCTIONS.register(NAME, experts_forward)
+
+
+def applies(model_class) -> str | None:
+    """None when `model_class` (a transformers model class) dispatches its experts through transformers' experts
+    interface, so NAME can be used; else why not."""
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # noqa: F401
+    except ImportError:
+        return "this transformers has no experts interface"
+    can = getattr(model_class, "_can_set_experts_implementation", None)
+    if can is None or not can():
+        return f"{model_class.__name__} does not dispatch its experts through transformers' experts interface"
+    return None
+
+
+def choose(facts) -> tuple[dict, str | None]:
+    """(from_pretrained's extra kwargs, the line to print) for a model with `facts` (speed.ModelFacts): MoE models
+    whose experts dispatch through transformers' interface get NAME; dense models nothing."""
+    if not facts.experts:
+        return {}, None
+    if facts.experts_dispatch:
+        return {}, f"MoE experts: transformers' own ({facts.experts_dispatch})"
+    register()
+    return {"experts_implementation": NAME}, (f"MoE experts: {NAME} (grouped GEMMs as transformers' grouped_mm; "
+                                              "gathers whose backward needs no accumulating scatter)")
