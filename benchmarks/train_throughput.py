@@ -242,8 +242,15 @@ def measured_env(work: Path, label: str) -> tuple[dict, Path]:
     return env, out
 
 
-def run(label: str, argv: list[str], work: Path, log: Path) -> dict:
+def split_env(extra: list[str]) -> tuple[dict, list[str]]:
+    """A variant's items: NAME=VALUE (upper-case NAME) set the run's environment, the rest are its options."""
+    env = dict(t.split("=", 1) for t in extra if re.fullmatch(r"[A-Z][A-Z0-9_]*=.*", t))
+    return env, [t for t in extra if not re.fullmatch(r"[A-Z][A-Z0-9_]*=.*", t)]
+
+
+def run(label: str, argv: list[str], work: Path, log: Path, extra_env: dict | None = None) -> dict:
     env, out = measured_env(work, label)
+    env.update(extra_env or {})
     t = time.time()
     with open(log, "a") as f:
         f.write(f"\n===== {label}: {' '.join(argv)}\n")
@@ -337,7 +344,9 @@ def sft(a) -> None:
         order += [(f"ours+{name}", ours, extra) for name, extra in a.also]
         for i, (who, fn, extra) in enumerate(order):
             label = f"{kind}-{who}-{i}"
-            results[label] = show(run(label, fn(data, work / f"o-{label}", a.steps) + extra, work, log), fpt, peak)
+            env, opts = split_env(extra)
+            results[label] = show(run(label, fn(data, work / f"o-{label}", a.steps) + opts, work, log, env), fpt,
+                                  peak)
         if kind == "mix" and a.loss_check:
             # Same batches as plain TRL (padded, no packing): the loss per step must match TRL's.
             label = "mix-ours-nopacking"
@@ -605,7 +614,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=4, help="how many of plain, ours, ours, plain")
     ap.add_argument("--also", action="append", default=[], type=variant, metavar="LABEL=OPTIONS",
                     help="sft, grpo: one more run of ours with these extra arguments, e.g. "
-                         "nosleep='--vllm_enable_sleep_mode false' (repeatable; not in the ours average)")
+                         "nosleep='--vllm_enable_sleep_mode false'; upper-case NAME=VALUE items set the run's "
+                         "environment instead, e.g. keep='TRAINBOX_MLP_RECOMPUTE=0' (sft; repeatable; not in the ours "
+                         "average)")
     ap.add_argument("--no-loss-check", dest="loss_check", action="store_false")
     ap.add_argument("--no-warmup", dest="warmup", action="store_false",
                     help="sft: no warm-up process first (the first --skip steps of every run are not timed anyway)")

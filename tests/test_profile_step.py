@@ -73,6 +73,9 @@ def test_a_variant_needs_a_label():
         with pytest.raises(Exception, match="LABEL=OPTIONS"):
             ps.tt.variant(bad)
     assert ps.parser().parse_args(["--variant", "base="]).variant == [("base", [])]
+    label, extra = ps.tt.variant("keep=TRAINBOX_MLP_RECOMPUTE=0 --packing false")
+    assert ps.tt.split_env(extra) == ({"TRAINBOX_MLP_RECOMPUTE": "0"}, ["--packing", "false"])
+    assert ps.tt.split_env(["--output_dir=x"]) == ({}, ["--output_dir=x"])  # options stay options
 
 
 def test_cpu_smoke_profiles_trainbox_sft_in_process(tmp_path):

@@ -37,6 +37,11 @@ GPU_ENV = "TRAINBOX_FLEX_GPU"  # "0": never offer the fused kernel on GPUs (it i
 _compiled: dict = {}  # torch.compile backend -> compiled flex_attention (one per process)
 _score_mods: dict = {}  # (scale, softcap, device) -> score_mod: one function and its tensors, reused by every call
 _masks: list = []  # (key tensors, window, length) -> BlockMask, for the layers of the current forward
+# Block sizes where inductor's default is slow, by (GPU capability, head size above): head size 256 (Gemma 2) on sm90,
+# benchmarks/flex_configs.py on an H200 (2026-11-26): forward+backward of one packed 16k-token row 2.76 / 2.64 ms
+# (full / 1,024-token window) against the default's 3.59 / 3.30 ms; inductor's own max-autotune found 2.93 / 2.77 ms
+# after 134 s of compiling.
+KERNEL_OPTIONS = {((9, 0), 128): dict(BLOCK_M1=32, BLOCK_N1=32, BLOCK_M2=32, BLOCK_N2=32, num_warps=4, num_stages=2)}
 
 
 def flex_fn():
@@ -206,6 +211,9 @@ def fused(query, key, value, docs, scale: float, window: int | None, softcap: fl
                              for t in (query, key, value))
     kw = dict(score_mod=score_mod(scale, softcap, query.device), block_mask=block_mask(docs, window), scale=1.0,
               enable_gqa=key.shape[1] != query.shape[1])
+    opts = kernel_options(query.shape[-1], query.device)
+    if opts:
+        kw["kernel_options"] = opts
     fn = fn or compiled()
     # Outside autocast (the Trainer's bf16 autocast makes FlexAttention's autocast rule break the compiled graph,
     # and its backward then fails on real tensors: seen on an H100, torch 2.11): the projections are already in
@@ -220,6 +228,16 @@ def fused(query, key, value, docs, scale: float, window: int | None, softcap: fl
         else:  # torch < 2.9
             out, got = fn(query, key, value, return_lse=True, **kw)
     return out[:, :, :s], got[:, :, :s]
+
+
+def kernel_options(head_dim: int, device) -> dict | None:
+    """KERNEL_OPTIONS for this GPU and head size (None: inductor's default)."""
+    if device.type != "cuda":
+        return None
+    import torch
+
+    cc = torch.cuda.get_device_capability(device)
+    return next((o for (c, above), o in KERNEL_OPTIONS.items() if c == cc and head_dim > above), None)
 
 
 def uses_fused(query, key, dropout: float) -> bool:

@@ -126,10 +126,9 @@ def finish_tuning(trainer, facts, qlora: bool = False) -> None:
         print(f"[trainbox] {line}", flush=True)
     if getattr(trainer.args, "trainbox_liger", False):
         speed.apply_liger(trainer.model, facts.model_type)
-        if leanmlp.enabled():
-            n = leanmlp.apply(trainer.model)
-            if outputs.is_main_process():
-                print(f"[trainbox] MLP product recomputed in backward ({leanmlp.ENV}): {n} layers", flush=True)
+        line = leanmlp.choose(trainer.model, checkpointing=bool(trainer.args.gradient_checkpointing))
+        if line and outputs.is_main_process():
+            print(f"[trainbox] {line}", flush=True)
     cb = preemption.find_callback(trainer, throughput.Throughput)
     if cb:
         cb.flops_per_token = throughput.flops_per_token(facts, throughput.example_lengths(trainer.train_dataset))
