@@ -7,8 +7,8 @@ from __future__ import annotations
 import copy
 
 import pytest
+import zoo
 
-from tests import zoo
 from trainbox.training import moe, speed
 
 
