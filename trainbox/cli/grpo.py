@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 from common import launch
 from trainbox.run import outputs, preemption, resume, runsummary
-from trainbox.training import (config, grpo_data, grpo_options, grpo_rollouts, grpo_trainer, rewards, runner, speed,
-                               vllm_server)
+from trainbox.training import (config, grpo_data, grpo_options, grpo_rollouts, grpo_trainer, moe, rewards, runner,
+                               speed, vllm_server)
 from common.errors import UsageError
 
 PROG = "trainbox grpo"
@@ -127,6 +127,11 @@ def train(script, args, model_args, checked: Checked) -> int:
     facts = speed.model_facts(model_args.model_name_or_path, model_args.model_revision)
     line = grpo_trainer.choose_checkpointing(args, model_args, checked.mode, script.max_prompt_tokens, facts)
     lines = [line, *grpo_trainer.choose_policy_forward(script, args, model_args, facts.attention)]
+    if checked.mode == "full":  # (LoRA/QLoRA on MoE experts: not measured with it)
+        experts, line = moe.choose(facts)
+        if experts:
+            args.model_init_kwargs = {**experts, **(args.model_init_kwargs or {})}  # the user's own kwargs win
+        lines += [line] if line else []
     if outputs.is_main_process():
         for line in lines:
             print(f"[trainbox] grpo: {line}", flush=True)
