@@ -104,6 +104,12 @@ for case, per_rank in json.loads(os.environ["CASES"]).items():
     asked.clear()
     agreed = attention.agree(decide, usable)
     out[case] = {"alone": alone, "line": agreed.line(), "packed": agreed.packed, "asked": list(asked)}
+def broken(u):
+    raise ValueError("boom")
+try:  # rank 0's decision raising: every rank gets the error, none waits in the broadcast
+    attention.agree(broken if rank == 0 else decide, lambda n: None)
+except RuntimeError as e:
+    out["raised"] = str(e)
 open(os.environ["OUT"] + f".{rank}", "w").write(json.dumps(out))
 dist.destroy_process_group()
 '''
@@ -145,5 +151,6 @@ def test_ranks_agree_on_one_kernel(tmp_path):
     assert lacks[0]["line"] == lacks[1]["line"] and lacks[0]["line"].startswith("attention: eager")
     assert lacks[1]["asked"] == []  # eager needs no trial
 
+    assert got[0]["raised"] == got[1]["raised"] == "choosing the attention kernel failed on rank 0: ValueError: boom"
     cpu = [g["cpu"] for g in got]  # no GPU: FlexAttention's dense math is chosen without a trial, on every rank
     assert cpu[0]["line"] == cpu[1]["line"] and "FlexAttention" in cpu[0]["line"] and cpu[1]["asked"] == []

@@ -71,3 +71,27 @@ def test_it_applies_only_without_checkpointing_and_can_be_turned_off(monkeypatch
     assert leanmlp.enabled()
     assert leanmlp.choose(model, checkpointing=False) is None  # nothing Liger-patched here: no line, no change
     assert "forward" not in model.__dict__
+
+
+def test_any_value_of_the_switch_gives_a_line_never_a_traceback(monkeypatch):
+    """Fuzzed: whatever TRAINBOX_MLP_RECOMPUTE holds, choose() returns a line or None (a typo is named, never raised)."""
+    import torch
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    model = torch.nn.Linear(4, 4)
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.text().filter(lambda t: "\x00" not in t))
+    def check(value):
+        monkeypatch.setenv(leanmlp.ENV, value)
+        line = leanmlp.choose(model, checkpointing=False)
+        v = value.strip().lower()
+        if v in ("0", "false", "no", "off"):
+            assert line == f"MLP product kept for backward ({leanmlp.ENV}={value})"
+        elif v in ("", "1", "true", "yes", "on"):
+            assert line is None  # on, and nothing here to apply it to
+        else:
+            assert line == f"{leanmlp.ENV}={value!r} is neither 0 nor 1: left on"
+
+    check()

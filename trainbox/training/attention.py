@@ -324,10 +324,15 @@ def agree(decide_fn: Callable[[Callable[[str], str | None]], Choice], usable: Ca
     while True:
         box: list = [None]
         if rank == 0:
-            choice = decide_fn(lambda n: ruled_out.get(n) or tried(n))
-            box[0] = (choice, choice.name in seen)  # tried on rank 0 (not SDPA/eager, not the no-GPU choice)
+            try:
+                choice = decide_fn(lambda n: ruled_out.get(n) or tried(n))
+                box[0] = (choice, choice.name in seen)  # tried on rank 0 (not SDPA/eager, not the no-GPU choice)
+            except Exception as e:  # noqa: BLE001 - the others must not wait in the broadcast for ever
+                box[0] = (None, f"{type(e).__name__}: {e}")
         dist.broadcast_object_list(box, src=0, device=dev)
         choice, tested = box[0]
+        if choice is None:
+            raise RuntimeError(f"choosing the attention kernel failed on rank 0: {tested}")
         why = tried(choice.name) if tested and rank != 0 else None
         answers: list = [None] * ranks
         dist.all_gather_object(answers, why)

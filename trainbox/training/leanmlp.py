@@ -88,20 +88,32 @@ def _kind(module) -> str | None:
     return None
 
 
+def setting() -> tuple[bool, str | None]:
+    """(on?, a note on the variable): on unless TRAINBOX_MLP_RECOMPUTE is 0/false/no/off; a value that is neither
+    leaves it on and says so."""
+    raw = os.environ.get(ENV)
+    value = (raw or "").strip().lower()
+    if value in ("0", "false", "no", "off"):
+        return False, None
+    if value in ("", "1", "true", "yes", "on"):
+        return True, None
+    return True, f"{ENV}={raw!r} is neither 0 nor 1: left on"
+
+
 def enabled() -> bool:
-    """On unless TRAINBOX_MLP_RECOMPUTE is 0/false/no/off."""
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return setting()[0]
 
 
 def choose(model, checkpointing: bool) -> str | None:
     """Apply where it saves memory (checkpointing recomputes whole layers anyway); the line to print, or None."""
     if checkpointing:
         return None
-    if not enabled():
+    on, note = setting()
+    if not on:
         return f"MLP product kept for backward ({ENV}={os.environ.get(ENV)})"
     n = apply(model)
     return (f"MLP product recomputed in backward ({n} layers: 2 x intermediate bytes per token and layer less; "
-            f"{ENV}=0 keeps it)") if n else None
+            f"{ENV}=0 keeps it)" + (f"; {note}" if note else "")) if n else note
 
 
 def apply(model) -> int:
