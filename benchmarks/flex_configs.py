@@ -86,8 +86,8 @@ def main() -> int:
             t0 = time.perf_counter()
             for w in windows:
                 for _ in range(3):
-                    out = fn(qq, kk, vv, score_mod=mod, block_mask=masks[w], scale=1.0, enable_gqa=a.heads != a.kv_heads,
-                             **({"kernel_options": opts} if opts else {}))
+                    out = fn(qq, kk, vv, score_mod=mod, block_mask=masks[w], scale=1.0,
+                             enable_gqa=a.heads != a.kv_heads, **({"kernel_options": opts} if opts else {}))
                     out.backward(grad)
             torch.cuda.synchronize()
             first = time.perf_counter() - t0
@@ -102,7 +102,8 @@ def main() -> int:
                 torch.cuda.synchronize()
                 ms[str(w)] = start.elapsed_time(end) / a.iters
         except Exception as e:  # noqa: BLE001 - a configuration that does not fit is reported and skipped
-            print(f"{label:<28} FAILED {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}", flush=True)
+            why = str(e).splitlines()[0][:120] if str(e) else ""
+            print(f"{label:<28} FAILED {type(e).__name__}: {why}", flush=True)
             return None
         print(f"{label:<28} " + "  ".join(f"window {w}: {t:7.2f} ms" for w, t in ms.items())
               + f"  (compile + 3 calls {first:.1f} s)", flush=True)
@@ -126,8 +127,9 @@ def main() -> int:
             results.append(r)
     best = min(results, key=lambda r: sum(r["ms"].values()))
     base = next(r for r in results if r["label"] == "default")
-    print(f"SUMMARY best {best['label']} {sum(best['ms'].values()):.2f} ms vs default {sum(base['ms'].values()):.2f} ms "
-          f"({sum(base['ms'].values()) / sum(best['ms'].values()):.2f}x); options {best.get('options')}", flush=True)
+    fast, slow = sum(best["ms"].values()), sum(base["ms"].values())
+    print(f"SUMMARY best {best['label']} {fast:.2f} ms vs default {slow:.2f} ms ({slow / fast:.2f}x); options "
+          f"{best.get('options')}", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=1))
     return 0

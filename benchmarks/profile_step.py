@@ -362,7 +362,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--shape", choices=list(tt.SHAPES), default="llama-1b",
                     help="model shape (train_throughput's SHAPES; default llama-1b): e.g. gemma2-1b, gpt-oss-2b")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                    help="cpu: a tiny Llama on the CPU, CPU ops instead of kernels (tests the plumbing)")
+                    help="cpu: a tiny model of the shape on the CPU, CPU ops instead of kernels (tests the plumbing)")
     ap.add_argument("--warm", type=int, default=8, help="unprofiled steps before the profiled ones (default 8)")
     ap.add_argument("--active", type=int, default=3, help="profiled steps (default 3)")
     ap.add_argument("--skip", type=int, default=3, help="steps before the unprofiled rate's start (default 3)")

@@ -242,10 +242,13 @@ def measured_env(work: Path, label: str) -> tuple[dict, Path]:
     return env, out
 
 
+ENV_ITEM = re.compile(r"[A-Z][A-Z0-9_]*=.*")
+
+
 def split_env(extra: list[str]) -> tuple[dict, list[str]]:
     """A variant's items: NAME=VALUE (upper-case NAME) set the run's environment, the rest are its options."""
-    env = dict(t.split("=", 1) for t in extra if re.fullmatch(r"[A-Z][A-Z0-9_]*=.*", t))
-    return env, [t for t in extra if not re.fullmatch(r"[A-Z][A-Z0-9_]*=.*", t)]
+    env = dict(t.split("=", 1) for t in extra if ENV_ITEM.fullmatch(t))
+    return env, [t for t in extra if not ENV_ITEM.fullmatch(t)]
 
 
 def run(label: str, argv: list[str], work: Path, log: Path, extra_env: dict | None = None) -> dict:
@@ -531,7 +534,8 @@ def grpo(a) -> None:
     order += [(f"ours+{name}", ours, extra) for name, extra in a.also]
     for i, (who, fn, extra) in enumerate(order):
         label = f"grpo-{who}-{i}"
-        res = run(label, fn(work / f"o-{label}", a.steps) + extra, work, log)
+        env, opts = split_env(extra)
+        res = run(label, fn(work / f"o-{label}", a.steps) + opts, work, log, env)
         if not res.get("failed"):
             res["steps_per_s"] = res["steps"] / res["seconds"]
             toks = dict(res.pop("num_tokens"))
@@ -615,7 +619,7 @@ def main() -> None:
     ap.add_argument("--also", action="append", default=[], type=variant, metavar="LABEL=OPTIONS",
                     help="sft, grpo: one more run of ours with these extra arguments, e.g. "
                          "nosleep='--vllm_enable_sleep_mode false'; upper-case NAME=VALUE items set the run's "
-                         "environment instead, e.g. keep='TRAINBOX_MLP_RECOMPUTE=0' (sft; repeatable; not in the ours "
+                         "environment instead, e.g. keep='TRAINBOX_MLP_RECOMPUTE=0' (repeatable; not in the ours "
                          "average)")
     ap.add_argument("--no-loss-check", dest="loss_check", action="store_false")
     ap.add_argument("--no-warmup", dest="warmup", action="store_false",

@@ -66,15 +66,16 @@ def test_it_applies_only_without_checkpointing_and_can_be_turned_off(monkeypatch
     monkeypatch.setenv(leanmlp.ENV, "0")
     assert leanmlp.choose(model, checkpointing=False) == f"MLP product kept for backward ({leanmlp.ENV}=0)"
     monkeypatch.setenv(leanmlp.ENV, "off")
-    assert not leanmlp.enabled()
+    assert leanmlp.setting() == (False, None)
     monkeypatch.delenv(leanmlp.ENV)
-    assert leanmlp.enabled()
+    assert leanmlp.setting() == (True, None)
     assert leanmlp.choose(model, checkpointing=False) is None  # nothing Liger-patched here: no line, no change
     assert "forward" not in model.__dict__
 
 
 def test_any_value_of_the_switch_gives_a_line_never_a_traceback(monkeypatch):
-    """Fuzzed: whatever TRAINBOX_MLP_RECOMPUTE holds, choose() returns a line or None (a typo is named, never raised)."""
+    """Fuzzed: whatever TRAINBOX_MLP_RECOMPUTE holds, choose() returns a line or None (a typo is named, never
+    raised)."""
     import torch
     from hypothesis import given, settings
     from hypothesis import strategies as st

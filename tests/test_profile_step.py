@@ -99,7 +99,8 @@ def test_cpu_smoke_takes_another_shape(tmp_path):
     """--shape: gpt-oss's layout (sinks, windows on every other layer, MoE), tiny, through FlexAttention's CPU path."""
     out = tmp_path / "profile.json"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_step.py"), "--device", "cpu", "--shape",
-                        "gpt-oss-2b", "--warm", "3", "--active", "1", "--json", str(out), "--work", str(tmp_path / "w")],
+                        "gpt-oss-2b", "--warm", "3", "--active", "1", "--json", str(out),
+                        "--work", str(tmp_path / "w")],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     (res,) = json.loads(out.read_text())

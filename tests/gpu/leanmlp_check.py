@@ -30,7 +30,8 @@ def run(kind: str, tokens: int) -> dict:
 
     torch.manual_seed(0)
     if kind == "geglu":
-        ref = LigerGEGLUMLP(Gemma2Config(hidden_size=2048, intermediate_size=8192, hidden_activation="gelu_pytorch_tanh"))
+        conf = Gemma2Config(hidden_size=2048, intermediate_size=8192, hidden_activation="gelu_pytorch_tanh")
+        ref = LigerGEGLUMLP(conf)
     else:
         ref = LigerSwiGLUMLP(LlamaConfig(hidden_size=2048, intermediate_size=8192))
     ref = ref.cuda().to(torch.bfloat16)

@@ -26,6 +26,8 @@ from __future__ import annotations
 import math
 import os
 
+from trainbox.training import config
+
 FLEX = "trainbox_flex"
 BLOCK = 128  # FlexAttention's default block size: packed lengths are padded up to a multiple of it (2 at least:
 # Dynamo specializes a size of 1, so one-block rows would compile graphs of their own)
@@ -290,12 +292,12 @@ def usable(head_dim: int = 64) -> str | None:
         return "this torch has no torch.nn.attention.flex_attention"
     if not torch.cuda.is_available():
         return "no GPU"
-    switch = os.environ.get(GPU_ENV, "").strip().lower()
-    if switch in ("0", "false", "no", "off"):
+    on = config.switch(os.environ.get(GPU_ENV), default=True)
+    if on is False:
         # Off switch. The GPU default rests on tests/gpu/flex_check.py passing on an H100 (torch 2.11): logits and
         # gradients within bf16 eager's bound for Gemma 2, gpt-oss and Llama, 0 graph breaks, no late recompiles.
         return f"{GPU_ENV}={os.environ[GPU_ENV]} turns it off"
-    if switch not in ("", "1", "true", "yes", "on"):
+    if on is None:
         return f"{GPU_ENV}={os.environ[GPU_ENV]!r} is neither 0 nor 1: left off (unset it to use FlexAttention)"
     try:
         from torch.utils._triton import has_triton

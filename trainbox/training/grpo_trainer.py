@@ -15,8 +15,8 @@ def choose_checkpointing(args, model_args, mode: str, max_prompt_tokens: int | N
     fits in what colocated vLLM leaves (speed.py's estimate; the micro-batch is prompt + completion tokens of each
     completion). LoRA/QLoRA keep TRL's choice: their point is fitting a big base in little memory."""
     if mode != "full" or "gradient_checkpointing" in config.explicit(args):
-        return (f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'} ("
-                + ("set by you" if "gradient_checkpointing" in config.explicit(args) else f"{mode}: TRL's default") + ")"
+        why = "set by you" if "gradient_checkpointing" in config.explicit(args) else f"{mode}: TRL's default"
+        return (f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'} ({why})"
                 + choose_sleep_mode(args, planned=False))
     import torch
 

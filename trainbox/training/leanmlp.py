@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import os
 
+from trainbox.training import config
+
 ENV = "TRAINBOX_MLP_RECOMPUTE"
 
 
@@ -58,8 +60,8 @@ def _function():
             fwd, bwd = _kernels(ctx.kind)
             grad = grad.contiguous()
             g2 = grad.reshape(-1, grad.shape[-1])
-            w = weight.to(grad.dtype) if weight.dtype != grad.dtype and not torch.is_autocast_enabled("cuda") else weight
-            dc = g2 @ w  # (tokens, intermediate)
+            cast = weight.dtype != grad.dtype and not torch.is_autocast_enabled("cuda")
+            dc = g2 @ (weight.to(grad.dtype) if cast else weight)  # (tokens, intermediate)
             c = fwd(a, b)[2].reshape(-1, a.shape[-1]).to(dc.dtype)
             dw = g2.t() @ c
             del c
@@ -92,16 +94,8 @@ def setting() -> tuple[bool, str | None]:
     """(on?, a note on the variable): on unless TRAINBOX_MLP_RECOMPUTE is 0/false/no/off; a value that is neither
     leaves it on and says so."""
     raw = os.environ.get(ENV)
-    value = (raw or "").strip().lower()
-    if value in ("0", "false", "no", "off"):
-        return False, None
-    if value in ("", "1", "true", "yes", "on"):
-        return True, None
-    return True, f"{ENV}={raw!r} is neither 0 nor 1: left on"
-
-
-def enabled() -> bool:
-    return setting()[0]
+    on = config.switch(raw, default=True)
+    return (True, f"{ENV}={raw!r} is neither 0 nor 1: left on") if on is None else (on, None)
 
 
 def choose(model, checkpointing: bool) -> str | None:
