@@ -590,3 +590,116 @@ def test_policy_forward_choice(tiny_model, gsm8k_file, monkeypatch):
     assert (on, impl) == (False, "sdpa") and "padded rows (TRL's)" in line
     assert decide("--padding_free", "false")[0] is False
     assert decide("--attn_implementation", "flash_attention_2", gpu=True)[:2] == (True, "flash_attention_2")
+
+
+# ---------------------------------------------------------------- vLLM's importance-sampling ratio from the loss forward
+
+
+def ratio_trainer(tiny_model, tmp_path, **config):
+    """Our GRPO trainer class (the ratio mixin over the padding-free trainer) on the tiny Llama, generating with
+    transformers but made to look like vLLM to TRL: vLLM's per-token logprobs are the trainer's own plus noise (one
+    NaN, as vLLM gives for a token it could not score)."""
+    import datasets
+    import torch
+    from trl import GRPOConfig
+
+    from trainbox.training.grpo_is_ratio import LossTimeRatio
+    from trainbox.training.grpo_padding_free import PaddingFreeGRPOTrainer
+
+    args = GRPOConfig(output_dir=str(tmp_path), num_generations=2, per_device_train_batch_size=4,
+                      max_completion_length=6, bf16=False, report_to="none", use_cpu=True, seed=0,
+                      model_init_kwargs={"attn_implementation": "sdpa", "dtype": "float32"}, **config)
+    cls = type("TrainboxGRPOTrainer", (LossTimeRatio, PaddingFreeGRPOTrainer), {})
+    trainer = cls(model=str(tiny_model), reward_funcs=lambda completions, **k: [float(len(c)) for c in completions],
+                  args=args, train_dataset=datasets.Dataset.from_list([{"prompt": "a b"}] * 4))
+    real = trainer._generate
+
+    def generate_like_vllm(prompts):
+        trainer.use_vllm = False
+        try:
+            out = list(real(prompts))
+        finally:
+            trainer.use_vllm = True
+        g = torch.Generator().manual_seed(1)
+        noisy = []
+        with torch.no_grad():
+            for prompt, completion in zip(out[0], out[1], strict=True):
+                logits = trainer.model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
+                own = logits.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+                noisy.append((own + 0.4 * torch.randn(len(completion), generator=g)).tolist())
+        noisy[0][0] = float("nan")
+        out[4] = noisy  # sampling_per_token_logps_list
+        return tuple(out)
+
+    trainer._generate = generate_like_vllm
+    trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
+    return trainer
+
+
+@pytest.mark.parametrize("mode", ["sequence_mask", "token_truncate"])
+def test_vllm_ratio_from_the_loss_forward_equals_trls_extra_forward(tiny_model, tmp_path, mode):
+    """TRL's own path (an old-policy forward at generation, its ratio code) and ours (no extra forward; the ratio from
+    the loss forward) give the same ratio, loss, gradients and sampling/* metrics when the weights did not change."""
+    import torch
+    from trl import GRPOTrainer
+
+    from trainbox.training.grpo_padding_free import PaddingFreeGRPOTrainer
+
+    trainer = ratio_trainer(tiny_model, tmp_path, vllm_importance_sampling_mode=mode,
+                            vllm_importance_sampling_clip_min=0.7 if mode == "token_truncate" else None,
+                            vllm_importance_sampling_clip_max=1.4)
+    assert trainer._ratio_from_loss()
+    model, rows = trainer.model, [{"prompt": "a b"}] * 4
+    forwards = []
+    real_forward = PaddingFreeGRPOTrainer._get_per_token_logps_and_entropies
+
+    def counted(self, *a, **k):
+        forwards.append(torch.is_grad_enabled())
+        return real_forward(self, *a, **k)
+
+    def run(generate_and_score, compute_loss):
+        torch.manual_seed(0)
+        model.train()  # TRL files metrics under the model's mode
+        trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop, which isn't running here
+        trainer._metrics["train"].clear()
+        forwards.clear()
+        batch = generate_and_score(rows)
+        model.zero_grad()
+        loss = compute_loss(model, batch)
+        loss.backward()
+        metrics = {k: v for k, v in trainer._metrics["train"].items() if k.startswith("sampling/")}
+        return batch, loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None], \
+            metrics, list(forwards)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(PaddingFreeGRPOTrainer, "_get_per_token_logps_and_entropies", counted)
+        theirs = run(lambda r: GRPOTrainer._generate_and_score_completions(trainer, r),
+                     lambda m, b: GRPOTrainer._compute_loss(trainer, m, b))
+        ours = run(trainer._generate_and_score_completions, trainer._compute_loss)
+    torch.testing.assert_close(theirs[0]["completion_ids"], ours[0]["completion_ids"], rtol=0, atol=0)
+    assert "old_per_token_logps" in theirs[0] and "old_per_token_logps" not in ours[0]
+    assert theirs[4] == [False, True] and ours[4] == [True]  # the extra no-grad forward is gone
+    torch.testing.assert_close(ours[0]["importance_sampling_ratio"], theirs[0]["importance_sampling_ratio"])
+    assert ours[0]["importance_sampling_ratio"].shape == theirs[0]["importance_sampling_ratio"].shape
+    torch.testing.assert_close(ours[1], theirs[1])
+    for a, b in zip(ours[2], theirs[2], strict=True):
+        torch.testing.assert_close(a, b)
+    assert ours[3].keys() == theirs[3].keys() and len(ours[3]) == 5
+    for k in ours[3]:
+        assert ours[3][k] == pytest.approx(theirs[3][k], rel=1e-5, abs=1e-6), k
+
+
+def test_vllm_ratio_keeps_trls_forward_where_weights_may_change(tiny_model, tmp_path):
+    """A generation batch spread over two optimizer steps (steps_per_generation 2 > gradient_accumulation_steps 1)
+    is scored by weights that changed since it was generated: TRL's old-policy forward stays, as does VESPO's."""
+    later = ratio_trainer(tiny_model, tmp_path / "a", steps_per_generation=2)
+    assert not later._ratio_from_loss()
+    batch = later._generate_and_score_completions([{"prompt": "a b"}] * 4)
+    assert "old_per_token_logps" in batch and "importance_sampling_ratio" in batch
+    from trainbox.training.grpo_trainer import describe_ratio
+
+    assert "TRL's old-policy forward" in describe_ratio(later)
+    same = ratio_trainer(tiny_model, tmp_path / "b")
+    assert "from the loss forward" in describe_ratio(same)
+    same.loss_type = "vespo"
+    assert not same._ratio_from_loss()

@@ -139,6 +139,9 @@ def train(script, args, model_args, checked: Checked) -> int:
                                          padding_free=script.padding_free)
     if outputs.is_main_process():
         print(f"[trainbox] grpo: {grpo_trainer.describe_model(trainer.model)}", flush=True)
+        ratio = grpo_trainer.describe_ratio(trainer)
+        if ratio:
+            print(f"[trainbox] grpo: {ratio}", flush=True)
     trainer.train(resume_from_checkpoint=checked.resume)
     if not preemption.was_preempted():
         trainer.save_model(out)

@@ -91,11 +91,27 @@ def describe_model(model) -> str:
     return f"loaded: base weights {weights}{lora}; trainable {trainable:,} of {total:,} parameters"
 
 
-def build_trainer(args, model_args, mode, funcs, ds, preempt_cb, padding_free: bool = False):
-    from trl import GRPOTrainer, get_peft_config, get_quantization_config
+def describe_ratio(trainer) -> str | None:
+    """Where vLLM's importance-sampling ratio comes from (grpo_is_ratio.py), when vLLM generates."""
+    if not (trainer.use_vllm and trainer.vllm_importance_sampling_correction):
+        return None
+    if trainer._ratio_from_loss():
+        return ("vLLM importance-sampling ratio: from the loss forward (the weights that generated score the loss; "
+                "no extra old-policy forward)")
+    return "vLLM importance-sampling ratio: TRL's old-policy forward (the weights may change between generation and use)"
 
+
+def build_trainer(args, model_args, mode, funcs, ds, preempt_cb, padding_free: bool = False):
+    from trl import get_peft_config, get_quantization_config
+
+    from trainbox.training.grpo_is_ratio import LossTimeRatio
+
+    bases = (LossTimeRatio,)
     if padding_free:
-        from trainbox.training.grpo_padding_free import PaddingFreeGRPOTrainer as GRPOTrainer
+        from trainbox.training.grpo_padding_free import PaddingFreeGRPOTrainer
+
+        bases += (PaddingFreeGRPOTrainer,)
+    trainer_class = type("TrainboxGRPOTrainer", bases, {})
 
     init = dict(args.model_init_kwargs or {})
     init.setdefault("revision", model_args.model_revision)
@@ -111,7 +127,7 @@ def build_trainer(args, model_args, mode, funcs, ds, preempt_cb, padding_free: b
             # device_map=None under DDP, would quantize onto no device).
             init.setdefault("device_map", {"": int(os.environ.get("LOCAL_RANK", "0"))})
     args.model_init_kwargs = init
-    return GRPOTrainer(
+    return trainer_class(
         model=model_args.model_name_or_path,
         reward_funcs=funcs,
         args=args,
