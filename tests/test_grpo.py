@@ -260,6 +260,53 @@ def test_rollout_choice_is_automatic_and_reported(monkeypatch):
     assert "vLLM server at 0.0.0.0:8123" in grpo_rollouts.resolve_rollouts(server)
     assert grpo_rollouts.resolve_rollouts(off) == "rollouts: transformers generate (use_vllm set)"
     assert off.use_vllm is False
+    # Colocated vLLM skips detokenizing (TRL decodes the ids); the server and transformers keep theirs.
+    assert line.endswith(", no detokenizing (TRL decodes the ids) (auto: vllm installed, GPU present)")
+    assert colocate.generation_kwargs == {"detokenize": False}
+    assert not server.generation_kwargs and not off.generation_kwargs
+
+
+@pytest.mark.parametrize("kwargs, regex, kept, note", [
+    ({}, None, {"detokenize": False}, ", no detokenizing (TRL decodes the ids)"),
+    ({"min_tokens": 4}, None, {"min_tokens": 4, "detokenize": False}, ", no detokenizing (TRL decodes the ids)"),
+    ({"stop": ["</answer>"]}, None, {"stop": ["</answer>"]}, ", detokenizing (stop strings / structured outputs)"),
+    ({}, r"\d+", {}, ", detokenizing (stop strings / structured outputs)"),
+    ({"structured_outputs": {"regex": "a"}}, None, {"structured_outputs": {"regex": "a"}},
+     ", detokenizing (stop strings / structured outputs)"),
+    ({"detokenize": True}, None, {"detokenize": True}, ""),
+])
+def test_colocated_vllm_detokenizes_only_where_text_is_needed(kwargs, regex, kept, note):
+    """vLLM refuses stop strings without detokenizing; structured outputs and the user's own choice are kept."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(generation_kwargs=dict(kwargs), vllm_structured_outputs_regex=regex)
+    assert grpo_rollouts.skip_detokenizing(args) == note
+    assert (args.generation_kwargs or {}) == kept
+
+
+def test_detokenizing_choice_is_fuzzed():
+    """Any generation_kwargs: no exception; detokenize is only ever added as False, never where stop strings or
+    structured outputs need text, and nothing the user set is changed."""
+    from types import SimpleNamespace
+
+    from hypothesis import given, settings, strategies as st
+
+    values = st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=5), st.lists(st.text(max_size=3)))
+    keys = st.one_of(st.sampled_from(["stop", "detokenize", "structured_outputs", "min_tokens", "seed"]), st.text())
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.dictionaries(keys, values, max_size=4), st.one_of(st.none(), st.text(max_size=4)))
+    def check(kwargs, regex):
+        args = SimpleNamespace(generation_kwargs=dict(kwargs), vllm_structured_outputs_regex=regex)
+        note = grpo_rollouts.skip_detokenizing(args)
+        added = {k: v for k, v in args.generation_kwargs.items() if k not in kwargs}
+        assert {k: args.generation_kwargs[k] for k in kwargs} == kwargs
+        assert added in ({}, {"detokenize": False})
+        if added:
+            assert not kwargs.get("stop") and "structured_outputs" not in kwargs and not regex
+            assert note == ", no detokenizing (TRL decodes the ids)"
+
+    check()
 
 
 def test_gsm8k_preset_builds_the_notebooks_prompts(tiny_model, gsm8k_file):

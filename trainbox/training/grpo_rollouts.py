@@ -54,7 +54,21 @@ def resolve_rollouts(args, ours: str | None = None) -> str:
         if total:
             args.vllm_gpu_memory_utilization, sized = rollout_memory_share(total)
     return (f"rollouts: vLLM colocate, {sleep}, "
-            f"gpu_memory_utilization {args.vllm_gpu_memory_utilization:.2f}{sized} ({why})")
+            f"gpu_memory_utilization {args.vllm_gpu_memory_utilization:.2f}{sized}{skip_detokenizing(args)} ({why})")
+
+
+def skip_detokenizing(args) -> str:
+    """Colocated vLLM without its incremental detokenization: TRL reads only the token ids (and logprobs) and
+    decodes the completions itself, so vLLM's per-step text is thrown away; in the decode loop it is CPU work on the
+    critical path (generation there is CPU-bound: the GPU is busy ~30-60 % of a 1B model's rollout). Kept where text
+    is needed (stop strings), structured outputs, or where generation_kwargs names detokenize. Returns the note."""
+    kwargs = dict(args.generation_kwargs or {})
+    if "detokenize" in kwargs:
+        return ""
+    if kwargs.get("stop") or "structured_outputs" in kwargs or args.vllm_structured_outputs_regex:
+        return ", detokenizing (stop strings / structured outputs)"
+    args.generation_kwargs = {**kwargs, "detokenize": False}
+    return ", no detokenizing (TRL decodes the ids)"
 
 
 # vLLM's colocated share of the GPU: enough KV cache for a generation batch of long completions, the rest for
