@@ -639,7 +639,7 @@ def test_policy_forward_choice(tiny_model, gsm8k_file, monkeypatch):
     assert decide("--attn_implementation", "flash_attention_2", gpu=True)[:2] == (True, "flash_attention_2")
 
 
-# ---------------------------------------------------------------- vLLM's importance-sampling ratio from the loss forward
+# ------------------------------------------------------- vLLM's importance-sampling ratio from the loss forward
 
 
 def ratio_trainer(tiny_model, tmp_path, **config):

@@ -41,6 +41,8 @@ def importance_ratio(current: torch.Tensor, sampling: torch.Tensor, mask: torch.
 class LossTimeRatio(GRPOTrainer):
     """Mixin (before TRL's GRPOTrainer or a subclass of it): see the module docstring."""
 
+    _ratio_inputs: dict | None = None  # the micro-batch whose loss forward is running (set by _compute_loss)
+
     def _ratio_from_loss(self) -> bool:
         generate_every = self.args.steps_per_generation * self.num_iterations
         return (self.use_vllm and self.vllm_importance_sampling_correction and self.loss_type != "vespo"
@@ -68,7 +70,7 @@ class LossTimeRatio(GRPOTrainer):
 
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
         out = super()._get_per_token_logps_and_entropies(*args, **kwargs)
-        inputs = getattr(self, "_ratio_inputs", None)
+        inputs = self._ratio_inputs
         if inputs is not None:  # the loss's forward: the first call inside _compute_loss
             self._ratio_inputs = None
             self._add_ratio(inputs, out[0].detach())
@@ -101,4 +103,3 @@ class LossTimeRatio(GRPOTrainer):
             gather(flat.mean() if flat.numel() else zero).nanmean().item())
         metrics["sampling/importance_sampling_ratio/max"].append(
             nanmax(gather(flat.max() if flat.numel() else zero)).item())
-

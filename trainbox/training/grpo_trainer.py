@@ -98,7 +98,8 @@ def describe_ratio(trainer) -> str | None:
     if trainer._ratio_from_loss():
         return ("vLLM importance-sampling ratio: from the loss forward (the weights that generated score the loss; "
                 "no extra old-policy forward)")
-    return "vLLM importance-sampling ratio: TRL's old-policy forward (the weights may change between generation and use)"
+    return ("vLLM importance-sampling ratio: TRL's old-policy forward (the weights may change between generation and "
+            "use)")
 
 
 def build_trainer(args, model_args, mode, funcs, ds, preempt_cb, padding_free: bool = False):
