@@ -650,13 +650,10 @@ def ratio_trainer(tiny_model, tmp_path, **config):
     import torch
     from trl import GRPOConfig
 
-    from trainbox.training.grpo_is_ratio import LossTimeRatio
-    from trainbox.training.grpo_padding_free import PaddingFreeGRPOTrainer
-
     args = GRPOConfig(output_dir=str(tmp_path), num_generations=2, per_device_train_batch_size=4,
                       max_completion_length=6, bf16=False, report_to="none", use_cpu=True, seed=0,
                       model_init_kwargs={"attn_implementation": "sdpa", "dtype": "float32"}, **config)
-    cls = type("TrainboxGRPOTrainer", (LossTimeRatio, PaddingFreeGRPOTrainer), {})
+    cls = grpo_trainer.trainer_class(padding_free=True)
     trainer = cls(model=str(tiny_model), reward_funcs=lambda completions, **k: [float(len(c)) for c in completions],
                   args=args, train_dataset=datasets.Dataset.from_list([{"prompt": "a b"}] * 4))
     real = trainer._generate

@@ -84,8 +84,7 @@ class LossTimeRatio(GRPOTrainer):
                                  self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max)
         inputs["importance_sampling_ratio"] = ratio
         mode = "train" if self.model.training else "eval"
-        device = current.device
-        zero = torch.tensor(0.0, device=device)
+        zero = torch.tensor(0.0, device=current.device)
         on = mask.bool()
         delta = torch.abs(current - sampling)
         delta = delta[on & ~torch.isnan(delta)]

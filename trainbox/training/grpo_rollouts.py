@@ -53,8 +53,9 @@ def resolve_rollouts(args, ours: str | None = None) -> str:
             total = None
         if total:
             args.vllm_gpu_memory_utilization, sized = rollout_memory_share(total)
+    detok = skip_detokenizing(args)
     return (f"rollouts: vLLM colocate, {sleep}, "
-            f"gpu_memory_utilization {args.vllm_gpu_memory_utilization:.2f}{sized}{skip_detokenizing(args)} ({why})")
+            f"gpu_memory_utilization {args.vllm_gpu_memory_utilization:.2f}{sized}{detok} ({why})")
 
 
 def skip_detokenizing(args) -> str:

@@ -102,9 +102,8 @@ def describe_ratio(trainer) -> str | None:
             "use)")
 
 
-def build_trainer(args, model_args, mode, funcs, ds, preempt_cb, padding_free: bool = False):
-    from trl import get_peft_config, get_quantization_config
-
+def trainer_class(padding_free: bool):
+    """Our GRPOTrainer: the loss-time importance ratio (grpo_is_ratio.py) over TRL's trainer, padding-free or not."""
     from trainbox.training.grpo_is_ratio import LossTimeRatio
 
     bases = (LossTimeRatio,)
@@ -112,7 +111,11 @@ def build_trainer(args, model_args, mode, funcs, ds, preempt_cb, padding_free: b
         from trainbox.training.grpo_padding_free import PaddingFreeGRPOTrainer
 
         bases += (PaddingFreeGRPOTrainer,)
-    trainer_class = type("TrainboxGRPOTrainer", bases, {})
+    return type("TrainboxGRPOTrainer", bases, {})
+
+
+def build_trainer(args, model_args, mode, funcs, ds, preempt_cb, padding_free: bool = False):
+    from trl import get_peft_config, get_quantization_config
 
     init = dict(args.model_init_kwargs or {})
     init.setdefault("revision", model_args.model_revision)
@@ -128,7 +131,7 @@ def build_trainer(args, model_args, mode, funcs, ds, preempt_cb, padding_free: b
             # device_map=None under DDP, would quantize onto no device).
             init.setdefault("device_map", {"": int(os.environ.get("LOCAL_RANK", "0"))})
     args.model_init_kwargs = init
-    return trainer_class(
+    return trainer_class(padding_free)(
         model=model_args.model_name_or_path,
         reward_funcs=funcs,
         args=args,
