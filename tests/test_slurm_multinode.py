@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -34,15 +35,26 @@ def _config(tmp: Path, model: Path, max_steps: int, save_steps: int) -> Path:
     return cfg
 
 
+def _story(log: str) -> str:
+    """A failed job's log, for the assertion: the launchers' lines, torchrun's agents (LOGLEVEL=INFO: rendezvous,
+    each node's workers finished, the exit barrier, with times) and errors, in order; then the tail."""
+    said = [line for line in log.splitlines()
+            if line.startswith("[trainbox]") or "distributed/elastic" in line or "Error" in line or "error:" in line]
+    return "\n".join(said[-80:]) + "\n--- the log's end ---\n" + log[-2500:]
+
+
 def _assert_two_nodes(log: str, job_id: str, nnodes_line: str = "torchrun nnodes=2 nproc_per_node=1") -> None:
     # One task per node, each in its own namespace: its launcher line and the node's own address.
     ports = set()
     for rank, node in enumerate(NODES):
         m = re.search(rf"{nnodes_line} node_rank={rank} rdzv=c10d tbx1:(\d+) id={job_id}\b", log)
-        assert m, log[-4000:]
+        assert m, _story(log)
         ports.add(int(m.group(1)))
-        assert f"[trainbox] node {rank} on {node['name']}" in log, log[-4000:]
-    assert "2 processes" in log, log[-4000:]
+        assert f"[trainbox] node {rank} on {node['name']}" in log, _story(log)
+    assert "2 processes" in log, _story(log)
+    if "has not exited; what holds it follows" in log:
+        # The exit deadline saved the job (trainbox/run/exitdeadline.py); what held the rank is worth a look.
+        warnings.warn("a rank was held at exit:\n" + log[log.index("has not exited; what holds it"):][:6000])
     # The launcher's port rule, none of the script's: below the kernel's ephemeral range, where no outgoing
     # connection on node 0 can hold it. devenv's FirstJobId puts the ids where 20000 + id % 20000 is ephemeral.
     eph = launch.ephemeral_range()[0]
@@ -55,7 +67,8 @@ def test_two_node_bare_job_preempts_and_resumes(slurm2, tiny_model, tmp_path):
     cfg = _config(tmp_path, Path(tiny_model), max_steps=60, save_steps=1000)
     spec = JobSpec(tag="smoke-cpu", entrypoint="sft", mode="bare", config=str(cfg), nodes=2, gpus_per_node=0,
                    nproc_per_node=1, time="15:00", partition=partition, python=sys.executable, workdir=str(ROOT),
-                   log_dir=str(tmp_path), env=(("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")))
+                   log_dir=str(tmp_path),
+                   env=(("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false"), ("LOGLEVEL", "INFO")))
     script = write(spec, tmp_path / "job.sh")
 
     job_id = submit(script, env)
@@ -68,11 +81,11 @@ def test_two_node_bare_job_preempts_and_resumes(slurm2, tiny_model, tmp_path):
     assert r.returncode == 0, r.stderr
     job = wait_job(job_id, env)
     log = log_path.read_text(errors="replace")
-    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", log[-4000:]
+    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", _story(log)
     assert job["NumNodes"] == "2" and job["NodeList"] == "tbx[1-2]"
     _assert_two_nodes(log, job_id)
     m = re.search(r"\[trainbox\] sft preempted \(checkpoint saved\): steps (\d+)/60", log)
-    assert m, log[-4000:]
+    assert m, _story(log)
     step = int(m.group(1))
     assert 0 < step < 60 and (tmp_path / "out" / f"checkpoint-{step}" / "trainer_state.json").is_file()
 
@@ -80,9 +93,9 @@ def test_two_node_bare_job_preempts_and_resumes(slurm2, tiny_model, tmp_path):
     job2_id = submit(script, env)
     job2 = wait_job(job2_id, env)
     log2 = (tmp_path / f"sft-smoke-cpu-{job2_id}.out").read_text(errors="replace")
-    assert job2["JobState"] == "COMPLETED" and job2["ExitCode"] == "0:0", log2[-4000:]
+    assert job2["JobState"] == "COMPLETED" and job2["ExitCode"] == "0:0", _story(log2)
     _assert_two_nodes(log2, job2_id)
-    assert f"[trainbox] sft done: steps 60/60 (this run {60 - step})" in log2, log2[-4000:]
+    assert f"[trainbox] sft done: steps 60/60 (this run {60 - step})" in log2, _story(log2)
     assert (tmp_path / "out" / "model.safetensors").stat().st_size > 0
 
 
@@ -100,13 +113,13 @@ def test_two_node_enroot_job_runs_sft_inside_the_sqsh(slurm2, smoke_sqsh, tiny_m
     spec = JobSpec(tag="smoke-x86_64", entrypoint="sft", mode="enroot", config="/job/sft.yaml", sqsh=str(smoke_sqsh),
                    nodes=2, gpus_per_node=0, nproc_per_node=1, time="15:00", partition=partition,
                    log_dir=str(tmp_path), mounts=(parse_mount(f"{job}:/job"),), hf_cache=str(cache),
-                   env=(("HF_HUB_OFFLINE", "1"),))
+                   env=(("HF_HUB_OFFLINE", "1"), ("LOGLEVEL", "INFO")))
     script = write(spec, tmp_path / "job.sh")
     env = dict(env, PATH=enroot_path(tmp_path), ENROOT_DATA_PATH=str(tmp_path / "containers"))
     job_id = submit(script, env)
     result = wait_job(job_id, env, timeout=1500)
     log = Path(result["StdOut"]).read_text(errors="replace")
-    assert result["JobState"] == "COMPLETED" and result["ExitCode"] == "0:0", log[-4000:]
+    assert result["JobState"] == "COMPLETED" and result["ExitCode"] == "0:0", _story(log)
     _assert_two_nodes(log, job_id)
     assert "[trainbox] sft done: steps 4/4" in log and "outputs /job/out" in log
     # $HOME is read-only in the container: the other caches moved, HF_HOME stayed the job script's shared mount.

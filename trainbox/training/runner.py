@@ -14,7 +14,7 @@ import sys
 from typing import Callable
 
 from common import commands, errors, launch
-from trainbox.run import crash, preemption, runlog
+from trainbox.run import crash, exitdeadline, preemption, runlog
 from trainbox.training import config
 from common.errors import UsageError
 
@@ -69,7 +69,10 @@ def run_trainer(name: str, argv: list[str], parse: Callable[[list[str]], Options
                 if reparse:
                     options = parse(argv)
             with crash.ends_on_crash():
-                return train(options)
+                code = train(options)
+            if exitdeadline.distributed():
+                exitdeadline.arm(code)  # one rank held at exit fails a multi-node job (exitdeadline.py)
+            return code
     except UsageError as e:
         print(f"error: {errors.line(e)}", file=sys.stderr)
         return 2

@@ -1,0 +1,84 @@
+"""A rank whose training returned leaves within the exit deadline (trainbox/run/exitdeadline.py), even when a thread
+holds its exit: every thread's stack is printed and the run's own exit code kept. Real processes through the trainer
+skeleton (runner.run_trainer), as torchrun's workers run it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from hypothesis import given, strategies as st
+
+from trainbox.run import exitdeadline
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A trainer whose train() leaves a non-daemon thread blocked forever: Python's exit waits for it (threading._shutdown),
+# the way a library thread or exit handler held rank 1 of a 2-node job past torchrun's exit barrier.
+HELD = textwrap.dedent('''
+    import sys, threading
+    from common import launch
+    from trainbox.run import exitdeadline
+    from trainbox.training import runner
+
+    exitdeadline.EXIT_GRACE_S = float(sys.argv[2])
+
+    class Options:
+        output_dir = None
+
+    def blocked_forever():
+        threading.Event().wait()
+
+    def train(options):
+        if sys.argv[3] == "held":
+            threading.Thread(target=blocked_forever, name="held-by-test").start()
+        return int(sys.argv[1])
+
+    raise SystemExit(runner.run_trainer("dummy", [], lambda argv: (launch.LaunchArguments(), Options()),
+                                        lambda options, plan: None, train))
+''')
+
+
+def _rank(tmp_path: Path, code: int, grace: float, mode: str, world: str) -> tuple[subprocess.CompletedProcess, float]:
+    script = tmp_path / "held.py"
+    script.write_text(HELD)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    env.update(PYTHONPATH=str(ROOT), RANK="1", LOCAL_RANK="0", WORLD_SIZE=world, MASTER_ADDR="127.0.0.1",
+               MASTER_PORT="29999")
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, str(script), str(code), str(grace), mode], capture_output=True, text=True,
+                       env=env, timeout=120)
+    return r, time.monotonic() - t0
+
+
+def test_a_rank_held_at_exit_leaves_with_its_code_and_the_stacks(tmp_path):
+    r, _ = _rank(tmp_path, code=3, grace=2, mode="held", world="2")
+    assert r.returncode == 3, r.stderr
+    assert "[trainbox] rank 1: training ended 2s ago and this process has not exited" in r.stderr, r.stderr
+    assert "leaving with exit code 3" in r.stderr
+    # What held it: the blocked thread by name and function, and the main thread waiting for it at exit.
+    assert "thread held-by-test:" in r.stderr and "in blocked_forever" in r.stderr, r.stderr
+    assert "thread MainThread:" in r.stderr and "_shutdown" in r.stderr, r.stderr
+
+
+def test_a_rank_that_exits_cleanly_does_not_wait_for_the_deadline(tmp_path):
+    r, took = _rank(tmp_path, code=0, grace=600, mode="clean", world="2")
+    assert r.returncode == 0, r.stderr
+    assert "has not exited" not in r.stderr
+    assert took < 120  # the deadline thread is a daemon: a clean exit never waits for it
+
+
+def test_only_one_rank_of_several_is_distributed():
+    assert exitdeadline.distributed({"WORLD_SIZE": "2"})
+    assert exitdeadline.distributed({"WORLD_SIZE": "16"})
+    assert not exitdeadline.distributed({"WORLD_SIZE": "1"})
+    assert not exitdeadline.distributed({})
+
+
+@given(st.text(max_size=12))
+def test_any_world_size_text_is_an_answer_not_a_traceback(text):
+    assert exitdeadline.distributed({"WORLD_SIZE": text}) in (True, False)

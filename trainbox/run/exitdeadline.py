@@ -1,0 +1,57 @@
+"""A rank whose training is over leaves within a deadline, whatever holds its exit.
+
+torchrun's agents end a multi-node run with a barrier: each waits up to 300 s (its exit_barrier_timeout) for the
+other nodes' ranks to exit. A rank that outlives that window (an exit handler or a library thread holding the
+process after training returned) turns a finished job into a failed one: the agent that hosts the rendezvous store
+gives up and leaves, and the other node's agent, still watching its rank, loses the store (RendezvousConnectionError,
+the task exits 1). Seen once on CI: a resumed 2-node sft, rank 1's node failed 300 s after rank 0 was done.
+
+`arm(code)` starts a daemon thread: if the process still runs `EXIT_GRACE_S` later, it prints every thread's stack
+(what held it) and leaves with the run's own exit code. The thread runs while Python joins non-daemon threads and
+calls exit handlers, the two places a finished process can wait on others.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+
+from trainbox.run import crash
+
+# Well inside the agents' 300 s window, and far beyond a normal exit (a few seconds).
+EXIT_GRACE_S = 120.0
+
+
+def distributed(env=os.environ) -> bool:
+    """This process is one rank of several (torchrun's worker or a Slurm task per rank)."""
+    try:
+        return int(env.get("WORLD_SIZE", "1")) > 1
+    except ValueError:
+        return False
+
+
+def arm(code: int, seconds: float | None = None, *, leave=crash.exit_now) -> threading.Thread:
+    """From now on this process has SECONDS (EXIT_GRACE_S) to exit; past that, every stack, then leave(code)."""
+    seconds = EXIT_GRACE_S if seconds is None else seconds
+
+    def expire():
+        time.sleep(seconds)
+        print(f"[trainbox] rank {os.environ.get('RANK', '?')}: training ended {seconds:.0f}s ago and this process has"
+              f" not exited; what holds it follows; leaving with exit code {code}", file=sys.stderr, flush=True)
+        print(stacks(), file=sys.stderr, flush=True)
+        leave(code)
+
+    t = threading.Thread(target=expire, name="trainbox-exit-deadline", daemon=True)
+    t.start()
+    return t
+
+
+def stacks() -> str:
+    """Every other thread's Python stack, named (this thread's own is the deadline's sleep)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    me = threading.get_ident()
+    return "\n".join(f"thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame)).rstrip()
+                     for ident, frame in sys._current_frames().items() if ident != me)
