@@ -21,8 +21,9 @@ import traceback
 
 from trainbox.run import crash
 
-# Well inside the agents' 300 s window, and far beyond a normal exit (a few seconds).
-EXIT_GRACE_S = 120.0
+# Inside the agents' 300 s window with two minutes to spare, and far beyond a normal exit (a few seconds): exit
+# handlers that legitimately take a while (an experiment tracker's last upload on rank 0) get three minutes.
+EXIT_GRACE_S = 180.0
 
 
 def distributed(env=os.environ) -> bool:
