@@ -72,6 +72,43 @@ def test_a_rank_that_exits_cleanly_does_not_wait_for_the_deadline(tmp_path):
     assert took < 120  # the deadline thread is a daemon: a clean exit never waits for it
 
 
+# Two real gloo ranks meet at the end (runsummary.leave_process_group); rank 1 is then held by a thread.
+MEET = textwrap.dedent('''
+    import sys, threading
+    import torch.distributed as dist
+    from trainbox.run import exitdeadline, runsummary
+
+    exitdeadline.EXIT_GRACE_S = 2.0
+    rank = int(sys.argv[1])
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=2)
+    if rank == 1:
+        threading.Thread(target=threading.Event().wait, name="held-by-test").start()
+    runsummary.leave_process_group()
+    print(f"rank {rank} left the group", flush=True)
+''')
+
+
+def test_a_non_main_rank_is_bounded_from_the_final_meeting_on(tmp_path):
+    script = tmp_path / "meet.py"
+    script.write_text(MEET)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = str(ROOT)
+    procs = [subprocess.Popen([sys.executable, str(script), str(rank), str(tmp_path / "store")], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:  # a rank held for good (the deadline gone) must not outlive the test
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "rank 0 left the group" in outs[0][0] and "has not exited" not in outs[0][1], outs[0]
+    # Rank 1 finished its part, then was held: the deadline armed at the meeting ended it with the run's code (0).
+    assert "rank 1 left the group" in outs[1][0], outs[1]
+    assert "training ended 2s ago and this process has not exited" in outs[1][1], outs[1][1]
+    assert "thread held-by-test:" in outs[1][1], outs[1][1]
+
+
 def test_only_one_rank_of_several_is_distributed():
     assert exitdeadline.distributed({"WORLD_SIZE": "2"})
     assert exitdeadline.distributed({"WORLD_SIZE": "16"})
@@ -82,3 +119,8 @@ def test_only_one_rank_of_several_is_distributed():
 @given(st.text(max_size=12))
 def test_any_world_size_text_is_an_answer_not_a_traceback(text):
     assert exitdeadline.distributed({"WORLD_SIZE": text}) in (True, False)
+
+
+def test_the_readme_states_the_deadline_the_code_keeps():
+    text = " ".join((ROOT / "README.md").read_text().split())
+    assert f"has not exited {exitdeadline.EXIT_GRACE_S:.0f} s later" in text

@@ -8,7 +8,9 @@ the task exits 1). Seen once on CI: a resumed 2-node sft, rank 1's node failed 3
 
 `arm(code)` starts a daemon thread: if the process still runs `EXIT_GRACE_S` later, it prints every thread's stack
 (what held it) and leaves with the run's own exit code. The thread runs while Python joins non-daemon threads and
-calls exit handlers, the two places a finished process can wait on others.
+calls exit handlers, the two places a finished process can wait on others. Armed where a rank's work is over: ranks
+other than the main one once every rank has met at the end (runsummary.leave_process_group: the process group's
+teardown is covered too); every rank once train() returned (runner.run_trainer).
 """
 
 from __future__ import annotations
@@ -34,8 +36,15 @@ def distributed(env=os.environ) -> bool:
         return False
 
 
+_armed: threading.Thread | None = None
+
+
 def arm(code: int, seconds: float | None = None, *, leave=crash.exit_now) -> threading.Thread:
-    """From now on this process has SECONDS (EXIT_GRACE_S) to exit; past that, every stack, then leave(code)."""
+    """From now on this process has SECONDS (EXIT_GRACE_S) to exit; past that, every stack, then leave(code).
+    Armed once: a second call keeps the first, earlier deadline."""
+    global _armed
+    if _armed is not None:
+        return _armed
     seconds = EXIT_GRACE_S if seconds is None else seconds
 
     def expire():
@@ -45,9 +54,9 @@ def arm(code: int, seconds: float | None = None, *, leave=crash.exit_now) -> thr
         print(stacks(), file=sys.stderr, flush=True)
         leave(code)
 
-    t = threading.Thread(target=expire, name="trainbox-exit-deadline", daemon=True)
-    t.start()
-    return t
+    _armed = threading.Thread(target=expire, name="trainbox-exit-deadline", daemon=True)
+    _armed.start()
+    return _armed
 
 
 def stacks() -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 import time
 
-from trainbox.run import outputs, preemption, resume
+from trainbox.run import exitdeadline, outputs, preemption, resume
 
 
 def _peak_gpu_gib() -> float | None:
@@ -78,6 +78,8 @@ def leave_process_group(trainer=None) -> None:
             trainer.accelerator.wait_for_everyone()
         else:
             dist.barrier()
+        if not outputs.is_main_process():  # nothing left but the teardown and the exit: bounded (exitdeadline.py)
+            exitdeadline.arm(preemption.exit_code())
         dist.destroy_process_group()
 
 
