@@ -39,11 +39,11 @@ def distributed(env=os.environ) -> bool:
 _armed: threading.Thread | None = None
 
 
-def arm(code: int, seconds: float | None = None, *, leave=crash.exit_now) -> threading.Thread:
-    """From now on this process has SECONDS (EXIT_GRACE_S) to exit; past that, every stack, then leave(code).
+def arm(code: int, seconds: float | None = None) -> threading.Thread | None:
+    """From now on this process has SECONDS (EXIT_GRACE_S) to exit; past that, every stack, then exit with CODE.
     Armed once: a second call keeps the first, earlier deadline."""
     global _armed
-    if _armed is not None:
+    if _armed is not None or crash.in_kernel:  # a notebook kernel lives on after a run: nothing to bound
         return _armed
     seconds = EXIT_GRACE_S if seconds is None else seconds
 
@@ -52,7 +52,7 @@ def arm(code: int, seconds: float | None = None, *, leave=crash.exit_now) -> thr
         print(f"[trainbox] rank {os.environ.get('RANK', '?')}: training ended {seconds:.0f}s ago and this process has"
               f" not exited; what holds it follows; leaving with exit code {code}", file=sys.stderr, flush=True)
         print(stacks(), file=sys.stderr, flush=True)
-        leave(code)
+        crash.exit_now(code)
 
     _armed = threading.Thread(target=expire, name="trainbox-exit-deadline", daemon=True)
     _armed.start()
