@@ -497,13 +497,18 @@ def write_prompts(path: Path, rows: int, seed: int = 0) -> Path:
 
 def grpo(a) -> None:
     """`trl grpo` (GRPOTrainer with its defaults: transformers generate) vs `trainbox grpo` (its defaults: vLLM
-    colocate when vllm is installed), same model, prompts, rewards, batch, generations and completion length."""
+    colocate when vllm is installed), same model, prompts, rewards, batch, generations and completion length.
+    `--shape`: another model layout (default llama-1b); `--nproc N`: N GPUs, `trl grpo` launched as TRL's docs say
+    (`--accelerate_config multi_gpu --num_processes N`) vs `trainbox grpo --nproc-per-node N` (torchrun)."""
     import importlib.util
 
     work = Path(a.work)
     log = work / "grpo.log"
-    model = make_model(work / "llama-1b", "llama-1b")
-    data = write_prompts(work / "data-grpo", 64 * a.steps)
+    shape = a.shape or "llama-1b"
+    model = make_model(work / shape, shape)
+    data = write_prompts(work / "data-grpo", 64 * a.steps * a.nproc)
+    launch_trl = ["--accelerate_config", "multi_gpu", "--num_processes", str(a.nproc)] if a.nproc > 1 else []
+    launch_ours = ["--nproc-per-node", str(a.nproc)] if a.nproc > 1 else []
     rewards = ["correctness", "int_format", "strict_format", "soft_format", "xmlcount"]
     common = ["--model_name_or_path", str(model), "--per_device_train_batch_size", "16", "--num_generations", "8",
               "--max_completion_length", "256", "--logging_steps", "1", "--save_strategy", "no", "--report_to",
@@ -515,21 +520,24 @@ def grpo(a) -> None:
     plain_vllm = ["--use_vllm", "true", "--vllm_mode", "colocate"] if plain == "vllm" else []
 
     def trl(out, steps):
-        return [py, "-m", "trl.cli.main", "grpo", "--dataset_name", str(data), "--output_dir", str(out),
+        return [py, "-m", "trl.cli.main", "grpo", *launch_trl, "--dataset_name", str(data), "--output_dir", str(out),
                 "--max_steps", str(steps), "--reward_funcs", *[f"trainbox.training.rewards.{r}" for r in rewards],
                 *common, *plain_vllm]
 
     def ours(out, steps):
-        return [py, "-m", "trainbox", "grpo", "--dataset", str(data / "train.jsonl"), "--output_dir", str(out),
+        return [py, "-m", "trainbox", "grpo", *launch_ours, "--dataset", str(data / "train.jsonl"), "--output_dir",
+                str(out),
                 "--max_steps", str(steps), "--resume", "never", "--reward_funcs",
                 ",".join(f"rewards:{r}" for r in rewards), *common]
 
-    print(f"# grpo: llama-1b shape, 16 completions/step (2 prompts x 8), 256 completion tokens; vllm "
+    print(f"# grpo: {shape} shape, {a.nproc} GPU(s), 16 completions/step per GPU (2 prompts x 8), 256 completion "
+          f"tokens; vllm "
           f"{'installed' if importlib.util.find_spec('vllm') else 'NOT installed'}; plain = trl grpo with "
           f"{'vLLM colocate' if plain == 'vllm' else 'its defaults (transformers generate)'}", flush=True)
     results = {}
     os.environ["BENCH_PHASES"] = "1"  # TRL's profiled sections per step (generate, weight sync, rewards) in results
-    run("warmup", trl(work / "o-warm", 3), work, log)  # a fresh GPU's first process: not reported
+    if a.warmup:
+        run("warmup", trl(work / "o-warm", 3), work, log)  # a fresh GPU's first process: not reported
     order = [("trl", trl, []), ("ours", ours, []), ("ours", ours, []), ("trl", trl, [])][: a.runs]
     order += [(f"ours+{name}", ours, extra) for name, extra in a.also]
     for i, (who, fn, extra) in enumerate(order):
@@ -609,9 +617,12 @@ def main() -> None:
     ap.add_argument("what", choices=["sft", "qlora", "grpo", "check", "memory"])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--kinds", nargs="+", default=["mix", "uniform"], choices=["mix", "uniform"])
-    ap.add_argument("--nproc", type=int, default=1, help="sft: GPUs (> 1: the 8B shape, FSDP2 on both sides)")
+    ap.add_argument("--nproc", type=int, default=1,
+                    help="sft: GPUs (> 1: the 8B shape, FSDP2 on both sides); grpo: GPUs (the same shape, each "
+                         "side's own multi-GPU defaults)")
     ap.add_argument("--shape", choices=list(SHAPES), default=None,
-                    help="sft: the model shape (default llama-1b on one GPU, llama-8b on several)")
+                    help="sft: the model shape (default llama-1b on one GPU, llama-8b on several); grpo: the model "
+                         "shape (default llama-1b)")
     ap.add_argument("--plain", choices=["vllm", "defaults"], default=None,
                     help="grpo: the plain run is TRL's GRPOTrainer with vLLM colocate (what TRL's docs show; the "
                          "default where vllm imports) or with its defaults (transformers generate)")
@@ -623,7 +634,8 @@ def main() -> None:
                          "average)")
     ap.add_argument("--no-loss-check", dest="loss_check", action="store_false")
     ap.add_argument("--no-warmup", dest="warmup", action="store_false",
-                    help="sft: no warm-up process first (the first --skip steps of every run are not timed anyway)")
+                    help="sft, grpo: no warm-up process first (the first --skip steps of every run are not timed "
+                         "anyway)")
     ap.add_argument("--loss-only", action="store_true", help="sft: only plain TRL vs ours on the same padded batches")
     ap.add_argument("--work", default=tempfile.mkdtemp(prefix="bench-"))
     a = ap.parse_args()
