@@ -59,3 +59,35 @@ def test_sft_gets_it_for_moe_models_only(tmp_path):
     facts = speed.model_facts(str(tmp_path / "gpt-oss"))
     no = speed.ModelFacts(**{**facts.__dict__, "experts_dispatch": "X does not dispatch its experts"})
     assert moe.choose(no) == ({}, "MoE experts: transformers' own (X does not dispatch its experts)")
+
+
+def test_float32_weights_under_bf16_autocast_run_the_grouped_gemms_in_bf16(monkeypatch):
+    """TRL's GRPO default (float32 weights, bf16 autocast): the grouped GEMMs are no autocast ops and transformers
+    casts their input to the weights' dtype, so without our cast they ran in float32 (seen on an H100). Under autocast
+    ours gives them bf16 operands, as autocast gives a Linear; gradients still reach the float32 weights, and the
+    logits stay within bf16's error of the float32 ones. Without autocast nothing changes (the test above)."""
+    import torch
+    from transformers.integrations import moe as hf_moe
+
+    moe.register()
+    model = _model("gpt-oss")
+    model.set_experts_implementation(moe.NAME)
+    ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = model(ids).logits
+    seen = []
+    real = hf_moe._grouped_linear
+
+    def spy(x, w, *a, **k):
+        seen.append((x.dtype, w.dtype))
+        return real(x, w, *a, **k)
+
+    monkeypatch.setattr(hf_moe, "_grouped_linear", spy)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(ids, labels=ids)
+    out.loss.backward()
+    assert seen and set(seen) == {(torch.bfloat16, torch.bfloat16)}, seen
+    experts = [p for n, p in model.named_parameters() if ".experts." in n and "proj" in n]
+    assert experts and all(p.dtype == torch.float32 and p.grad is not None and p.grad.abs().max() > 0
+                           for p in experts)
+    assert float((out.logits.detach().float() - ref).abs().max()) < 0.1 * float(ref.abs().max())

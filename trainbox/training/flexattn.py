@@ -207,6 +207,13 @@ def fused(query, key, value, docs, scale: float, window: int | None, softcap: fl
     import torch.nn.functional as F
     from torch.nn.attention import flex_attention as fa
 
+    # One dtype, autocast's where it is on: float32 weights under bf16 autocast (TRL's GRPO default) leave q and k
+    # in float32 after RoPE's float32 cos/sin while v is bf16; keeping q's dtype ran the kernel in float32 (a
+    # Gemma-2 GRPO step 2.2x slower than with bf16 weights on an H100, and a recompile on the dtype). Eager's
+    # matmuls run in bf16 there too.
+    device = query.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
+    query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     s, n = query.shape[2], docs.shape[1]
     if n != s:  # padded in the models' layout ((batch, seq, heads, dim) seen transposed): one set of strides
         query, key, value = (F.pad(t.transpose(1, 2), (0, 0, 0, 0, 0, n - s)).transpose(1, 2)
@@ -217,10 +224,8 @@ def fused(query, key, value, docs, scale: float, window: int | None, softcap: fl
     if opts:
         kw["kernel_options"] = opts
     fn = fn or compiled()
-    # Outside autocast (the Trainer's bf16 autocast makes FlexAttention's autocast rule break the compiled graph,
-    # and its backward then fails on real tensors: seen on an H100, torch 2.11): the projections are already in
-    # one dtype, which the kernel keeps.
-    key, value = key.to(query.dtype), value.to(query.dtype)
+    # Outside autocast: the Trainer's bf16 autocast makes FlexAttention's autocast rule break the compiled graph, and
+    # its backward then fails on real tensors (seen on an H100, torch 2.11).
     with torch.autocast(device_type=query.device.type, enabled=False):
         if not lse:  # (compiled FlexAttention on CPU returns no log-sum-exp)
             return fn(query, key, value, **kw)[:, :, :s], None

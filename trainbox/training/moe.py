@@ -75,12 +75,19 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
     onehot = F.one_hot(ids, experts).to(x.dtype) if self.has_bias else None
 
-    up = self.gate_up_proj if self.has_gate else self.up_proj
+    up, down = self.gate_up_proj if self.has_gate else self.up_proj, self.down_proj
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        # The grouped GEMMs are not autocast ops: transformers casts the input to the weights' dtype, so float32
+        # weights under bf16 autocast (TRL's GRPO default) would run them in float32. Cast as autocast casts a Linear.
+        dtype = torch.get_autocast_dtype(device)
+        x, up, down = x.to(dtype), up.to(dtype), down.to(dtype)
+        onehot = onehot.to(dtype) if onehot is not None else None
     h = _grouped_linear(x, up, offsets, is_transposed=self.is_transposed)
     if self.has_bias:
         h = h + onehot @ (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias).to(h.dtype)
     h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
-    out = _grouped_linear(h, self.down_proj, offsets, is_transposed=self.is_transposed)
+    out = _grouped_linear(h, down, offsets, is_transposed=self.is_transposed)
     if self.has_bias:
         out = out + onehot @ self.down_proj_bias.to(out.dtype)
     out = out * _FN["permute"].apply(top_k_weights.reshape(-1), order, inverse).unsqueeze(-1).to(out.dtype)
