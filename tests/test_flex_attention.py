@@ -281,11 +281,18 @@ def test_a_torch_without_a_per_function_budget_gets_the_global_limit_raised_neve
         return model
 
     monkeypatch.setattr(torch, "compile", old_compile)
-    for before, after in ((8, flexattn.RECOMPILE_LIMIT), (4 * flexattn.RECOMPILE_LIMIT, 4 * flexattn.RECOMPILE_LIMIT)):
-        monkeypatch.setattr(flexattn, "_compiled", {})
-        monkeypatch.setattr(dyn, "recompile_limit", before)
-        assert flexattn.compiled("aot_eager") is flexattn.flex_fn()
-        assert dyn.recompile_limit == after
+    # Set and restored by hand: monkeypatch's undo leaves torch's config module without the key, which broke every
+    # later FlexAttention call in the process (its eager entry reads recompile_limit).
+    saved = dyn.recompile_limit
+    try:
+        for before, after in ((8, flexattn.RECOMPILE_LIMIT),
+                              (4 * flexattn.RECOMPILE_LIMIT, 4 * flexattn.RECOMPILE_LIMIT)):
+            monkeypatch.setattr(flexattn, "_compiled", {})
+            dyn.recompile_limit = before
+            assert flexattn.compiled("aot_eager") is flexattn.flex_fn()
+            assert dyn.recompile_limit == after
+    finally:
+        dyn.recompile_limit = saved
     assert calls == [("aot_eager", True)] * 2
 
 
