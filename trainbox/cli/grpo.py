@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 
 from common import launch
-from trainbox.run import outputs, preemption, resume, runsummary
+from trainbox.run import outputs, preemption, ranks, resume, runsummary
 from trainbox.training import (config, grpo_data, grpo_options, grpo_rollouts, grpo_trainer, moe, rewards, runner,
                                speed, vllm_server)
 from common.errors import UsageError
@@ -68,7 +68,7 @@ def _check_before_launch(options, plan) -> None:
 def _train(options) -> int:
     # No second parse after a Slurm task's rank variables are set: TRL's checks run here, for the real world size.
     script, _, raw, model_args = options
-    args = grpo_options.finalize(raw, grpo_options.world_size())
+    args = grpo_options.finalize(raw, ranks.world_size())
     return train(script, args, model_args, validate(script, args, model_args))
 
 
@@ -120,7 +120,7 @@ def train(script, args, model_args, checked: Checked) -> int:
         print(
             f"[trainbox] grpo: model {model_args.model_name_or_path} mode {checked.mode}; data {script.dataset} "
             f"({len(checked.dataset)} rows); rewards {', '.join(checked.refs)}; {checked.rollouts}; "
-            f"{grpo_options.world_size()} process(es); outputs {out}"
+            f"{ranks.world_size()} process(es); outputs {out}"
             + (f"; resuming from {checked.resume}" if checked.resume else ""),
             flush=True,
         )

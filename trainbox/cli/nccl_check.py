@@ -27,6 +27,7 @@ from common import launch
 from common.errors import UsageError
 from trainbox.image import fabric
 from trainbox.cli.argtypes import OneLineParser, not_negative, port, positive
+from trainbox.run import ranks
 
 PROG = "trainbox nccl-check"
 OPS = ("all_reduce", "all_gather")
@@ -170,7 +171,7 @@ def run_ranks(a: argparse.Namespace) -> int:
         raise UsageError(f"--min-bytes ({lo}) is larger than the largest size ({hi}); pass --max-bytes")
     log_path = _nccl_log_setup() if use_nccl else None
 
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = ranks.local_rank()
     device = torch.device("cuda", local_rank) if use_nccl else torch.device("cpu")
     store = None
     if os.environ.get("WORLD_SIZE") and os.environ.get("MASTER_ADDR"):

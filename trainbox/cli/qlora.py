@@ -24,6 +24,7 @@ from trainbox import helpcache
 from trainbox.run import outputs, preemption, resume, runsummary
 from trainbox.training import runner, sftlib
 from common.errors import UsageError
+from trainbox.run import ranks
 
 
 @dataclass
@@ -37,7 +38,7 @@ def qlora_defaults(gpu: bool | None = None) -> dict:
         import torch
 
         gpu = torch.cuda.is_available()
-    sharded = gpu and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    sharded = gpu and ranks.distributed()
     return {
         # Across GPUs: FSDP2 shards the base too. It can shard 4-bit weights only when they are stored in a float
         # dtype (bf16 storage: same bytes, two nf4 values per byte pair), and bitsandbytes' 8-bit optimizers don't

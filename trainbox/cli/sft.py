@@ -9,12 +9,11 @@ On GPUs with more than one process it shards with FSDP2; on CPU the Trainer runs
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
 from common import launch
-from trainbox.run import outputs, preemption, resume, runsummary
+from trainbox.run import outputs, preemption, ranks, resume, runsummary
 from trainbox.training import moe, precision, runner
 from trainbox.training import config as cfg
 # The SFT-style trainers' library (qlora uses it too); its names stay reachable here (sft.DataArguments).
@@ -26,7 +25,7 @@ def distributed_strategy(training_args) -> str:
     """Pick FSDP2 on GPUs with >1 process; on CPU the Trainer runs DDP (gloo). Returns a label for the log."""
     import torch
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = ranks.world_size()
     on_gpu = torch.cuda.is_available() and not training_args.use_cpu
     if world <= 1:
         return "single process" + (" (GPU)" if on_gpu else " (CPU)")
@@ -41,7 +40,7 @@ def sft_defaults() -> dict:
     import torch
 
     d = {"include_num_input_tokens_seen": True, "logging_steps": 10, "save_steps": 200}
-    if torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if torch.cuda.is_available() and ranks.distributed():
         d.update(FSDP2_GPU)
     return d
 

@@ -28,14 +28,6 @@ from trainbox.run import crash
 EXIT_GRACE_S = 180.0
 
 
-def distributed(env=os.environ) -> bool:
-    """This process is one rank of several (torchrun's worker or a Slurm task per rank)."""
-    try:
-        return int(env.get("WORLD_SIZE", "1")) > 1
-    except ValueError:
-        return False
-
-
 _armed: threading.Thread | None = None
 
 

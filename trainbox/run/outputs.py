@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 from common import atomic
+from trainbox.run import ranks
 from common.errors import UsageError
 
 DEFAULT_OUTPUT_DIR = "/workspace/outputs"
@@ -40,7 +41,7 @@ def is_main_process() -> bool:
             return dist.get_rank() == 0
     except ImportError:  # pragma: no cover
         pass
-    return int(os.environ.get("RANK", "0")) == 0
+    return ranks.rank() == 0
 
 
 def artifact_dir() -> str | None:

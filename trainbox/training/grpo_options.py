@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
 from dataclasses import dataclass, field
 
 from trainbox.training import config, vllm_server
@@ -113,12 +112,6 @@ def raw_config_class():
     return GRPOOptions
 
 
-def world_size() -> int:
-    # torchrun/accelerate export WORLD_SIZE; a plain `python -m trainbox grpo` is one process.
-    try:
-        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
 
 
 def check_generation_batch(args, processes: int) -> None:

@@ -5,9 +5,8 @@ on what was loaded.
 
 from __future__ import annotations
 
-import os
-
 from trainbox.training import attention, config, memplan, speed, throughput
+from trainbox.run import ranks
 
 
 def choose_checkpointing(args, model_args, mode: str, max_prompt_tokens: int | None, facts) -> str:
@@ -22,7 +21,7 @@ def choose_checkpointing(args, model_args, mode: str, max_prompt_tokens: int | N
 
     free = memplan.free_memory()  # this rank's GPU (TRAINBOX_GPU_FREE_GIB caps it); the ranks agree in choose_memory
     if free is not None and args.use_vllm and args.vllm_mode == "colocate":
-        total = torch.cuda.mem_get_info(torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))[1]
+        total = torch.cuda.mem_get_info(torch.device("cuda", ranks.local_rank()))[1]
         free -= int(args.vllm_gpu_memory_utilization * total)  # vLLM takes its share of the whole GPU at start
     tokens = args.per_device_train_batch_size * ((max_prompt_tokens or 512) + args.max_completion_length)
     # TRL loads a reference model like the policy (float32 here) only when the KL term is on.
@@ -129,7 +128,7 @@ def build_trainer(args, model_args, mode, funcs, ds, preempt_cb, padding_free: b
         if torch.cuda.is_available():
             # 4-bit weights can't be moved after loading: put each process's copy on its own GPU (TRL's default,
             # device_map=None under DDP, would quantize onto no device).
-            init.setdefault("device_map", {"": int(os.environ.get("LOCAL_RANK", "0"))})
+            init.setdefault("device_map", {"": ranks.local_rank()})
     args.model_init_kwargs = init
     return trainer_class(padding_free)(
         model=model_args.model_name_or_path,

@@ -48,6 +48,7 @@ import os
 from dataclasses import dataclass, field, replace
 
 from common.errors import UsageError
+from trainbox.run import ranks
 
 GiB = 2**30
 FIT = 0.92  # of the free memory: the allocator's fragmentation (expandable segments keep it small)
@@ -274,7 +275,7 @@ def free_memory() -> int | None:
 
     if not torch.cuda.is_available():
         return None
-    free, _total = torch.cuda.mem_get_info(torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
+    free, _total = torch.cuda.mem_get_info(torch.device("cuda", ranks.local_rank()))
     return cap(free)
 
 

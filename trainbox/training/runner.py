@@ -14,7 +14,7 @@ import sys
 from typing import Callable
 
 from common import commands, errors, launch
-from trainbox.run import crash, exitdeadline, preemption, runlog
+from trainbox.run import crash, exitdeadline, preemption, ranks, runlog
 from trainbox.training import config
 from common.errors import UsageError
 
@@ -70,7 +70,7 @@ def run_trainer(name: str, argv: list[str], parse: Callable[[list[str]], Options
                     options = parse(argv)
             with crash.ends_on_crash():
                 code = train(options)
-            if exitdeadline.distributed():
+            if ranks.distributed():
                 exitdeadline.arm(code)  # one rank held at exit fails a multi-node job (exitdeadline.py)
             return code
     except UsageError as e:

@@ -4,12 +4,12 @@ tuning, TRL's SFTTrainer with our callbacks. The commands (sft.py, qlora.py) are
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 from trainbox.run import outputs, preemption, resume
 from trainbox.training import attention, data, leanmlp, speed, throughput
 from trainbox.training import config as cfg
+from trainbox.run import ranks
 
 
 @dataclass
@@ -90,7 +90,7 @@ def shards(training_args) -> int:
     import torch
 
     if training_args.fsdp and torch.cuda.is_available() and not training_args.use_cpu:
-        return int(os.environ.get("WORLD_SIZE", "1"))
+        return ranks.world_size()
     return 1
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from common.errors import UsageError
 from trainbox.training import attention, memplan, moe
 from trainbox.training import config as cfg
+from trainbox.run import ranks
 
 GiB = 2**30
 
@@ -89,9 +90,6 @@ def job_for(args, f: ModelFacts, shards: int, *, tokens: int | None = None, mast
     fixed: dict = {}
     if "gradient_checkpointing" in explicit:
         fixed["checkpointing"] = bool(args.gradient_checkpointing)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    nodes = max(1, world // max(1, local))
     fsdp_config = getattr(args, "fsdp_config", None) or {}
     if shards > 1 and "fsdp_config" in explicit and "reshard_after_forward" in fsdp_config:
         fixed["reshard"] = bool(fsdp_config["reshard_after_forward"])  # the user's own FSDP setting
@@ -102,8 +100,8 @@ def job_for(args, f: ModelFacts, shards: int, *, tokens: int | None = None, mast
     return memplan.Job(f, batch=int(args.per_device_train_batch_size),
                        max_length=int(getattr(args, "max_length", None) or 1024),
                        grad_accum=int(getattr(args, "gradient_accumulation_steps", 1) or 1), optim=_optim_name(args),
-                       shards=shards, nodes=nodes, masters_ok=masters_ok, extra=extra, tokens=tokens, fixed=fixed,
-                       fsdp=shards > 1, liger=bool(getattr(args, "trainbox_liger", False)
+                       shards=shards, nodes=ranks.nodes(), masters_ok=masters_ok, extra=extra, tokens=tokens,
+                       fixed=fixed, fsdp=shards > 1, liger=bool(getattr(args, "trainbox_liger", False)
                                                    or getattr(args, "use_liger_kernel", False)))
 
 
@@ -261,8 +259,7 @@ def choose_precision(args, model_args, on_gpu: bool, shards: int, masters_off: s
 
 def reshards_after_forward(memory_first: bool) -> bool:
     """FSDP2 keeps all-gathered layers from forward to backward inside one node (less traffic), not across nodes."""
-    single_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) == int(os.environ.get("WORLD_SIZE", "1"))
-    return memory_first or not single_node
+    return memory_first or ranks.nodes() > 1
 
 
 def tune_fsdp(trainer, activation_checkpointing: bool, memory_first: bool = False) -> str | None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import time
 
+from trainbox.run import ranks
+
 # Dense bf16 peak per GPU in TFLOP/s (vendor data sheets, SXM parts unless named). TRAINBOX_PEAK_TFLOPS overrides.
 PEAK_TFLOPS = (
     ("GH200", 989.4), ("H200", 989.4), ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.4), ("H800", 989.4),
@@ -97,8 +99,7 @@ class Throughput(_callback_base()):
         out = {"steps": s1 - s0, "seconds": seconds, "steps_per_s": (s1 - s0) / seconds,
                "tokens_per_s": (t1 - t0) / seconds}
         if self.flops_per_token and t1 > t0:
-            world = int(os.environ.get("WORLD_SIZE", "1"))
-            tflops = self.flops_per_token * out["tokens_per_s"] / world / 1e12
+            tflops = self.flops_per_token * out["tokens_per_s"] / ranks.world_size() / 1e12
             out["tflops_per_gpu"] = tflops
             try:
                 import torch
