@@ -266,6 +266,44 @@ def test_rollout_choice_is_automatic_and_reported(monkeypatch):
     assert not server.generation_kwargs and not off.generation_kwargs
 
 
+def test_a_failure_inside_the_vllm_we_chose_says_how_to_go_without_it(monkeypatch, tmp_path):
+    """vLLM chosen by us (installed, a GPU) and failing inside its own code as the trainer starts its engine (seen on
+    an H100: gpt-oss's MoE op missing from a vLLM built against another torch): the error carries a note naming
+    `--use_vllm false`. Not when the user asked for vLLM, nor for an error from elsewhere."""
+    import importlib.util
+
+    fake = tmp_path / "site-packages" / "vllm" / "engine_fake.py"
+    fake.parent.mkdir(parents=True)
+    fake.write_text("def start():\n    raise AttributeError(\"'_OpNamespace' '_moe_C' object has no attribute "
+                    "'topk_softmax'\")\n")
+    spec = importlib.util.spec_from_file_location("engine_fake", fake)
+    engine = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(engine)
+
+    class EngineFails:
+        def __init__(self, **kw):
+            engine.start()
+
+    class ModelFails:
+        def __init__(self, **kw):
+            raise AttributeError("not vLLM's")
+
+    def build(argv, cls):
+        monkeypatch.setattr(grpo_trainer, "trainer_class", lambda padding_free: cls)
+        _, args, model_args = parsed(["--num_generations", "4", "--per_device_train_batch_size", "4", *argv])
+        if "--use_vllm" not in argv:
+            args.use_vllm = True  # what resolve_rollouts chooses with vllm installed and a GPU
+        with pytest.raises(AttributeError) as caught:
+            grpo_trainer.build_trainer(args, model_args, "full", [], None, None)
+        return getattr(caught.value, "__notes__", [])
+
+    notes = build([], EngineFails)
+    assert len(notes) == 1 and "`--use_vllm false` generates with transformers" in notes[0], notes
+    assert build(["--use_vllm", "true"], EngineFails) == []
+    assert build([], ModelFails) == []
+    assert build(["--use_vllm", "false"], EngineFails) == []
+
+
 @pytest.mark.parametrize("kwargs, regex, kept, note", [
     ({}, None, {"detokenize": False}, ", no detokenizing (TRL decodes the ids)"),
     ({"min_tokens": 4}, None, {"min_tokens": 4, "detokenize": False}, ", no detokenizing (TRL decodes the ids)"),

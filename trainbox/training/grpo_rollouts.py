@@ -72,6 +72,20 @@ def skip_detokenizing(args) -> str:
     return ", no detokenizing (TRL decodes the ids)"
 
 
+def explain_engine_failure(args, error: BaseException) -> None:
+    """An error raised inside vLLM where vLLM was our choice (installed, a GPU there), not the user's: a note on the
+    error says how to do without it. vLLM may lack a model's kernels (seen: gpt-oss's MoE ops missing from a vLLM
+    built against another torch), where transformers' generate would run; without the note the traceback names only
+    vLLM's internals."""
+    import traceback
+
+    if not args.use_vllm or "use_vllm" in config.explicit(args):
+        return
+    if any("/vllm/" in frame.filename.replace("\\", "/") for frame in traceback.extract_tb(error.__traceback__)):
+        error.add_note("[trainbox] grpo: vLLM generates here because it is installed (the rollouts line above), and "
+                       "it failed inside vLLM; `--use_vllm false` generates with transformers instead")
+
+
 # vLLM's colocated share of the GPU: enough KV cache for a generation batch of long completions, the rest for
 # training. 24 GiB holds a 7-8B model's bf16 weights plus a few GB of KV cache; past that more cache buys little.
 ROLLOUT_BYTES = 24 * 2**30

@@ -5,7 +5,7 @@ on what was loaded.
 
 from __future__ import annotations
 
-from trainbox.training import attention, config, memplan, speed, throughput
+from trainbox.training import attention, config, grpo_rollouts, memplan, speed, throughput
 from trainbox.run import ranks
 
 
@@ -130,13 +130,17 @@ def build_trainer(args, model_args, mode, funcs, ds, preempt_cb, padding_free: b
             # device_map=None under DDP, would quantize onto no device).
             init.setdefault("device_map", {"": ranks.local_rank()})
     args.model_init_kwargs = init
-    return trainer_class(padding_free)(
-        model=model_args.model_name_or_path,
-        reward_funcs=funcs,
-        args=args,
-        train_dataset=ds,
-        peft_config=get_peft_config(model_args) if mode != "full" else None,
-        quantization_config=quant,
-        # Steady steps/s and tokens/s for the summary (no MFU: rollouts are most of a GRPO step's work).
-        callbacks=[preempt_cb, throughput.Throughput()],
-    )
+    try:  # colocated vLLM starts its engine here
+        return trainer_class(padding_free)(
+            model=model_args.model_name_or_path,
+            reward_funcs=funcs,
+            args=args,
+            train_dataset=ds,
+            peft_config=get_peft_config(model_args) if mode != "full" else None,
+            quantization_config=quant,
+            # Steady steps/s and tokens/s for the summary (no MFU: rollouts are most of a GRPO step's work).
+            callbacks=[preempt_cb, throughput.Throughput()],
+        )
+    except Exception as error:
+        grpo_rollouts.explain_engine_failure(args, error)
+        raise
