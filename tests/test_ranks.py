@@ -30,6 +30,26 @@ def test_without_local_world_size_each_rank_counts_as_a_node_of_its_own():
     assert ranks.local_world_size({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "9"}) == 2  # never more than the run
 
 
+def test_an_uneven_layout_spans_every_node_it_touches():
+    """3 ranks at 2 per node are 2 nodes: FSDP2 re-shards as across nodes (as it did when it compared the sizes)."""
+    env = {"WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "2"}
+    assert ranks.nodes(env) == 2
+    assert ranks.nodes({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8"}) == 1
+
+
+def test_fsdp_reshards_only_across_nodes(monkeypatch):
+    from trainbox.training import speed
+
+    for world, local, across in (("8", "8", False), ("16", "8", True), ("3", "2", True), ("1", None, False)):
+        monkeypatch.setenv("WORLD_SIZE", world)
+        if local is None:
+            monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+        else:
+            monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+        assert speed.reshards_after_forward(memory_first=False) is across, (world, local)
+        assert speed.reshards_after_forward(memory_first=True) is True
+
+
 def test_os_environ_is_read_at_call_time(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")

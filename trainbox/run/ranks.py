@@ -45,5 +45,5 @@ def distributed(env=None) -> bool:
 
 
 def nodes(env=None) -> int:
-    """Nodes the ranks span."""
-    return max(1, world_size(env) // local_world_size(env))
+    """Nodes the ranks span (a node with fewer ranks than the others counts: 3 ranks, 2 per node, are 2 nodes)."""
+    return -(-world_size(env) // local_world_size(env))

@@ -73,8 +73,6 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     x = _FN["gather"].apply(hidden_states, order // k, inverse, k)
     counts = torch.histc(ids.int() if ids.is_cuda else ids.float(), bins=experts, min=0, max=experts - 1)
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    onehot = F.one_hot(ids, experts).to(x.dtype) if self.has_bias else None
-
     up, down = self.gate_up_proj if self.has_gate else self.up_proj, self.down_proj
     device = x.device.type
     if torch.is_autocast_enabled(device):
@@ -82,7 +80,8 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
         # weights under bf16 autocast (TRL's GRPO default) would run them in float32. Cast as autocast casts a Linear.
         dtype = torch.get_autocast_dtype(device)
         x, up, down = x.to(dtype), up.to(dtype), down.to(dtype)
-        onehot = onehot.to(dtype) if onehot is not None else None
+    onehot = F.one_hot(ids, experts).to(x.dtype) if self.has_bias else None
+
     h = _grouped_linear(x, up, offsets, is_transposed=self.is_transposed)
     if self.has_bias:
         h = h + onehot @ (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias).to(h.dtype)
