@@ -85,10 +85,10 @@ DROPPED = {
     "rignore": "same", "fastar": "same", "detect-installer": "same", "agent-detector": "same", "rich-toolkit": "same",
 }
 
-# Members of the vLLM wheel not carried: (pattern, why).
+# Members of the vLLM wheel not carried: (pattern, why). The MoE kernels (_moe_C) stay: gpt-oss needs them, and
+# without them vLLM fails at engine start (`torch.ops._moe_C.topk_softmax` missing, seen on the device).
 TRIM = [
     (r"vllm/vllm_flash_attn/_vllm_fa2_C\.abi3\.so", "FlashAttention 2: before Hopper; sm90 takes FA3 (guarded import)"),
-    (r"vllm/_moe_C_stable_libtorch\.abi3\.so", "MoE kernels: import suppressed when absent; a dense Llama needs none"),
     (r"vllm/vllm-rs", "Rust frontend: used only with VLLM_USE_RUST_FRONTEND=1"),
     (r"vllm/third_party/deep_gemm/_C\.cpython-3(10|11|13|14)-.*\.so", "DeepGEMM for other Pythons"),
 ]
@@ -297,7 +297,7 @@ def main() -> None:
                     help="folder for the downloads (dl/, trimmed/) and the parts (p1, p2, ...); must be git-ignored")
     ap.add_argument("--part-mib", type=float, default=None,
                     help="bytes per part in MiB (default: 64 MiB less the working tree less 1 MiB, at most 60)")
-    ap.add_argument("--no-trim", action="store_true", help="carry the whole vLLM wheel (FA2, MoE, Rust frontend)")
+    ap.add_argument("--no-trim", action="store_true", help="carry the whole vLLM wheel (FA2, Rust frontend)")
     ap.add_argument("--steps", type=int, default=12, help="the benchmark's --steps")
     ap.add_argument("--runs", type=int, default=2,
                     help="the benchmark's --runs in its first call (plain, ours: fits 570 s with cold JIT caches)")

@@ -268,7 +268,7 @@ def test_rollout_choice_is_automatic_and_reported(monkeypatch):
 
 def test_a_failure_inside_the_vllm_we_chose_says_how_to_go_without_it(monkeypatch, tmp_path):
     """vLLM chosen by us (installed, a GPU) and failing inside its own code as the trainer starts its engine (seen on
-    an H100: gpt-oss's MoE op missing from a vLLM built against another torch): the error carries a note naming
+    an H100: gpt-oss's MoE op missing from a vLLM whose MoE extension was left out): the error carries a note naming
     `--use_vllm false`. Not when the user asked for vLLM, nor for an error from elsewhere."""
     import importlib.util
 

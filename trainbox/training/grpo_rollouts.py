@@ -74,9 +74,9 @@ def skip_detokenizing(args) -> str:
 
 def explain_engine_failure(args, error: BaseException) -> None:
     """An error raised inside vLLM where vLLM was our choice (installed, a GPU there), not the user's: a note on the
-    error says how to do without it. vLLM may lack a model's kernels (seen: gpt-oss's MoE ops missing from a vLLM
-    built against another torch), where transformers' generate would run; without the note the traceback names only
-    vLLM's internals."""
+    error says how to do without it. A vLLM install may lack a model's kernels (seen: gpt-oss's MoE ops missing from
+    a vLLM whose MoE extension was left out), where transformers' generate would run; without the note the traceback
+    names only vLLM's internals."""
     import traceback
 
     if not args.use_vllm or "use_vllm" in config.explicit(args):
