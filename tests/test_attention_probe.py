@@ -101,7 +101,8 @@ def test_no_aarch64_wheel_locks_the_source_build_which_emulation_refuses(tmp_pat
     assert r.stdout.strip() == ""                                             # no image, no tag
 
 
-def test_an_unreachable_index_or_a_confirmed_arch_without_a_wheel_is_an_error(tmp_path):
+def test_an_unreachable_index_or_a_confirmed_arch_without_a_wheel_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("UV_HTTP_RETRIES", "0")  # uv's backoff on a closed port: ~20 s, same error
     out = tmp_path / "out"
     _seed(out, GH200)
     port = simpleindex.free_port()

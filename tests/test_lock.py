@@ -1,6 +1,7 @@
 """Per-cell hash locks: present and fresh for what can be locked here, GPU cells skipped with a clear reason."""
 import dataclasses
 import hashlib
+import os
 import re
 from pathlib import Path
 
@@ -118,7 +119,8 @@ def test_an_unreachable_index_is_one_clear_error_and_nothing_is_written(tmp_path
     way out, no file. (A closed port on 127.0.0.1 stands for the unreachable host: same path, no DNS wait.)"""
     p = subprocess.run([sys.executable, str(ROOT / "build.py"), "--lock", "cu129-blackwell-x86_64", "--output-dir",
                         str(tmp_path), "--index", "torch=http://127.0.0.1:9/whl/{variant}"],
-                       capture_output=True, text=True, cwd=ROOT)
+                       capture_output=True, text=True, cwd=ROOT,
+                       env={**os.environ, "UV_HTTP_RETRIES": "0"})  # uv's backoff on a closed port: ~20 s, same error
     assert p.returncode == 2, p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
     assert "torch = http://127.0.0.1:9/whl/cu129" in p.stderr and "--index NAME=URL" in p.stderr
