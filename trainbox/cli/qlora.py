@@ -21,10 +21,9 @@ from common.errors import UsageError
 from trainbox.training import config as cfg
 from common import atomic, launch
 from trainbox import helpcache
-from trainbox.run import outputs, preemption, resume, runsummary
+from trainbox.run import outputs, preemption, ranks, resume, runsummary
 from trainbox.training import runner, sftlib
 from common.errors import UsageError
-from trainbox.run import ranks
 
 
 @dataclass

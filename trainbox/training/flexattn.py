@@ -226,7 +226,7 @@ def fused(query, key, value, docs, scale: float, window: int | None, softcap: fl
     fn = fn or compiled()
     # Outside autocast: the Trainer's bf16 autocast makes FlexAttention's autocast rule break the compiled graph, and
     # its backward then fails on real tensors (seen on an H100, torch 2.11).
-    with torch.autocast(device_type=query.device.type, enabled=False):
+    with torch.autocast(device_type=device, enabled=False):
         if not lse:  # (compiled FlexAttention on CPU returns no log-sum-exp)
             return fn(query, key, value, **kw)[:, :, :s], None
         if hasattr(fa, "AuxRequest"):

@@ -112,8 +112,6 @@ def raw_config_class():
     return GRPOOptions
 
 
-
-
 def check_generation_batch(args, processes: int) -> None:
     """GRPO scores groups of num_generations completions per prompt: each generation batch must hold whole groups."""
     bs, ng = args.per_device_train_batch_size, args.num_generations

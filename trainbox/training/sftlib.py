@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trainbox.run import outputs, preemption, resume
+from trainbox.run import outputs, preemption, ranks, resume
 from trainbox.training import attention, data, leanmlp, speed, throughput
 from trainbox.training import config as cfg
-from trainbox.run import ranks
 
 
 @dataclass
