@@ -266,6 +266,35 @@ def test_rollout_choice_is_automatic_and_reported(monkeypatch):
     assert not server.generation_kwargs and not off.generation_kwargs
 
 
+def test_static_decode_is_chosen_where_it_applies(monkeypatch, no_model, capsys, tiny_model, gsm8k_file):
+    """Without vLLM: on by default with a GPU for full fine-tuning with plain sampling; off (and said why) for
+    adapters or sampling it does not do; asked for where it cannot run, one usage error."""
+    import torch
+
+    base = ["--num_generations", "4", "--per_device_train_batch_size", "4", "--use_vllm", "false"]
+
+    def line(argv, mode="full", gpu=True):
+        script, args, _ = parsed([*base, *argv])
+        with monkeypatch.context() as m:
+            m.setattr(torch.cuda, "is_available", lambda: gpu)
+            return grpo_rollouts.resolve_rollouts(args, None, script, mode), script.static_decode
+
+    assert line([]) == ("rollouts: static-cache decode (a bfloat16 copy of the policy, one CUDA-graphed step a "
+                        "token) (use_vllm set)", True)
+    assert line([], gpu=False) == ("rollouts: transformers generate (use_vllm set)", False)
+    assert line([], mode="lora") == ("rollouts: transformers generate; static decode off: mode lora (the decoder "
+                                     "copies full weights, not adapters) (use_vllm set)", False)
+    assert line(["--top_p", "0.9"])[1] is False and "static decode off: top_p=0.9" in line(["--top_p", "0.9"])[0]
+    assert line(["--static_decode", "false"]) == ("rollouts: transformers generate (use_vllm set)", False)
+    assert line(["--static_decode", "true"], gpu=False)[1] is True  # asked for on CPU: it runs, uncompiled
+    for argv, what in ((["--top_k", "50"], "top_k=50"), (["--repetition_penalty", "1.1"], "repetition_penalty=1.1"),
+                       (["--min_p", "0.05"], "min_p=0.05"), (["--mode", "lora"], "mode lora")):
+        expect_usage_error(["--model_name_or_path", tiny_model, "--dataset", gsm8k_file, "--preset", "gsm8k", *base,
+                            *argv,
+                            "--static_decode", "true"], capsys, "static_decode=true but", what,
+                           "drop static_decode")
+
+
 def test_a_failure_inside_the_vllm_we_chose_says_how_to_go_without_it(monkeypatch, tmp_path):
     """vLLM chosen by us (installed, a GPU) and failing inside its own code as the trainer starts its engine (seen on
     an H100: gpt-oss's MoE op missing from a vLLM whose MoE extension was left out): the error carries a note naming
@@ -289,7 +318,7 @@ def test_a_failure_inside_the_vllm_we_chose_says_how_to_go_without_it(monkeypatc
             raise AttributeError("not vLLM's")
 
     def build(argv, cls):
-        monkeypatch.setattr(grpo_trainer, "trainer_class", lambda padding_free: cls)
+        monkeypatch.setattr(grpo_trainer, "trainer_class", lambda *bases: cls)
         _, args, model_args = parsed(["--num_generations", "4", "--per_device_train_batch_size", "4", *argv])
         if "--use_vllm" not in argv:
             args.use_vllm = True  # what resolve_rollouts chooses with vllm installed and a GPU
@@ -434,9 +463,11 @@ def digit_share(completions, **kwargs):
 '''
 
 
-def test_reward_rises_on_a_learnable_toy_task(tiny_model, tmp_path):
+@pytest.mark.parametrize("decoder", ["transformers generate", "static-cache decode"])
+def test_reward_rises_on_a_learnable_toy_task(tiny_model, tmp_path, decoder):
     # The random tiny Llama emits a digit token ~5% of the time; GRPO with a high learning rate makes it ~3x more
-    # frequent within 30 steps (seeds 0-6 measured: first-10 mean 0.046-0.063, last-10 mean 0.123-0.177).
+    # frequent within 30 steps (seeds 0-6 measured: first-10 mean 0.046-0.063, last-10 mean 0.123-0.177). With the
+    # static decoder (on CPU only when asked) the rise also shows its copy of the weights follows the policy.
     (tmp_path / "toy_reward.py").write_text(TOY_REWARD)
     data = write_jsonl(tmp_path / "toy.jsonl", [{"prompt": f"Count: {i}"} for i in range(64)])
     out = tmp_path / "out"
@@ -444,8 +475,10 @@ def test_reward_rises_on_a_learnable_toy_task(tiny_model, tmp_path):
                   "toy_reward.py:digit_share", "--max_steps", "30", "--num_generations", "8",
                   "--per_device_train_batch_size", "8", "--max_completion_length", "8", "--learning_rate", "5e-3",
                   "--logging_steps", "1", "--save_steps", "30", "--seed", "1", "--bf16", "false",
-                  "--disable_tqdm", "true", "--report_to", "none", "--output_dir", out], cwd=tmp_path)
+                  "--disable_tqdm", "true", "--report_to", "none", "--output_dir", out,
+                  "--static_decode", str(decoder.startswith("static"))], cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert f"rollouts: {decoder}" in r.stdout and "static decode off" not in r.stderr
     rewards_per_step = [h["reward"] for h in log_history(out) if "reward" in h]
     assert len(rewards_per_step) == 30
     first, last = statistics.mean(rewards_per_step[:10]), statistics.mean(rewards_per_step[-10:])
@@ -530,6 +563,70 @@ def test_checkpointing_is_chosen_for_full_and_left_to_trl_for_adapters(tiny_mode
     assert (line, on) == ("gradient checkpointing off (CPU: memory is not the limit)", False)
     assert decide("lora") == ("gradient checkpointing on (lora: TRL's default)", True)
     assert decide("full", "--gradient_checkpointing", "true") == ("gradient checkpointing on (set by you)", True)
+
+
+def test_static_decoder_rollouts_and_their_fallback_to_transformers(tiny_model, tmp_path, monkeypatch, capsys):
+    """The trainer with the static decoder mixin: completions come from the decoder (built once, synced when the
+    step changed); a decode step that does not compile hands this and every later rollout to TRL's generate, said
+    once."""
+    import datasets
+    from trl import GRPOConfig
+
+    from trainbox.training import static_decode
+
+    args = GRPOConfig(output_dir=str(tmp_path), num_generations=2, per_device_train_batch_size=4,
+                      max_completion_length=5, bf16=False, report_to="none", use_cpu=True, seed=0,
+                      model_init_kwargs={"attn_implementation": "sdpa", "dtype": "float32"})
+    trainer = grpo_trainer.trainer_class(False, True)(
+        model=str(tiny_model), reward_funcs=lambda completions, **k: [0.0] * len(completions), args=args,
+        train_dataset=datasets.Dataset.from_list([{"prompt": "a b"}] * 4))
+    prompts = [[5, 6, 7], [8, 9]]
+    out, logprobs = trainer._generate_single_turn(prompts, None, {}, 2)
+    assert logprobs is None and len(out) == 2 and all(1 <= len(c) <= 5 for c in out)
+    first = trainer._decoder
+    synced = []
+    monkeypatch.setattr(first, "sync", lambda policy: synced.append(policy))
+    trainer._generate_single_turn(prompts, None, {}, 2)
+    assert synced == [] and trainer._decoder is first  # same step: no sync
+    trainer.state.global_step += 1
+    trainer._generate_single_turn(prompts, None, {}, 2)
+    assert len(synced) == 1 and trainer._decoder is first
+
+    def not_compiled(self, prompts):
+        raise static_decode.StepNotCompiled("RuntimeError: a host copy during capture")
+
+    monkeypatch.setattr(static_decode.StaticDecoder, "generate", not_compiled)
+    capsys.readouterr()
+    for _ in range(2):
+        out, logprobs = trainer._generate_single_turn(prompts, None, {}, 2)
+        assert logprobs is None and len(out) == 2  # TRL's own transformers generate
+    err = capsys.readouterr().err
+    assert err.count("static decode off (its decode step did not compile: RuntimeError: a host copy during "
+                     "capture): transformers generate") == 1, err
+    assert trainer._decoder is None
+
+
+def test_the_memory_plan_counts_the_static_decoder(tiny_model, gsm8k_file, tmp_path, monkeypatch):
+    """The static decoder's bfloat16 weights and cache come out of the memory the policy's plan may use."""
+    from trainbox.cli.grpo import parse
+    from trainbox.training import grpo_trainer, memplan, speed, static_decode
+    from trainbox.training.grpo_options import finalize
+
+    facts = speed.model_facts(str(tiny_model))
+    seen = []
+    monkeypatch.setattr(memplan, "free_memory", lambda: 40 * 2**30)
+    monkeypatch.setattr(speed, "choose_memory", lambda args, facts, **kw: (seen.append(kw["free"]) or ("plan",)))
+    _s, _l, raw, model_args = parse(["--model_name_or_path", str(tiny_model), "--dataset", str(gsm8k_file),
+                                     "--preset", "gsm8k", "--output_dir", str(tmp_path), "--max_completion_length",
+                                     "300", "--per_device_train_batch_size", "8", "--num_generations", "8"])
+    args = finalize(raw, 1)
+    args.use_vllm = False
+    for decoder in (False, True):
+        grpo_trainer.choose_checkpointing(args, model_args, "full", 700, facts, static_decode=decoder)
+    rows = 8 * args.steps_per_generation
+    want = 2 * facts.params + rows * (1024 + 300) * facts.layers * 2 * facts.attn_width * 2
+    assert static_decode.memory_bytes(facts.params, facts.layers, facts.attn_width, rows, 700, 300) == want
+    assert seen == [40 * 2**30, 40 * 2**30 - want]
 
 
 def test_colocated_sleep_mode_follows_the_memory_plan(tiny_model, gsm8k_file, tmp_path):

@@ -97,7 +97,7 @@ def validate(script, args, model_args) -> Checked:
         )
     ours = ("started by this run (--vllm_server_nodes/--vllm_server_gpus)"
             if script.vllm_server_nodes or script.vllm_server_gpus else None)
-    rollouts = grpo_rollouts.resolve_rollouts(args, ours)
+    rollouts = grpo_rollouts.resolve_rollouts(args, ours, script, mode)
     config.check_report_to(args.report_to)
     args.output_dir = outputs.output_dir(config.configured_output_dir(args))
     if args.resume_from_checkpoint:  # TrainingArguments' own option wins over --resume
@@ -125,7 +125,8 @@ def train(script, args, model_args, checked: Checked) -> int:
             flush=True,
         )
     facts = speed.model_facts(model_args.model_name_or_path, model_args.model_revision)
-    line = grpo_trainer.choose_checkpointing(args, model_args, checked.mode, script.max_prompt_tokens, facts)
+    line = grpo_trainer.choose_checkpointing(args, model_args, checked.mode, script.max_prompt_tokens, facts,
+                                             script.static_decode)
     lines = [line, *grpo_trainer.choose_policy_forward(script, args, model_args, facts.attention)]
     if checked.mode == "full":  # (LoRA/QLoRA on MoE experts: not measured with it)
         experts, line = moe.choose(facts)
@@ -136,7 +137,7 @@ def train(script, args, model_args, checked: Checked) -> int:
         for line in lines:
             print(f"[trainbox] grpo: {line}", flush=True)
     trainer = grpo_trainer.build_trainer(args, model_args, checked.mode, checked.funcs, checked.dataset, preempt_cb,
-                                         padding_free=script.padding_free)
+                                         padding_free=script.padding_free, static_decode=script.static_decode)
     if outputs.is_main_process():
         print(f"[trainbox] grpo: {grpo_trainer.describe_model(trainer.model)}", flush=True)
         ratio = grpo_trainer.describe_ratio(trainer)

@@ -71,6 +71,15 @@ class GRPOScriptArgs:
             "(FlashAttention, PyTorch varlen; on CPU a block-diagonal mask), off with SDPA on a GPU."
         },
     )
+    static_decode: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Without vLLM: sample completions through a static KV cache and one CUDA-graphed decode step on "
+            "a bfloat16 copy of the policy (static_decode.py) instead of transformers' generate. Default: on with a "
+            "GPU for full fine-tuning with plain sampling (top_p 1, top_k 0, min_p and repetition_penalty unset/1, "
+            "no generation_kwargs or cache_implementation), not under FSDP or DeepSpeed; else off."
+        },
+    )
     vllm_server_nodes: int = field(
         default=0,
         metadata={

@@ -1,6 +1,7 @@
-"""Where GRPO's completions come from: transformers' generate, vLLM colocated with the trainers (its share of the GPU,
-sleep mode), or a vLLM server: one given by the user, or ours beside the trainers (the last node of the srun step or
-the last GPUs of this one: roles from vllm_server.py, the trainers' launcher that waits for its health).
+"""Where GRPO's completions come from: without vLLM our static-cache decoder (static_decode.py) or transformers'
+generate; vLLM colocated with the trainers (its share of the GPU, sleep mode), or a vLLM server: one given by the
+user, or ours beside the trainers (the last node of the srun step or the last GPUs of this one: roles from
+vllm_server.py, the trainers' launcher that waits for its health).
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from trainbox.training import config, vllm_server
 from common.errors import UsageError
 
 
-def resolve_rollouts(args, ours: str | None = None) -> str:
-    """Pick vLLM when it's installed and a GPU is there (unless use_vllm was set); return the line to report."""
+def resolve_rollouts(args, ours: str | None = None, script=None, mode: str = "full") -> str:
+    """Pick vLLM when it's installed and a GPU is there (unless use_vllm was set), else our static decode where it
+    applies (script.static_decode); return the line to report."""
     has_vllm = importlib.util.find_spec("vllm") is not None
     if "use_vllm" in config.explicit(args):
         if args.use_vllm and not has_vllm:
@@ -29,7 +31,7 @@ def resolve_rollouts(args, ours: str | None = None) -> str:
         why = "auto: " + ("vllm installed, GPU present" if args.use_vllm
                           else "vllm not installed" if not has_vllm else "no GPU")
     if not args.use_vllm:
-        return f"rollouts: transformers generate ({why})"
+        return f"rollouts: {choose_static_decode(script, args, mode)} ({why})"
     explicit = config.explicit(args)
     if "vllm_mode" not in explicit:
         args.vllm_mode = "colocate"  # said, not inherited: TRL's default could change under us
@@ -56,6 +58,40 @@ def resolve_rollouts(args, ours: str | None = None) -> str:
     detok = skip_detokenizing(args)
     return (f"rollouts: vLLM colocate, {sleep}, "
             f"gpu_memory_utilization {args.vllm_gpu_memory_utilization:.2f}{sized}{detok} ({why})")
+
+
+def static_decode_blockers(args, mode: str) -> list[str]:
+    """What keeps static_decode.py from standing in for transformers' generate: it copies the full model's weights
+    and samples plainly from softmax(logits / temperature)."""
+    out = [f"mode {mode} (the decoder copies full weights, not adapters)"] if mode != "full" else []
+    plain = dict(top_p=(None, 1.0), top_k=(None, 0), min_p=(None, 0.0), repetition_penalty=(None, 1.0))
+    out += [f"{name}={getattr(args, name)}" for name, ok in plain.items() if getattr(args, name, None) not in ok]
+    for name in ("generation_kwargs", "cache_implementation", "fsdp", "deepspeed",
+                 "use_transformers_continuous_batching"):
+        if getattr(args, name, None):
+            out.append(f"{name} set")
+    return out
+
+
+def choose_static_decode(script, args, mode: str) -> str:
+    """Set script.static_decode (auto: on with a GPU where nothing blocks it); return how completions are made."""
+    if script is None:
+        return "transformers generate"
+    blockers = static_decode_blockers(args, mode)
+    note = ""
+    if script.static_decode is None:
+        import torch
+
+        script.static_decode = not blockers and torch.cuda.is_available()
+        note = f"; static decode off: {blockers[0]}" if blockers else ""
+    elif script.static_decode and blockers:
+        raise UsageError(
+            f"static_decode=true but {'; '.join(blockers)}: the static decoder copies the full model and samples "
+            "from softmax(logits / temperature) only; drop static_decode to generate with transformers"
+        )
+    if script.static_decode:
+        return "static-cache decode (a bfloat16 copy of the policy, one CUDA-graphed step a token)"
+    return f"transformers generate{note}"
 
 
 def skip_detokenizing(args) -> str:

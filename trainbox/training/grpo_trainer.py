@@ -1,6 +1,6 @@
-"""GRPO's trainer set up: gradient checkpointing (off where full training fits beside colocated vLLM), the policy's
-attention kernel and padding-free forward, TRL's GRPOTrainer (or the padding-free one) with our callbacks, and a line
-on what was loaded.
+"""GRPO's trainer set up: gradient checkpointing (off where full training fits beside colocated vLLM or the static
+decoder), the policy's attention kernel and padding-free forward, TRL's GRPOTrainer (padding-free, static decoder
+rollouts, or neither) with our callbacks, and a line on what was loaded.
 """
 
 from __future__ import annotations
@@ -9,10 +9,12 @@ from trainbox.training import attention, config, grpo_rollouts, memplan, speed, 
 from trainbox.run import ranks
 
 
-def choose_checkpointing(args, model_args, mode: str, max_prompt_tokens: int | None, facts) -> str:
+def choose_checkpointing(args, model_args, mode: str, max_prompt_tokens: int | None, facts,
+                         static_decode: bool = False) -> str:
     """TRL turns gradient checkpointing on for GRPO; full fine-tuning turns it off when the policy's training memory
-    fits in what colocated vLLM leaves (speed.py's estimate; the micro-batch is prompt + completion tokens of each
-    completion). LoRA/QLoRA keep TRL's choice: their point is fitting a big base in little memory."""
+    fits in what colocated vLLM (or the static decoder's weights and cache) leaves (speed.py's estimate; the
+    micro-batch is prompt + completion tokens of each completion). LoRA/QLoRA keep TRL's choice: their point is
+    fitting a big base in little memory."""
     if mode != "full" or "gradient_checkpointing" in config.explicit(args):
         why = "set by you" if "gradient_checkpointing" in config.explicit(args) else f"{mode}: TRL's default"
         return (f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'} ({why})"
@@ -23,6 +25,12 @@ def choose_checkpointing(args, model_args, mode: str, max_prompt_tokens: int | N
     if free is not None and args.use_vllm and args.vllm_mode == "colocate":
         total = torch.cuda.mem_get_info(torch.device("cuda", ranks.local_rank()))[1]
         free -= int(args.vllm_gpu_memory_utilization * total)  # vLLM takes its share of the whole GPU at start
+    if free is not None and static_decode:
+        from trainbox.training.static_decode import memory_bytes
+
+        rows = args.per_device_train_batch_size * (args.steps_per_generation or 1)
+        free -= memory_bytes(facts.params, facts.layers, facts.attn_width, rows, max_prompt_tokens or 512,
+                             args.max_completion_length)
     tokens = args.per_device_train_batch_size * ((max_prompt_tokens or 512) + args.max_completion_length)
     # TRL loads a reference model like the policy (float32 here) only when the KL term is on.
     ref = 4 * facts.params if args.beta else 0
@@ -101,11 +109,16 @@ def describe_ratio(trainer) -> str | None:
             "use)")
 
 
-def trainer_class(padding_free: bool):
-    """Our GRPOTrainer: the loss-time importance ratio (grpo_is_ratio.py) over TRL's trainer, padding-free or not."""
+def trainer_class(padding_free: bool, static_decode: bool = False):
+    """Our GRPOTrainer: the loss-time importance ratio (grpo_is_ratio.py) over TRL's trainer, padding-free or not,
+    rollouts without vLLM from the static decoder (grpo_static_decode.py) or not."""
     from trainbox.training.grpo_is_ratio import LossTimeRatio
 
     bases = (LossTimeRatio,)
+    if static_decode:
+        from trainbox.training.grpo_static_decode import StaticDecodeRollouts
+
+        bases += (StaticDecodeRollouts,)
     if padding_free:
         from trainbox.training.grpo_padding_free import PaddingFreeGRPOTrainer
 
@@ -113,7 +126,8 @@ def trainer_class(padding_free: bool):
     return type("TrainboxGRPOTrainer", bases, {})
 
 
-def build_trainer(args, model_args, mode, funcs, ds, preempt_cb, padding_free: bool = False):
+def build_trainer(args, model_args, mode, funcs, ds, preempt_cb, padding_free: bool = False,
+                  static_decode: bool = False):
     from trl import get_peft_config, get_quantization_config
 
     init = dict(args.model_init_kwargs or {})
@@ -131,7 +145,7 @@ def build_trainer(args, model_args, mode, funcs, ds, preempt_cb, padding_free: b
             init.setdefault("device_map", {"": ranks.local_rank()})
     args.model_init_kwargs = init
     try:  # colocated vLLM starts its engine here
-        return trainer_class(padding_free)(
+        return trainer_class(padding_free, static_decode)(
             model=model_args.model_name_or_path,
             reward_funcs=funcs,
             args=args,

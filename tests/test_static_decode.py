@@ -1,0 +1,133 @@
+"""static_decode.py, the no-vLLM GRPO rollout engine, on CPU for every zoo architecture: what it decodes greedily
+is what a plain full forward of the policy predicts (cache, positions, left padding, windows, softcaps, sinks,
+experts), it stops rows at their end token, grows its cache for longer prompts and more rows, and its sampling
+draws from softmax(logits / temperature)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tiny import make_tokenizer
+from trainbox.training import static_decode
+from zoo import ZOO, make_config
+
+GREEDY = 1e-6  # a temperature at which the Gumbel draw is the argmax (random logits: no near-ties)
+
+
+def policy(name: str, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    tok = make_tokenizer()
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(make_config(name, tok), dtype=torch.float32)
+    return model.eval(), tok
+
+
+def prompts(tok, lengths=(5, 13, 22)):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(5, len(tok), (n,), generator=g).tolist() for n in lengths]
+
+
+def assert_greedy(model, prompt_rows, completions):
+    """Each completion token is the full forward's argmax after the row's own unpadded prefix."""
+    for prompt, completion in zip(prompt_rows, completions, strict=True):
+        ids = torch.tensor([prompt + completion])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
+        top2 = logits.topk(2, -1)
+        for j, token in enumerate(completion):
+            gap = (top2.values[j, 0] - top2.values[j, 1]).item()
+            assert token == top2.indices[j, 0].item() or gap < 1e-4, (j, token, top2)
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_greedy_decode_matches_full_forward(name):
+    model, tok = policy(name)
+    dec = static_decode.StaticDecoder(model, max_new=14, pad_id=tok.pad_token_id, eos_ids=[], temperature=GREEDY,
+                                      dtype=torch.float32)
+    rows = prompts(tok)
+    out = dec.generate(rows)
+    assert [len(c) for c in out] == [14, 14, 14]  # no end token: every row runs to max_new
+    assert_greedy(model, rows, out)
+
+
+def test_rows_stop_at_their_end_token_which_is_kept():
+    model, tok = policy("llama3")
+    rows = prompts(tok)
+    dec = static_decode.StaticDecoder(model, max_new=12, pad_id=tok.pad_token_id, eos_ids=[], temperature=GREEDY,
+                                      dtype=torch.float32)
+    free = dec.generate(rows)
+    stop = free[0][3]
+    dec = static_decode.StaticDecoder(model, max_new=12, pad_id=tok.pad_token_id, eos_ids=[stop],
+                                      temperature=GREEDY, dtype=torch.float32)
+    out = dec.generate(rows)
+    for before, after in zip(free, out, strict=True):
+        end = before.index(stop) + 1 if stop in before else len(before)
+        assert after == before[:end]
+    assert len(out[0]) <= 4 and out[0][-1] == stop
+
+
+def test_cache_grows_for_longer_prompts_and_more_rows_and_weights_sync(monkeypatch):
+    monkeypatch.setattr(static_decode, "STEP", 8)
+    monkeypatch.setattr(static_decode, "SCORE_BYTES", 4 * 2 * 4 * 16 * 3)  # prefill of the sink model in chunks
+    model, tok = policy("gpt-oss")
+    dec = static_decode.StaticDecoder(model, max_new=6, pad_id=tok.pad_token_id, eos_ids=[], temperature=GREEDY,
+                                      dtype=torch.float32)
+    short = prompts(tok, (3, 6))
+    assert_greedy(model, short, dec.generate(short))
+    first = (dec.rows, dec.length)
+    long = prompts(tok, (4, 30, 9, 17))
+    out = dec.generate(long)
+    assert (dec.rows, dec.length) == (4, 32 + 6) and first == (2, 8 + 6)
+    assert_greedy(model, long, out)
+    with torch.no_grad():  # the policy trains on: sync() carries its new weights into the decoder
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    dec.sync(model)
+    assert_greedy(model, long, dec.generate(long))
+
+
+def test_sampling_draws_from_the_softmax():
+    model, tok = policy("qwen2.5")
+    temperature = 0.7
+    prompt = prompts(tok, (7,))[0]
+    dec = static_decode.StaticDecoder(model, max_new=1, pad_id=tok.pad_token_id, eos_ids=[],
+                                      temperature=temperature, dtype=torch.float32)
+    n = 3000
+    torch.manual_seed(0)
+    first = torch.tensor([c[0] for c in dec.generate([prompt] * n)])
+    with torch.no_grad():
+        probs = torch.softmax(model(input_ids=torch.tensor([prompt])).logits[0, -1] / temperature, -1)
+    assert len(set(first.tolist())) > 1  # not a constant: the rows draw independently
+    for token in probs.topk(3).indices.tolist():  # the likeliest tokens, each within 4.5 standard errors
+        p = probs[token].item()
+        seen = (first == token).float().mean().item()
+        assert abs(seen - p) < 4.5 * math.sqrt(p * (1 - p) / n) + 1e-3, (token, seen, p)
+
+
+def test_a_step_that_does_not_compile_decodes_uncompiled_or_raises(monkeypatch, capsys):
+    """Compile failures (a host copy inside CUDA graph capture: Mixtral, Qwen3-MoE on an H100) either fall back to
+    the uncompiled step, said on stderr, with the same tokens, or raise StepNotCompiled for a caller with another
+    engine."""
+
+    def broken(fn, **kw):
+        def step(*a):
+            raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture\nmore")
+        return step
+
+    model, tok = policy("mixtral")
+    rows = prompts(tok)
+    plain = static_decode.StaticDecoder(model, max_new=6, pad_id=tok.pad_token_id, eos_ids=[], temperature=GREEDY,
+                                        dtype=torch.float32).generate(rows)
+    monkeypatch.setattr(torch, "compile", broken)
+    kw = dict(max_new=6, pad_id=tok.pad_token_id, eos_ids=[], temperature=GREEDY, dtype=torch.float32, compile=True)
+    dec = static_decode.StaticDecoder(model, **kw)
+    assert dec.generate(rows) == plain and dec.compile is False
+    assert ("the decode step did not compile (RuntimeError: Cannot copy between CPU and CUDA tensors during CUDA "
+            "graph capture); decoding uncompiled") in capsys.readouterr().err
+    strict = static_decode.StaticDecoder(model, **kw, uncompiled_fallback=False)
+    with pytest.raises(static_decode.StepNotCompiled, match="RuntimeError: Cannot copy between CPU and CUDA"):
+        strict.generate(rows)
