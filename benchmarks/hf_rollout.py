@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -31,26 +30,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_throughput import ROOT, SHAPES, WORDS, make_model  # noqa: E402
+from train_throughput import ROOT, SHAPES, make_model  # noqa: E402
+from vllm_rollout import COMPLETION, GENERATIONS, PROMPTS  # noqa: E402
+from vllm_rollout import prompt_rows as prompts  # noqa: E402
 
-COMPLETION = 256
-PROMPTS, GENERATIONS = 2, 8
 PROMPT_BUDGET = 512  # the static cache holds this many prompt tokens + COMPLETION
 VARIANTS = ("trl", "bf16", "static", "ours")
-
-
-def prompts(tok, seed: int) -> list[list[int]]:
-    from trainbox.training.rewards import SYSTEM_PROMPT
-
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(PROMPTS):
-        question = " ".join(f"w{rng.randrange(WORDS)}" for _ in range(rng.randint(40, 160)))
-        ids = tok.apply_chat_template([{"role": "system", "content": SYSTEM_PROMPT},
-                                       {"role": "user", "content": question}], add_generation_prompt=True,
-                                      tokenize=True, return_dict=False)
-        rows += [list(ids)] * GENERATIONS
-    return rows
 
 
 def child(name: str, model_dir: str, reps: int) -> None:

@@ -45,10 +45,14 @@ def prompt_ids(model: Path) -> list[list[int]]:
     times as TRL's sampler repeats them."""
     from transformers import AutoTokenizer
 
+    return prompt_rows(AutoTokenizer.from_pretrained(model))
+
+
+def prompt_rows(tok, seed: int = 0) -> list[list[int]]:
+    """prompt_ids with a loaded tokenizer and another draw of questions per seed (hf_rollout.py's rollouts)."""
     from trainbox.training.rewards import SYSTEM_PROMPT
 
-    tok = AutoTokenizer.from_pretrained(model)
-    rng = random.Random(0)
+    rng = random.Random(seed)
     rows = []
     for _ in range(PROMPTS):
         question = " ".join(f"w{rng.randrange(WORDS)}" for _ in range(rng.randint(40, 160)))
