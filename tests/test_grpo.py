@@ -565,6 +565,18 @@ def test_checkpointing_is_chosen_for_full_and_left_to_trl_for_adapters(tiny_mode
     assert decide("full", "--gradient_checkpointing", "true") == ("gradient checkpointing on (set by you)", True)
 
 
+def test_static_decode_with_vllm_is_one_usage_error(monkeypatch):
+    script, args, _ = parsed(["--num_generations", "4", "--per_device_train_batch_size", "4", "--use_vllm", "true",
+                              "--static_decode", "true"])
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "vllm" else real_find_spec(n, *a))
+    with pytest.raises(UsageError, match="static_decode=true stands in for transformers' generate, but vLLM "
+                                         "generates here .use_vllm set.; drop static_decode, or set --use_vllm false"):
+        grpo_rollouts.resolve_rollouts(args, None, script, "full")
+
+
 def test_static_decoder_rollouts_and_their_fallback_to_transformers(tiny_model, tmp_path, monkeypatch, capsys):
     """The trainer with the static decoder mixin: completions come from the decoder (built once, synced when the
     step changed); a decode step that does not compile hands this and every later rollout to TRL's generate, said

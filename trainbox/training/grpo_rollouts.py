@@ -32,6 +32,9 @@ def resolve_rollouts(args, ours: str | None = None, script=None, mode: str = "fu
                           else "vllm not installed" if not has_vllm else "no GPU")
     if not args.use_vllm:
         return f"rollouts: {choose_static_decode(script, args, mode)} ({why})"
+    if script is not None and script.static_decode:
+        raise UsageError("static_decode=true stands in for transformers' generate, but vLLM generates here "
+                         f"({why}); drop static_decode, or set --use_vllm false to use it")
     explicit = config.explicit(args)
     if "vllm_mode" not in explicit:
         args.vllm_mode = "colocate"  # said, not inherited: TRL's default could change under us
