@@ -63,6 +63,9 @@ class StaticDecodeRollouts(GRPOTrainer):
             self._decoder = StaticDecoder(policy, self.max_completion_length, pad, self.eos_token_ids,
                                           self.temperature, uncompiled_fallback=False)
             self._decoder_step = self.state.global_step
+            if self._decoder.compile and outputs.is_main_process():  # the first rollout pauses: say why
+                print("[trainbox] grpo: static decode: compiling the decode step into a CUDA graph (once, and again "
+                      "if prompts outgrow the cache; 30-60 s on an H100/H200)", flush=True)
         elif self._decoder_step != self.state.global_step:
             with profiling_context(self, "static_decode.sync"):
                 self._decoder.sync(policy)
