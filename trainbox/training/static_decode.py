@@ -1,13 +1,14 @@
 """Sampling completions from a causal LM through a static KV cache and one compiled decode step: GRPO's rollouts
 where vLLM is absent (cu126 images) or turned off.
 
-transformers' `generate` with its dynamic cache is CPU-bound on small models (a 1.2B Llama on an H100: 16 ms a decode
-step for 16 rows, ~4 s a GRPO rollout of 256 tokens, TRL's no-vLLM path), and its own static-cache auto-compile
-still rebuilds shapes every step (5 ms). Here a bfloat16 copy of the policy decodes into a StaticCache whose shapes
-never change (rows and length fixed per run), so ONE compiled step (the forward on one token per row, the sampling,
-the end-of-sequence bookkeeping) is captured as a CUDA graph and replayed for every token (benchmarks/hf_rollout.py:
-1.8 ms a step, 0.56 s a rollout, as fast as colocated vLLM there). Keys and values are read per KV head group
-(`decode_attention`): SDPA with a mask would copy the whole cache once per group every step.
+transformers' `generate` with its dynamic cache is CPU-bound on small models (a 1.2B Llama on an H100: 16-33 ms a
+decode step for 16 rows, 4-8 s a GRPO rollout of 256 tokens, TRL's no-vLLM path), and its own static-cache
+auto-compile still rebuilds shapes every step (5 ms). Here a bfloat16 copy of the policy decodes into a StaticCache
+whose shapes never change (rows and length fixed per run), so ONE compiled step (the forward on one token per row,
+the sampling from uniforms drawn outside it, the end-of-sequence bookkeeping) is captured as a CUDA graph and
+replayed for every token (benchmarks/hf_rollout.py: 2 ms a step, 0.51-0.56 s a rollout, on par with colocated
+vLLM). Keys and values are read per KV head group (`decode_attention`): SDPA with a mask would copy the whole cache
+once per group every step.
 
 Sampling is plain softmax(logits / temperature) (Gumbel-max, an exact draw); anything else (top-p/k, min-p,
 repetition penalty) is left to transformers' generate by the caller. The prefill runs uncompiled (its width changes
@@ -138,15 +139,15 @@ class StaticDecoder:
         self.mask = torch.zeros(self.rows, self.length, dtype=torch.long, device=self.device)
         self.step = torch.compile(self._step, mode="reduce-overhead", fullgraph=True) if self.compile else self._step
 
-    def _sample(self, logits):
+    def _sample(self, logits, uniform):
         logits = logits.float() / self.temperature
-        noise = -torch.log(-torch.log(torch.rand_like(logits)))  # Gumbel: argmax(l + g) ~ softmax(l)
+        noise = -torch.log(-torch.log(uniform))  # Gumbel: argmax(l + g) ~ softmax(l)
         return torch.argmax(logits + noise, dim=-1)
 
-    def _step(self, token, done, position, slot, mask):
+    def _step(self, token, done, position, slot, mask, uniform):
         logits = self.model(input_ids=token[:, None], position_ids=position, attention_mask=mask,
                             past_key_values=self.cache, cache_position=slot, use_cache=True).logits[:, -1]
-        nxt = torch.where(done, self.pad_id, self._sample(logits))
+        nxt = torch.where(done, self.pad_id, self._sample(logits, uniform))
         return nxt, done | torch.isin(nxt, self.eos)
 
     @torch.no_grad()
@@ -165,7 +166,10 @@ class StaticDecoder:
         position = (real.cumsum(-1) - 1).clamp_(min=0)
         logits = self.model(input_ids=ids, position_ids=position, attention_mask=real, past_key_values=self.cache,
                             cache_position=torch.arange(width, device=self.device), use_cache=True).logits[:, -1]
-        token = self._sample(logits)
+        token = self._sample(logits, torch.rand_like(logits, dtype=torch.float32))
+        # Each step's uniforms are drawn outside the graph and passed in: fresh by construction, whatever the
+        # captured graph's own RNG would do on replay (not verified on a GPU); ~10 us a step.
+        shape, like = (self.rows, logits.shape[-1]), dict(device=self.device, dtype=torch.float32)
         done = torch.isin(token, self.eos)
         done[n:] = True  # filler rows: finished from the start, so they never hold the loop open
         out = [token]
@@ -174,8 +178,9 @@ class StaticDecoder:
         for i in range(self.max_new - 1):
             if i % check_every == 0 and bool(done.all()):
                 break
+            args = (out[-1], done, position + i, slots[i : i + 1], mask, torch.rand(shape, **like))
             try:
-                token, done = self.step(out[-1], done, position + i, slots[i : i + 1], mask)
+                token, done = self.step(*args)
             except Exception as error:  # noqa: BLE001 - the eager step below re-raises anything real
                 if self.step == self._step:
                     raise
@@ -186,7 +191,7 @@ class StaticDecoder:
                       file=sys.stderr, flush=True)
                 self.step = self._step
                 self.compile = False
-                token, done = self.step(out[-1], done, position + i, slots[i : i + 1], mask)
+                token, done = self.step(*args)
             token, done = token.clone(), done.clone()  # a graph's outputs are overwritten by its next replay
             out.append(token)
         tokens = torch.stack(out, 1)[:n].tolist()
