@@ -90,6 +90,36 @@ def test_cache_grows_for_longer_prompts_and_more_rows_and_weights_sync(monkeypat
     assert_greedy(model, long, dec.generate(long))
 
 
+def test_fused_projections_trace_into_one_graph_decode_alike_and_sync():
+    """q/k/v and gate/up become one GEMM each (slices of a fused weight the policy's weights are copied into);
+    Dynamo traces the sibling hand-off without a graph break, and the result is the unfused decoder's."""
+    model, tok = policy("llama3")
+    rows = prompts(tok)
+    kwargs = dict(max_new=10, pad_id=tok.pad_token_id, eos_ids=[], temperature=GREEDY, dtype=torch.float32)
+    plain = static_decode.StaticDecoder(model, fuse=False, **kwargs)
+    dec = static_decode.StaticDecoder(model, **kwargs)
+    fused = [m for m in dec.model.modules() if isinstance(m, static_decode._Fused)]
+    assert [m.splits for m in fused[:2]] == [[64, 32, 32], [128, 128]] and len(fused) == 2 * model.config.num_hidden_layers
+    assert not any(isinstance(m, torch.nn.Linear) and m.out_features in (32, 128) for m in dec.model.modules())
+    dec._fit(len(rows), max(map(len, rows)))
+    dec.step = torch.compile(dec._step, backend="aot_eager", fullgraph=True)  # a graph break would raise
+    assert dec.generate(rows) == plain.generate(rows)
+    assert all(not m.memo for m in fused)  # nothing held between calls
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    dec.sync(model)
+    assert_greedy(model, rows, dec.generate(rows))
+
+
+def test_split_argmax_is_argmax():
+    g = torch.Generator().manual_seed(0)
+    for n in (3, 1024, 1025, 5000):
+        x = torch.randn(4, n, generator=g)
+        x[1, -1] = 50.0  # the maximum in the padded last chunk
+        assert torch.equal(static_decode.split_argmax(x, width=1024), x.argmax(-1))
+
+
 def test_sampling_draws_from_the_softmax():
     model, tok = policy("qwen2.5")
     temperature = 0.7
