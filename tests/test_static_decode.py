@@ -99,7 +99,8 @@ def test_fused_projections_trace_into_one_graph_decode_alike_and_sync():
     plain = static_decode.StaticDecoder(model, fuse=False, **kwargs)
     dec = static_decode.StaticDecoder(model, **kwargs)
     fused = [m for m in dec.model.modules() if isinstance(m, static_decode._Fused)]
-    assert [m.splits for m in fused[:2]] == [[64, 32, 32], [128, 128]] and len(fused) == 2 * model.config.num_hidden_layers
+    assert [m.splits for m in fused[:2]] == [[64, 32, 32], [128, 128]]
+    assert len(fused) == 2 * model.config.num_hidden_layers
     assert not any(isinstance(m, torch.nn.Linear) and m.out_features in (32, 128) for m in dec.model.modules())
     dec._fit(len(rows), max(map(len, rows)))
     dec.step = torch.compile(dec._step, backend="aot_eager", fullgraph=True)  # a graph break would raise
