@@ -135,6 +135,27 @@ def test_fused_projections_trace_into_one_graph_decode_alike_and_sync(monkeypatc
     assert_greedy(model, rows, dec.generate(rows))
 
 
+@pytest.mark.parametrize("name", sorted(n for n in ZOO if "window" in ZOO[n][2]))
+def test_windowed_models_compile_one_step_for_every_token(name, monkeypatch):
+    """transformers' sliding-window cache layer guards a compiled step on a Python int that changes every token;
+    the decoder's cache (static_cache) keeps one graph for the whole rollout."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    monkeypatch.setattr(static_decode, "LIVE", 4)
+    model, tok = policy(name)
+    rows = prompts(tok)
+    dec = static_decode.StaticDecoder(model, max_new=12, pad_id=tok.pad_token_id, eos_ids=[], temperature=GREEDY,
+                                      dtype=torch.float32)
+    dec._fit(len(rows), max(map(len, rows)))
+    dec.step = torch.compile(dec._step, backend=backend, fullgraph=True)
+    assert_greedy(model, rows, dec.generate(rows))
+    assert len(graphs) == 1
+
+
 def test_split_argmax_is_argmax():
     g = torch.Generator().manual_seed(0)
     for n in (3, 1024, 1025, 5000):
