@@ -97,7 +97,7 @@ def validate(script, args, model_args) -> Checked:
         )
     ours = ("started by this run (--vllm_server_nodes/--vllm_server_gpus)"
             if script.vllm_server_nodes or script.vllm_server_gpus else None)
-    rollouts = grpo_rollouts.resolve_rollouts(args, ours, script, mode)
+    rollouts = grpo_rollouts.resolve_rollouts(args, ours, script, mode, model_args)
     config.check_report_to(args.report_to)
     args.output_dir = outputs.output_dir(config.configured_output_dir(args))
     if args.resume_from_checkpoint:  # TrainingArguments' own option wins over --resume

@@ -74,10 +74,12 @@ class GRPOScriptArgs:
     static_decode: bool | None = field(
         default=None,
         metadata={
-            "help": "Without vLLM: sample completions through a static KV cache and one CUDA-graphed decode step on "
-            "a bfloat16 copy of the policy (static_decode.py) instead of transformers' generate. Default: on with a "
+            "help": "Sample completions through a static KV cache and one CUDA-graphed decode step on a bfloat16 "
+            "copy of the policy (static_decode.py) instead of vLLM or transformers' generate. Default: on with a "
             "GPU for full fine-tuning with plain sampling (top_p 1, top_k 0, min_p and repetition_penalty unset/1, "
-            "no generation_kwargs or cache_implementation), not under FSDP or DeepSpeed; else off."
+            "no generation_kwargs or cache_implementation), not under FSDP or DeepSpeed; with vLLM installed, also "
+            "only for dense text models whose training state and decoder copy fit 80%% of the GPU, with no use_vllm "
+            "or vllm_* option given; else off."
         },
     )
     vllm_server_nodes: int = field(

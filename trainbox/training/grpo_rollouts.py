@@ -14,9 +14,10 @@ from trainbox.training import config, vllm_server
 from common.errors import UsageError
 
 
-def resolve_rollouts(args, ours: str | None = None, script=None, mode: str = "full") -> str:
-    """Pick vLLM when it's installed and a GPU is there (unless use_vllm was set), else our static decode where it
-    applies (script.static_decode); return the line to report."""
+def resolve_rollouts(args, ours: str | None = None, script=None, mode: str = "full", model_args=None) -> str:
+    """Pick the rollout engine (unless use_vllm was set): our static decoder where it applies and is the faster one
+    (static_over_vllm), else vLLM when it's installed and a GPU is there, else transformers' generate; sets
+    args.use_vllm and script.static_decode, returns the line to report."""
     has_vllm = importlib.util.find_spec("vllm") is not None
     if "use_vllm" in config.explicit(args):
         if args.use_vllm and not has_vllm:
@@ -30,6 +31,15 @@ def resolve_rollouts(args, ours: str | None = None, script=None, mode: str = "fu
         args.use_vllm = has_vllm and torch.cuda.is_available()
         why = "auto: " + ("vllm installed, GPU present" if args.use_vllm
                           else "vllm not installed" if not has_vllm else "no GPU")
+        if args.use_vllm and script is not None and script.static_decode is not False:
+            instead = static_over_vllm(args, mode, model_args) if not script.static_decode else None
+            if instead is None:
+                args.use_vllm = False
+                why = ("static_decode set" if script.static_decode else
+                       "auto: vllm installed, but faster on a dense text model at full fine-tuning; --use_vllm "
+                       "true for vLLM")
+            else:
+                why += f"; static decode off: {instead}"
     if not args.use_vllm:
         return f"rollouts: {choose_static_decode(script, args, mode)} ({why})"
     if script is not None and script.static_decode:
@@ -74,6 +84,54 @@ def static_decode_blockers(args, mode: str) -> list[str]:
         if getattr(args, name, None):
             out.append(f"{name} set")
     return out
+
+
+# A full fine-tuning run keeps the decoder's copy beside the policy's training state (float32 weights, gradients,
+# Adam's two moments: 16 bytes a parameter); colocated vLLM hands its memory back while the policy trains (sleep
+# mode). Past this share of the GPU, vLLM is the one that fits.
+STATIC_FITS = 0.8
+
+
+def static_over_vllm(args, mode: str, model_args) -> str | None:
+    """None where our static decoder should generate although vLLM is installed, else why not.
+
+    Measured on one H100 (Llama-3.2-1B shape, 16 x 256-token rollouts, benchmarks/results/grpo_static-2026-11-27.txt):
+    the decoder is GPU-bound at ~1.9 ms a token where colocated vLLM's scheduler is CPU-bound at 2-2.7 ms, and it
+    holds 2 bytes a parameter instead of vLLM's share of the GPU. Left to vLLM: what the decoder can't do or hand
+    over (static_decode_blockers; vLLM options given; a vision-language model), MoE models (their expert loops do
+    not capture into a CUDA graph: the decoder would hand over to transformers' generate), and a policy whose
+    training state and decoder copy together pass STATIC_FITS of the GPU."""
+    blockers = static_decode_blockers(args, mode)
+    if blockers:
+        return blockers[0]
+    given = sorted(k for k in config.explicit(args) if k.startswith("vllm_"))
+    if given:
+        return f"vLLM options set ({', '.join(given)})"
+    if model_args is None:
+        return "no model to judge"
+    import torch
+    from transformers import AutoConfig
+
+    from trainbox.training import speed
+    from trainbox.training.static_decode import memory_bytes
+
+    conf = AutoConfig.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision)
+    if conf.get_text_config() is not conf:
+        return "a vision-language model"
+    facts = speed.model_facts(model_args.model_name_or_path, model_args.model_revision)
+    if facts.experts:
+        return "MoE experts (their loops do not capture into a CUDA graph)"
+    try:
+        total = torch.cuda.mem_get_info()[1]
+    except (RuntimeError, AssertionError):  # no usable CUDA after all
+        return "no GPU memory reading"
+    rows = args.per_device_train_batch_size * (args.steps_per_generation or 1)
+    need = 16 * facts.params + memory_bytes(facts.params, facts.layers, facts.attn_width, rows, 512,
+                                            args.max_completion_length)
+    if need > STATIC_FITS * total:
+        return (f"the policy's training state and a decoder copy ({need / 2**30:.0f} GiB) pass "
+                f"{STATIC_FITS:.0%} of the GPU's {total / 2**30:.0f} GiB; vLLM sleeps while the policy trains")
+    return None
 
 
 def choose_static_decode(script, args, mode: str) -> str:

@@ -14,6 +14,7 @@ be no faster than transformers' generate.
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 
 from trl import GRPOTrainer
@@ -51,7 +52,10 @@ class StaticDecodeRollouts(GRPOTrainer):
                 why = f"its decode step did not compile: {error}"
                 self._decoder = None  # its weights and cache go back to the policy's training
         if why != self._decoder_off and outputs.is_main_process():
-            print(f"[trainbox] grpo: static decode off ({why}): transformers generate", file=sys.stderr, flush=True)
+            hint = ("; vLLM is installed: `--use_vllm true` generates with it"
+                    if importlib.util.find_spec("vllm") is not None else "")
+            print(f"[trainbox] grpo: static decode off ({why}): transformers generate{hint}", file=sys.stderr,
+                  flush=True)
         self._decoder_off = why
         return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
 
