@@ -25,21 +25,14 @@ import torch
 IMPL = "trainbox_decode"
 STEP = 512  # prompt budgets grow in these steps: each growth compiles the step anew (30-60 s on an H200)
 SCORE_BYTES = 2**29  # float32 attention scores of one pass where the kernel is ours (softcap, sinks): 512 MiB
-LIVE = 64  # a decode step reads the cache up to the written slots rounded up to this: a CUDA graph per length
 
 
 def decode_attention(module, query, key, value, attention_mask, scaling=None, softcap=None, s_aux=None, dropout=0.0,
-                     trainbox_live=None, **kwargs):
+                     **kwargs):
     """transformers attention for the decoder copy: query heads of a KV group ride as rows of one matmul against the
     group's keys (no repeat_kv copy), with the model's logit softcap (Gemma 2) and learned sinks (gpt-oss) applied as
     eager attention does. Any query length; memory is rows x heads x queries x keys in float32, which the prefill of
-    a GRPO batch affords (longest prompt squared).
-
-    trainbox_live: a tensor whose length is how many leading cache slots a decode step must read (the written ones,
-    rounded up to LIVE; a dynamic dimension under compile): the rest of the static cache is neither read nor scored
-    (every layer's cache holds slot = position, static_cache)."""
-    if trainbox_live is not None:
-        key, value = key[:, :, : trainbox_live.shape[0]], value[:, :, : trainbox_live.shape[0]]
+    a GRPO batch affords (longest prompt squared)."""
     b, h, q, d = query.shape
     g = key.shape[1]
     scale = scaling if scaling is not None else d ** -0.5
@@ -156,9 +149,8 @@ def memory_bytes(params: int, layers: int, attn_width: int, rows: int, prompt_to
     return 2 * params + rows * (_round_up(prompt_tokens) + max_new) * layers * 2 * attn_width * 2
 
 
-def _round_up(n: int, step: int | None = None) -> int:
-    step = step or STEP  # (read at call time: tests shrink STEP)
-    return -(-n // step) * step
+def _round_up(n: int) -> int:
+    return -(-n // STEP) * STEP
 
 
 def split_argmax(x, width: int = 1024):
@@ -233,7 +225,6 @@ class StaticDecoder:
             return
         self.rows, self.length = max(rows, self.rows), max(length, self.length)
         self.cache = static_cache(self.model.config, self.length)
-        self.live = torch.empty(self.length, dtype=torch.int8, device=self.device)  # sliced: its length is read
         self.mask = torch.zeros(self.rows, self.length, dtype=torch.long, device=self.device)
         self.step = torch.compile(self._step, mode="reduce-overhead", fullgraph=True) if self.compile else self._step
 
@@ -242,10 +233,9 @@ class StaticDecoder:
         noise = -torch.log(-torch.log(uniform))  # Gumbel: argmax(l + g) ~ softmax(l)
         return split_argmax(logits + noise)
 
-    def _step(self, token, done, position, slot, mask, uniform, live):
+    def _step(self, token, done, position, slot, mask, uniform):
         logits = self.model(input_ids=token[:, None], position_ids=position, attention_mask=mask,
-                            past_key_values=self.cache, cache_position=slot, use_cache=True,
-                            trainbox_live=live).logits[:, -1]
+                            past_key_values=self.cache, cache_position=slot, use_cache=True).logits[:, -1]
         nxt = torch.where(done, self.pad_id, self._sample(logits, uniform))
         return nxt, done | torch.isin(nxt, self.eos)
 
@@ -277,10 +267,7 @@ class StaticDecoder:
         for i in range(self.max_new - 1):
             if i % check_every == 0 and bool(done.all()):
                 break
-            live = self.live[: min(self.length, _round_up(width + i + 1, LIVE))]
-            if self.step != self._step:
-                torch._dynamo.mark_dynamic(live, 0)  # one graph for every length: no recompile as it grows
-            args = (out[-1], done, position + i, slots[i : i + 1], mask, torch.rand(shape, **like), live)
+            args = (out[-1], done, position + i, slots[i : i + 1], mask, torch.rand(shape, **like))
             try:
                 token, done = self.step(*args)
             except Exception as error:  # noqa: BLE001 - the eager step below re-raises anything real
