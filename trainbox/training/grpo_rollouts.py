@@ -96,7 +96,7 @@ def static_over_vllm(args, mode: str, model_args) -> str | None:
     """None where our static decoder should generate although vLLM is installed, else why not.
 
     Measured on one H100 (Llama-3.2-1B shape, 16 x 256-token rollouts, benchmarks/results/grpo_static-2026-11-27.txt):
-    the decoder is GPU-bound at ~1.9 ms a token where colocated vLLM's scheduler is CPU-bound at 2-2.7 ms, and it
+    the decoder is GPU-bound at ~1.9 ms a token where colocated vLLM's loop is CPU-bound at 2.2-3.8 ms, and it
     holds 2 bytes a parameter instead of vLLM's share of the GPU. Left to vLLM: what the decoder can't do or hand
     over (static_decode_blockers; vLLM options given; a vision-language model), MoE models (their expert loops do
     not capture into a CUDA graph: the decoder would hand over to transformers' generate), and a policy whose
