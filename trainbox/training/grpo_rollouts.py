@@ -113,7 +113,6 @@ def static_over_vllm(args, mode: str, model_args) -> str | None:
     from transformers import AutoConfig
 
     from trainbox.training import speed
-    from trainbox.training.static_decode import memory_bytes
 
     conf = AutoConfig.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision)
     if conf.get_text_config() is not conf:
@@ -125,13 +124,21 @@ def static_over_vllm(args, mode: str, model_args) -> str | None:
         total = torch.cuda.mem_get_info()[1]
     except (RuntimeError, AssertionError):  # no usable CUDA after all
         return "no GPU memory reading"
-    rows = args.per_device_train_batch_size * (args.steps_per_generation or 1)
-    need = 16 * facts.params + memory_bytes(facts.params, facts.layers, facts.attn_width, rows, 512,
-                                            args.max_completion_length)
+    need = 16 * facts.params + decoder_bytes(args, facts)
     if need > STATIC_FITS * total:
         return (f"the policy's training state and a decoder copy ({need / 2**30:.0f} GiB) pass "
                 f"{STATIC_FITS:.0%} of the GPU's {total / 2**30:.0f} GiB; vLLM sleeps while the policy trains")
     return None
+
+
+def decoder_bytes(args, facts, max_prompt_tokens: int | None = None) -> int:
+    """The static decoder's GPU memory for this run (static_decode.memory_bytes): one cache row per completion of a
+    generation batch, prompts up to max_prompt_tokens (512 when unknown)."""
+    from trainbox.training.static_decode import memory_bytes
+
+    rows = args.per_device_train_batch_size * (args.steps_per_generation or 1)
+    return memory_bytes(facts.params, facts.layers, facts.attn_width, rows, max_prompt_tokens or 512,
+                        args.max_completion_length)
 
 
 def choose_static_decode(script, args, mode: str) -> str:

@@ -26,11 +26,7 @@ def choose_checkpointing(args, model_args, mode: str, max_prompt_tokens: int | N
         total = torch.cuda.mem_get_info(torch.device("cuda", ranks.local_rank()))[1]
         free -= int(args.vllm_gpu_memory_utilization * total)  # vLLM takes its share of the whole GPU at start
     if free is not None and static_decode:
-        from trainbox.training.static_decode import memory_bytes
-
-        rows = args.per_device_train_batch_size * (args.steps_per_generation or 1)
-        free -= memory_bytes(facts.params, facts.layers, facts.attn_width, rows, max_prompt_tokens or 512,
-                             args.max_completion_length)
+        free -= grpo_rollouts.decoder_bytes(args, facts, max_prompt_tokens)
     tokens = args.per_device_train_batch_size * ((max_prompt_tokens or 512) + args.max_completion_length)
     # TRL loads a reference model like the policy (float32 here) only when the KL term is on.
     ref = 4 * facts.params if args.beta else 0
