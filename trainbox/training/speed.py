@@ -16,6 +16,7 @@ path) both peaked at 119.75 GiB allocated, estimate 120.6 GiB.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from dataclasses import dataclass, replace
@@ -47,8 +48,11 @@ class ModelFacts:
         return self.params - self.embedding_params
 
 
+@functools.lru_cache(maxsize=8)
 def model_facts(model_path: str, revision: str | None = None) -> ModelFacts:
-    """Parameter count and shape, from the config alone (the model is built on the meta device: no weights read)."""
+    """Parameter count and shape, from the config alone (the model is built on the meta device: no weights read).
+    Kept per path and revision (ModelFacts is frozen): grpo reads it while choosing its rollout engine and again for
+    its memory plan."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
