@@ -176,7 +176,7 @@ if _out:
 
     class _Measure(TrainerCallback):
         def __init__(self, trainer):
-            self.trainer, self.marks, self.losses, self.num_tokens = trainer, [], [], []
+            self.trainer, self.marks, self.losses, self.num_tokens, self.rewards = trainer, [], [], [], []
         def on_step_end(self, args, state, control, **kw):
             import torch
             ev = torch.cuda.Event(enable_timing=True); ev.record()
@@ -186,6 +186,8 @@ if _out:
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "loss" in logs:
                 self.losses.append((state.global_step, logs["loss"]))
+            if logs and "reward" in logs:  # GRPO: the mean reward of the step's completions
+                self.rewards.append((state.global_step, logs["reward"]))
             if logs and "num_tokens" in logs:  # GRPO: prompt + completion tokens so far (its batches are rollouts)
                 self.num_tokens.append((state.global_step, logs["num_tokens"]))
         def on_train_end(self, args, state, control, **kw):
@@ -203,7 +205,7 @@ if _out:
             json.dump({"steps": b[0] - a[0], "seconds": secs, "real_tokens": tok,
                        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
                        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30, "losses": self.losses,
-                       "num_tokens": self.num_tokens, "phases": phases,
+                       "num_tokens": self.num_tokens, "rewards": self.rewards, "phases": phases,
                        "gradient_checkpointing": bool(args.gradient_checkpointing),
                        "packing": bool(getattr(args, "packing", False)),
                        "padding_free": bool(getattr(args, "padding_free", False)),
@@ -495,6 +497,18 @@ def write_prompts(path: Path, rows: int, seed: int = 0) -> Path:
     return path
 
 
+def low_words(completions, **kwargs) -> list[float]:
+    """A reward a random-init model can learn in tens of steps (`grpo --reward low-words`): the share of a
+    completion's words from the lower half of the benchmark tokenizer's vocabulary (w0 .. w1999 of w0 .. w3999).
+    A random model starts near 0.5; a GRPO run that learns pushes it up, so two engines' curves can be compared."""
+    out = []
+    for c in completions:
+        text = c[-1]["content"] if isinstance(c, list) else c
+        nums = [int(w[1:]) for w in text.split() if re.fullmatch(r"w\d+", w)]
+        out.append(sum(n < WORDS // 2 for n in nums) / len(nums) if nums else 0.0)
+    return out
+
+
 def grpo(a) -> None:
     """`trl grpo` (GRPOTrainer with its defaults: transformers generate) vs `trainbox grpo` (its defaults: vLLM
     colocate when vllm is installed), same model, prompts, rewards, batch, generations and completion length.
@@ -510,9 +524,15 @@ def grpo(a) -> None:
     launch_trl = ["--accelerate_config", "multi_gpu", "--num_processes", str(a.nproc)] if a.nproc > 1 else []
     launch_ours = ["--nproc-per-node", str(a.nproc)] if a.nproc > 1 else []
     rewards = ["correctness", "int_format", "strict_format", "soft_format", "xmlcount"]
+    trl_rewards = [f"trainbox.training.rewards.{r}" for r in rewards]
+    our_rewards = ",".join(f"rewards:{r}" for r in rewards)
+    if a.reward == "low-words":  # importable on both sides: the measured runs have ROOT on PYTHONPATH
+        trl_rewards, our_rewards = ["benchmarks.train_throughput.low_words"], "benchmarks.train_throughput:low_words"
     common = ["--model_name_or_path", str(model), "--per_device_train_batch_size", "16", "--num_generations", "8",
               "--max_completion_length", "256", "--logging_steps", "1", "--save_strategy", "no", "--report_to",
               "none", "--seed", "0", "--disable_tqdm", "true"]  # fmt: skip
+    if a.lr:
+        common += ["--learning_rate", str(a.lr)]
     py = sys.executable
 
     plain = a.plain or ("vllm" if importlib.util.find_spec("vllm") else "defaults")
@@ -521,14 +541,13 @@ def grpo(a) -> None:
 
     def trl(out, steps):
         return [py, "-m", "trl.cli.main", "grpo", *launch_trl, "--dataset_name", str(data), "--output_dir", str(out),
-                "--max_steps", str(steps), "--reward_funcs", *[f"trainbox.training.rewards.{r}" for r in rewards],
+                "--max_steps", str(steps), "--reward_funcs", *trl_rewards,
                 *common, *plain_vllm]
 
     def ours(out, steps):
         return [py, "-m", "trainbox", "grpo", *launch_ours, "--dataset", str(data / "train.jsonl"), "--output_dir",
                 str(out),
-                "--max_steps", str(steps), "--resume", "never", "--reward_funcs",
-                ",".join(f"rewards:{r}" for r in rewards), *common]
+                "--max_steps", str(steps), "--resume", "never", "--reward_funcs", our_rewards, *common]
 
     print(f"# grpo: {shape} shape, {a.nproc} GPU(s), 16 completions/step per GPU (2 prompts x 8), 256 completion "
           f"tokens; vllm "
@@ -547,7 +566,7 @@ def grpo(a) -> None:
         if not res.get("failed"):
             res["steps_per_s"] = res["steps"] / res["seconds"]
             toks = dict(res.pop("num_tokens"))
-            print(f"RESULT {json.dumps({k: v for k, v in res.items() if k != 'losses'})}", flush=True)
+            print(f"RESULT {json.dumps({k: v for k, v in res.items() if k not in ('losses', 'rewards')})}", flush=True)
             print(f"  {label:<16} {res['steps_per_s']:.3f} steps/s  peak {res['peak_gib']:5.1f} GiB  "
                   f"ckpt={res['gradient_checkpointing']} attn={res['attn']} params={res['param_dtype']} "
                   f"tokens logged {max(toks.values()) if toks else 0:,.0f}", flush=True)
@@ -564,6 +583,17 @@ def grpo(a) -> None:
             if k.startswith("grpo-ours+") and "steps_per_s" in r:
                 print(f"SUMMARY grpo: {k} {r['steps_per_s']:.3f} steps/s = {r['steps_per_s'] / (sum(t) / len(t)):.2f}x "
                       f"trl", flush=True)
+    curves = {k: dict(r["rewards"]) for k, r in results.items() if r.get("rewards")}
+    if curves:  # the same seed, prompts and reward: the engines should learn alike
+        steps = sorted({s for c in curves.values() for s in c})
+        print("REWARD step " + " ".join(f"{k:>16}" for k in curves), flush=True)
+        for s in steps:
+            print(f"REWARD {s:>4} " + " ".join(f"{c[s]:16.3f}" if s in c else " " * 16 for c in curves.values()))
+        for k, c in curves.items():
+            v = [c[s] for s in sorted(c)]
+            q = max(1, len(v) // 4)
+            print(f"SUMMARY reward {k}: first {q} steps {sum(v[:q]) / q:.3f} -> last {q} steps "
+                  f"{sum(v[-q:]) / q:.3f}", flush=True)
     json.dump(results, open(work / "grpo-results.json", "w"), indent=1, default=str)
 
 
@@ -627,6 +657,11 @@ def main() -> None:
                     help="grpo: the plain run is TRL's GRPOTrainer with vLLM colocate (what TRL's docs show; the "
                          "default where vllm imports) or with its defaults (transformers generate)")
     ap.add_argument("--runs", type=int, default=4, help="how many of plain, ours, ours, plain")
+    ap.add_argument("--reward", choices=["gsm8k", "low-words"], default="gsm8k",
+                    help="grpo: the notebook's five gsm8k rewards (a random model scores ~0 on them) or low_words, "
+                         "one a random model learns within tens of steps (to compare reward curves)")
+    ap.add_argument("--lr", type=float, default=None,
+                    help="grpo: --learning_rate for both sides (default: each side's own, TRL's 1e-6)")
     ap.add_argument("--also", action="append", default=[], type=variant, metavar="LABEL=OPTIONS",
                     help="sft, grpo: one more run of ours with these extra arguments, e.g. "
                          "nosleep='--vllm_enable_sleep_mode false'; upper-case NAME=VALUE items set the run's "
