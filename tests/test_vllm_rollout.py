@@ -1,5 +1,6 @@
 """benchmarks/vllm_rollout.py without vLLM: its variant syntax (JSON keyword arguments and NAME=VALUE environment
-items, one clear error otherwise) and the prompts it rolls out (train_throughput's GRPO prompts, 2 x 8, templated)."""
+items, one clear error otherwise), the prompts it rolls out (train_throughput's GRPO prompts, 2 x 8, templated), and
+train_throughput's learnable GRPO reward."""
 
 import sys
 from pathlib import Path
@@ -50,3 +51,18 @@ def test_prompts_are_the_grpo_benchmarks_repeated_per_generation(tmp_path):
     text = AutoTokenizer.from_pretrained(tmp_path).decode(firsts[0])
     assert text.startswith("<|system|>") and text.rstrip().endswith("<|assistant|>")
     assert all(isinstance(t, int) for t in firsts[0])
+
+
+def test_the_learnable_reward_scores_the_lower_half_share_and_loads_on_both_sides():
+    """train_throughput grpo --reward low-words: the share of w0..w1999 among a completion's words, for TRL's dotted
+    reference and trainbox's MODULE:FUNCTION alike (reward curves compare the two engines on it)."""
+    import importlib
+
+    from trainbox.training import rewards
+
+    assert tt.low_words([[{"role": "assistant", "content": "w1 w3999 w10 other"}], "w2000 w1999", "", "no words"]) == [
+        2 / 3, 0.5, 0.0, 0.0]
+    trl_ref = importlib.import_module("benchmarks.train_throughput").low_words  # TRL: --reward_funcs pkg.mod.func
+    ours = rewards.load("benchmarks.train_throughput:low_words")
+    assert trl_ref(["w0 w3000"]) == ours(["w0 w3000"]) == [0.5]
+    assert rewards.required_columns(ours) == []
