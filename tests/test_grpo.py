@@ -336,9 +336,60 @@ def test_the_static_decoder_stands_in_for_installed_vllm_where_it_is_faster(monk
     }
     for why, (line, vllm, static) in kept.items():
         assert line.startswith("rollouts: vLLM colocate") and why in line and vllm and not static, (why, line)
+    # The decoder's cache is sized for --max_prompt_tokens where given (as the memory plan sizes it), 512 if not:
+    # a GPU with room for 512-token prompts but not for 64k-token ones keeps vLLM for the latter only.
+    from trainbox.training import speed
+
+    facts = speed.model_facts(str(tiny_model))
+    _, args, _ = parsed([*base, "--model_name_or_path", str(tiny_model)])
+    room = int((16 * facts.params + grpo_rollouts.decoder_bytes(args, facts, 2048)) / grpo_rollouts.STATIC_FITS)
+    assert choose(["--max_prompt_tokens", "1024"], total=room)[1:] == (False, True)
+    assert choose(["--max_prompt_tokens", "65536"], total=room)[1:] == (True, None)
     for argv in (["--static_decode", "false"], ["--use_vllm", "true"]):
         line, vllm, static = choose(argv)
         assert line.startswith("rollouts: vLLM colocate") and "static decode off" not in line and vllm and not static
+
+
+ENGINE_AGREE = r'''
+import importlib.util, json, os, sys
+import torch, torch.distributed as dist
+sys.path.insert(0, os.environ["ROOT"])
+dist.init_process_group("gloo")
+from trainbox.cli import grpo
+from trainbox.training import grpo_options, grpo_rollouts
+rank = dist.get_rank()
+script, _, raw, model_args = grpo.parse(["--model_name_or_path", os.environ["MODEL"], "--num_generations", "4",
+                                         "--per_device_train_batch_size", "4", "--bf16", "false"])
+args = grpo_options.finalize(raw, 2)
+total = int(os.environ["TOTALS"].split(",")[rank])  # this rank's GPU, as torch would report it
+real = importlib.util.find_spec
+importlib.util.find_spec = lambda n, *a: object() if n == "vllm" else real(n, *a)
+torch.cuda.is_available = lambda: True
+torch.cuda.mem_get_info = lambda *a: (total, total)
+line = grpo_rollouts.resolve_rollouts(args, None, script, "full", model_args)
+open(os.environ["OUT"] + f".{rank}", "w").write(json.dumps([line, args.use_vllm, script.static_decode]))
+dist.destroy_process_group()
+'''
+
+
+def test_ranks_with_different_gpus_pick_one_rollout_engine(tiny_model, tmp_path):
+    """vLLM installed, two ranks whose GPUs differ (80 GiB and 1 MiB): alone, rank 0 would decode statically and
+    rank 1 start colocated vLLM, whose collectives would then wait forever for rank 0. Agreed (memplan.agree), rank 0
+    judges the smallest GPU of the job and both ranks get vLLM, with the same line."""
+    script = tmp_path / "engine.py"
+    script.write_text(ENGINE_AGREE)
+    out = tmp_path / "engine"
+    env = dict(os.environ, ROOT=str(ROOT), MODEL=str(tiny_model), TOTALS=f"{80 * 2**30},{2**20}",
+               OMP_NUM_THREADS="1", OUT=str(out))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(script)], env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
+    for line, vllm, static in got:  # (vLLM's share stays each rank's own: sized from its own GPU)
+        assert vllm and not static and line.startswith("rollouts: vLLM colocate"), line
+        why = line[line.index("static decode off: "):]
+        assert why == ("static decode off: the policy's training state and a decoder copy (0 GiB) pass 80% of the "
+                       "smallest GPU's 0 GiB (of 2 ranks); vLLM sleeps while the policy trains)"), why
 
 
 def test_a_failure_inside_the_vllm_we_chose_says_how_to_go_without_it(monkeypatch, tmp_path):

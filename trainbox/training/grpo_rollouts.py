@@ -10,7 +10,7 @@ import importlib.util
 import os
 
 from common import launch
-from trainbox.training import config, vllm_server
+from trainbox.training import config, memplan, vllm_server
 from common.errors import UsageError
 
 
@@ -32,7 +32,8 @@ def resolve_rollouts(args, ours: str | None = None, script=None, mode: str = "fu
         why = "auto: " + ("vllm installed, GPU present" if args.use_vllm
                           else "vllm not installed" if not has_vllm else "no GPU")
         if args.use_vllm and script is not None and script.static_decode is not False:
-            instead = static_over_vllm(args, mode, model_args) if not script.static_decode else None
+            instead = (static_over_vllm(args, mode, model_args, script.max_prompt_tokens)
+                       if not script.static_decode else None)
             if instead is None:
                 args.use_vllm = False
                 why = ("static_decode set" if script.static_decode else
@@ -92,7 +93,7 @@ def static_decode_blockers(args, mode: str) -> list[str]:
 STATIC_FITS = 0.8
 
 
-def static_over_vllm(args, mode: str, model_args) -> str | None:
+def static_over_vllm(args, mode: str, model_args, max_prompt_tokens: int | None = None) -> str | None:
     """None where our static decoder should generate although vLLM is installed, else why not.
 
     Measured on one H100 (Llama-3.2-1B shape, 16 x 256-token rollouts, benchmarks/results/grpo_static-2026-11-27.txt):
@@ -100,7 +101,8 @@ def static_over_vllm(args, mode: str, model_args) -> str | None:
     holds 2 bytes a parameter instead of vLLM's share of the GPU. Left to vLLM: what the decoder can't do or hand
     over (static_decode_blockers; vLLM options given; a vision-language model), MoE models (their expert loops do
     not capture into a CUDA graph: the decoder would hand over to transformers' generate), and a policy whose
-    training state and decoder copy together pass STATIC_FITS of the GPU."""
+    training state and decoder copy together pass STATIC_FITS of the GPU (the smallest GPU of the job: every rank
+    must pick the same engine, or colocated vLLM's collectives wait forever for a rank that decodes statically)."""
     blockers = static_decode_blockers(args, mode)
     if blockers:
         return blockers[0]
@@ -121,14 +123,23 @@ def static_over_vllm(args, mode: str, model_args) -> str | None:
     if facts.experts:
         return "MoE experts (their loops do not capture into a CUDA graph)"
     try:
-        total = torch.cuda.mem_get_info()[1]
+        local = torch.cuda.mem_get_info()[1]
     except (RuntimeError, AssertionError):  # no usable CUDA after all
-        return "no GPU memory reading"
-    need = 16 * facts.params + decoder_bytes(args, facts)
-    if need > STATIC_FITS * total:
-        return (f"the policy's training state and a decoder copy ({need / 2**30:.0f} GiB) pass "
-                f"{STATIC_FITS:.0%} of the GPU's {total / 2**30:.0f} GiB; vLLM sleeps while the policy trains")
-    return None
+        local = None
+    need = 16 * facts.params + decoder_bytes(args, facts, max_prompt_tokens)
+
+    def decide(total, seen):
+        if total is None:
+            return "no GPU memory reading"
+        if need <= STATIC_FITS * total:
+            return None
+        of = f"the smallest GPU's {total / 2**30:.0f} GiB (of {seen[2]} ranks)" if seen[2] > 1 else \
+            f"the GPU's {total / 2**30:.0f} GiB"
+        return (f"the policy's training state and a decoder copy ({need / 2**30:.0f} GiB) pass {STATIC_FITS:.0%} of "
+                f"{of}; vLLM sleeps while the policy trains")
+
+    # The job's process group is up here (TRL's config starts it): rank 0 judges the smallest GPU for every rank.
+    return memplan.agree(local, decide)
 
 
 def decoder_bytes(args, facts, max_prompt_tokens: int | None = None) -> int:
