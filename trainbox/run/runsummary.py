@@ -81,6 +81,12 @@ def leave_process_group(trainer=None) -> None:
         if not outputs.is_main_process():  # nothing left but the teardown and the exit: bounded (exitdeadline.py)
             exitdeadline.arm(preemption.exit_code())
         dist.destroy_process_group()
+        # Let gloo's worker threads drop the works they just finished before anything frees the group: DDP's Reducer
+        # still holds it, and its dealloc (when train() returns) joins those threads holding the GIL, while a worker
+        # destroying a finished all-gather needs the GIL to release its tensors. Seen once in a CI rehearsal
+        # (py-spy: main in ~ProcessGroupGloo -> thread::join, a worker in ~AsyncAllgatherWork -> gil_scoped_acquire):
+        # the rank hung for good, and the exit deadline could not fire without the GIL. Sleeping frees the GIL.
+        time.sleep(0.2)
 
 
 def finish(trainer, output_dir: str, started: float, name: str) -> None:
