@@ -150,9 +150,13 @@ def failed_step(log: BuildLog | list[str], dockerfile: Path | None = None) -> tu
         if header is None:   # BuildKit's summary names the step too: ` > [stage k/n] INSTRUCTION:`
             header = next((ln.strip()[2:].rstrip(":") for ln in lines if re.match(r"\s*> \[", ln)), None)
         # The step's own last error line (pip's "No matching distribution ...") says more than "exit code: 1".
-        own = [re.sub(r"^#\d+ [\d.]+ ", "", ln).strip() for ln in lines
-               if ln.startswith(f"#{err_id} ") and not ln.startswith(f"#{err_id} ERROR")
-               and re.search(r"error|not found|denied|refused|no such|mismatch", ln, re.I)]
+        # BuildKit interleaves a step's stdout and stderr as they arrive: under load pip's stdout ("Could not fetch
+        # URL ...", naming an SSLError) can land after its stderr, so an explicit error line wins over one that only
+        # mentions an error.
+        said = [re.sub(r"^#\d+ [\d.]+ ", "", ln).strip() for ln in lines
+                if ln.startswith(f"#{err_id} ") and not ln.startswith(f"#{err_id} ERROR")]
+        flagged = [ln for ln in said if re.match(r"(ERROR|error|fatal)\b|E: ", ln)]
+        own = flagged or [ln for ln in said if re.search(r"error|not found|denied|refused|no such|mismatch", ln, re.I)]
         if own:
             reason = f"{own[-1]} ({reason})"
         if err_id in log.tls:
