@@ -345,6 +345,14 @@ def test_the_static_decoder_stands_in_for_installed_vllm_where_it_is_faster(monk
     room = int((16 * facts.params + grpo_rollouts.decoder_bytes(args, facts, 2048)) / grpo_rollouts.STATIC_FITS)
     assert choose(["--max_prompt_tokens", "1024"], total=room)[1:] == (False, True)
     assert choose(["--max_prompt_tokens", "65536"], total=room)[1:] == (True, None)
+    # The training state is the memory plan's (memplan.resident): a KL reference model (beta > 0) adds 4 bytes a
+    # parameter, an 8-bit optimizer's states take 2 instead of 8.
+    assert choose(["--max_prompt_tokens", "2048", "--beta", "0.04"], total=room)[1:] == (True, None)
+    assert choose(["--max_prompt_tokens", "2048", "--beta", "0.04"], total=room + int(4 * facts.params / 0.8) + 1)[1:] \
+        == (False, True)
+    tight = room - int(6 * facts.params / 0.8)
+    assert choose(["--max_prompt_tokens", "2048"], total=tight)[1:] == (True, None)
+    assert choose(["--max_prompt_tokens", "2048", "--optim", "adamw_8bit"], total=tight + 1)[1:] == (False, True)
     for argv in (["--static_decode", "false"], ["--use_vllm", "true"]):
         line, vllm, static = choose(argv)
         assert line.startswith("rollouts: vLLM colocate") and "static decode off" not in line and vllm and not static

@@ -10,7 +10,7 @@ import importlib.util
 import os
 
 from common import launch
-from trainbox.training import config, memplan, vllm_server
+from trainbox.training import config, memplan, speed, vllm_server
 from common.errors import UsageError
 
 
@@ -87,9 +87,10 @@ def static_decode_blockers(args, mode: str) -> list[str]:
     return out
 
 
-# A full fine-tuning run keeps the decoder's copy beside the policy's training state (float32 weights, gradients,
-# Adam's two moments: 16 bytes a parameter); colocated vLLM hands its memory back while the policy trains (sleep
-# mode). Past this share of the GPU, vLLM is the one that fits.
+# A full fine-tuning run keeps the decoder's copy beside the policy's training state (memplan.resident: float32
+# weights, gradients and AdamW's two moments are 16 bytes a parameter, an 8-bit optimizer's 10; a KL reference model
+# 4 more); colocated vLLM hands its memory back while the policy trains (sleep mode). Past this share of the GPU,
+# vLLM is the one that fits.
 STATIC_FITS = 0.8
 
 
@@ -114,8 +115,6 @@ def static_over_vllm(args, mode: str, model_args, max_prompt_tokens: int | None 
     import torch
     from transformers import AutoConfig
 
-    from trainbox.training import speed
-
     conf = AutoConfig.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision)
     if conf.get_text_config() is not conf:
         return "a vision-language model"
@@ -126,7 +125,7 @@ def static_over_vllm(args, mode: str, model_args, max_prompt_tokens: int | None 
         local = torch.cuda.mem_get_info()[1]
     except (RuntimeError, AssertionError):  # no usable CUDA after all
         local = None
-    need = 16 * facts.params + decoder_bytes(args, facts, max_prompt_tokens)
+    need = training_state_bytes(args, facts) + decoder_bytes(args, facts, max_prompt_tokens)
 
     def decide(total, seen):
         if total is None:
@@ -140,6 +139,17 @@ def static_over_vllm(args, mode: str, model_args, max_prompt_tokens: int | None 
 
     # The job's process group is up here (TRL's config starts it): rank 0 judges the smallest GPU for every rank.
     return memplan.agree(local, decide)
+
+
+def reference_bytes(args, facts) -> int:
+    """TRL's reference model, loaded like the policy (float32 here) only when the KL term is on (beta > 0)."""
+    return 4 * facts.params if args.beta else 0
+
+
+def training_state_bytes(args, facts) -> int:
+    """The full fine-tuned policy's state on each GPU whatever the batch (weights, gradients, optimizer states) and
+    the reference model: the memory plan's own figures (memplan.resident)."""
+    return memplan.resident(speed.job_for(args, facts, shards=1, tokens=1, extra=reference_bytes(args, facts)))
 
 
 def decoder_bytes(args, facts, max_prompt_tokens: int | None = None) -> int:

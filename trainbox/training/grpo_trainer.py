@@ -28,9 +28,8 @@ def choose_checkpointing(args, model_args, mode: str, max_prompt_tokens: int | N
     if free is not None and static_decode:
         free -= grpo_rollouts.decoder_bytes(args, facts, max_prompt_tokens)
     tokens = args.per_device_train_batch_size * ((max_prompt_tokens or 512) + args.max_completion_length)
-    # TRL loads a reference model like the policy (float32 here) only when the KL term is on.
-    ref = 4 * facts.params if args.beta else 0
-    line = speed.choose_memory(args, facts, shards=1, free=free, tokens=tokens, extra=ref)[0]
+    line = speed.choose_memory(args, facts, shards=1, free=free, tokens=tokens,
+                               extra=grpo_rollouts.reference_bytes(args, facts))[0]
     return line + choose_sleep_mode(args, planned=free is not None)
 
 
