@@ -91,3 +91,55 @@ def test_float32_weights_under_bf16_autocast_run_the_grouped_gemms_in_bf16(monke
     assert experts and all(p.dtype == torch.float32 and p.grad is not None and p.grad.abs().max() > 0
                            for p in experts)
     assert float((out.logits.detach().float() - ref).abs().max()) < 0.1 * float(ref.abs().max())
+
+
+def test_gpt_oss_gate_is_transformers_own_and_compiles_into_one_graph_for_every_batch(monkeypatch, capsys):
+    """moe.oss_gate computes transformers' GptOssExperts._apply_gate (values and gradients: a transformers upgrade
+    that changes theirs fails here). Compiled as on a GPU (dynamic, fullgraph; inductor's CPU code here), slot counts
+    that change every batch reuse one graph, and the gradients match. The experts use it for gpt-oss only, and a
+    compiler failure falls back to the model's own ops with one line."""
+    import torch
+    from torch._dynamo.utils import counters
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    model = _model("gpt-oss")
+    experts = next(m for m in model.modules() if isinstance(m, GptOssExperts))
+    alpha, limit = float(experts.alpha), float(experts.limit)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(moe.oss_gate, dynamic=True, fullgraph=True)
+    for rows in (37, 53, 101):
+        x = (torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)) * 6).requires_grad_()
+        grad = torch.randn(rows, 32)
+        outs = {}
+        for name, fn in (("theirs", experts._apply_gate), ("ours", lambda t: moe.oss_gate(t, alpha, limit)),
+                         ("compiled", lambda t: compiled(t, alpha, limit))):
+            y = fn(x)
+            (g,) = torch.autograd.grad(y, x, grad)
+            outs[name] = y.detach(), g
+        assert (outs["theirs"][1] == 0).any() and (outs["theirs"][1] != 0).any()  # clamps cut some gradients
+        for name in ("ours", "compiled"):
+            assert torch.allclose(outs[name][0], outs["theirs"][0], atol=1e-5), name
+            assert torch.allclose(outs[name][1], outs["theirs"][1], atol=1e-5), name
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])  # the first shape, then the symbolic one
+
+    # In the experts: gpt-oss's compiled gate where compiles() (a GPU), the model's own elsewhere and for others.
+    calls = []
+    monkeypatch.setattr(moe, "compiles", lambda h: True)
+    monkeypatch.setitem(moe._FN, "gate", lambda h, a, lim: calls.append((a, lim)) or moe.oss_gate(h, a, lim))
+    h = torch.randn(5, 64)
+    assert torch.equal(moe._gate(experts, h), experts._apply_gate(h)) and calls == [(alpha, limit)]
+    other = _model("mixtral")
+    mixtral_experts = next(m for m in other.modules() if hasattr(m, "_apply_gate") and m is not other)
+    moe._gate(mixtral_experts, torch.randn(5, 2 * other.config.intermediate_size))
+    assert len(calls) == 1
+
+    def broken(*a):
+        raise RuntimeError("inductor: no compiler here\nmore")
+
+    monkeypatch.setitem(moe._FN, "gate", broken)
+    assert torch.equal(moe._gate(experts, h), experts._apply_gate(h))
+    assert moe._FN["gate"] is False and torch.equal(moe._gate(experts, h), experts._apply_gate(h))
+    err = capsys.readouterr().err
+    assert err.count("[trainbox] MoE: gpt-oss's gate did not compile (RuntimeError: inductor: no compiler here); "
+                     "running it op by op") == 1, err
