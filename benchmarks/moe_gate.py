@@ -1,7 +1,7 @@
 """gpt-oss's MoE gate, forward + backward: transformers' op-by-op `GptOssExperts._apply_gate` against moe.py's compiled
 one (issue 31: the gpt-oss shape's MFU), at the slot count and width of the gpt-oss-2b benchmark step.
 
-    python benchmarks/moe_gate.py                 # 12 layers' worth: slots 32,742 (16,371 tokens x top-2), width 2 x 2048
+    python benchmarks/moe_gate.py      # 12 layers' worth: slots 32,742 (16,371 tokens x top-2), width 2 x 2048
     python benchmarks/moe_gate.py --slots 65536 --intermediate 2880
 
 One process on one GPU, bfloat16. The compiled variant is compiled first (timed); then --reps rounds, alternating
