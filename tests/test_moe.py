@@ -143,3 +143,38 @@ def test_gpt_oss_gate_is_transformers_own_and_compiles_into_one_graph_for_every_
     err = capsys.readouterr().err
     assert err.count("[trainbox] MoE: gpt-oss's gate did not compile (RuntimeError: inductor: no compiler here); "
                      "running it op by op") == 1, err
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_compiled_gate_inside_the_experts_trains_as_transformers_does(monkeypatch, checkpointing):
+    """The gpt-oss model with trainbox_grouped_mm and the compiled gate (forced on here: inductor's CPU code), with and
+    without gradient checkpointing (the memory plan's rung that recomputes layers in backward): the logits and
+    gradients of transformers' own experts."""
+    import torch
+
+    moe.register()
+    base = _model("gpt-oss")
+    ids = torch.randint(0, 97, (3, 40), generator=torch.Generator().manual_seed(1))
+    got = {}
+    for impl in ("eager", moe.NAME):
+        m = copy.deepcopy(base)
+        m.set_experts_implementation(impl)
+        if checkpointing:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            m.train()
+        calls = []
+        with monkeypatch.context() as p:
+            p.setattr(moe, "compiles", lambda h: calls.append(h.shape) or True)
+            out = m(ids, labels=ids)
+            out.loss.backward()
+        if impl == moe.NAME:  # it ran, compiled (not fallen back)
+            assert calls and moe._FN.get("gate") not in (None, False)
+        else:
+            assert not calls
+        got[impl] = out.logits.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+    moe._FN.pop("gate", None)
+    ref_logits, ref_grads = got["eager"]
+    logits, grads = got[moe.NAME]
+    assert torch.allclose(logits, ref_logits, atol=1e-5, rtol=1e-5)
+    for n, ref in ref_grads.items():
+        assert torch.allclose(grads[n], ref, atol=1e-5 * float(ref.abs().max()) + 1e-7), n
