@@ -17,12 +17,16 @@ ROOT = Path(__file__).resolve().parents[1]
 # A trainer whose train() leaves a non-daemon thread blocked forever: Python's exit waits for it (threading._shutdown),
 # the way a library thread or exit handler held rank 1 of a 2-node job past torchrun's exit barrier.
 HELD = textwrap.dedent('''
-    import sys, threading
+    import atexit, ctypes, sys, threading
     from common import launch
     from trainbox.run import exitdeadline
     from trainbox.training import runner
 
     exitdeadline.EXIT_GRACE_S = float(sys.argv[2])
+    exitdeadline.BACKSTOP_S = 1.0
+
+    def hold_the_gil():  # libc's sleep through PyDLL keeps the GIL, as a native destructor joining a thread did
+        ctypes.PyDLL(None).sleep(60)
 
     class Options:
         output_dir = None
@@ -33,6 +37,8 @@ HELD = textwrap.dedent('''
     def train(options):
         if sys.argv[3] == "held":
             threading.Thread(target=blocked_forever, name="held-by-test").start()
+        if sys.argv[3] == "gil":
+            atexit.register(hold_the_gil)
         return int(sys.argv[1])
 
     raise SystemExit(runner.run_trainer("dummy", [], lambda argv: (launch.LaunchArguments(), Options()),
@@ -59,6 +65,15 @@ def test_a_rank_held_at_exit_leaves_with_its_code_and_the_stacks(tmp_path):
     # What held it: the blocked thread by name and function, and the main thread waiting for it at exit.
     assert "thread held-by-test:" in r.stderr and "in blocked_forever" in r.stderr, r.stderr
     assert "thread MainThread:" in r.stderr and "_shutdown" in r.stderr, r.stderr
+
+
+def test_a_rank_whose_gil_is_held_at_exit_still_leaves(tmp_path):
+    """The deadline thread cannot run without the GIL; faulthandler's watchdog (a C thread) dumps the stacks and
+    exits 1 a little later, instead of the rank hanging for good."""
+    r = _rank(tmp_path, code=3, grace=2, mode="gil")
+    assert r.returncode == 1, r.stderr
+    assert "has not exited" not in r.stderr, r.stderr  # the Python deadline never got the GIL
+    assert "Timeout (0:00:03)!" in r.stderr and "in hold_the_gil" in r.stderr, r.stderr
 
 
 def test_a_rank_that_exits_cleanly_does_not_wait_for_the_deadline(tmp_path):

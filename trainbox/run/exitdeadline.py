@@ -11,10 +11,16 @@ the task exits 1). Seen once on CI: a resumed 2-node sft, rank 1's node failed 3
 calls exit handlers, the two places a finished process can wait on others. Armed where a rank's work is over: ranks
 other than the main one once every rank has met at the end (runsummary.leave_process_group: the process group's
 teardown is covered too); every rank once train() returned (runner.run_trainer).
+
+The deadline thread needs the GIL, and a native destructor can hold it forever: seen once in a CI rehearsal, DDP's
+Reducer freeing a gloo process group joined a worker thread while holding the GIL, and that worker waited for the
+GIL (py-spy). So `arm` also sets faulthandler's watchdog, a C thread that needs no GIL: BACKSTOP_S after the
+deadline it dumps every thread's Python stack and exits 1 (not the run's code: it cannot know it).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 import threading
@@ -26,6 +32,7 @@ from trainbox.run import crash
 # Inside the agents' 300 s window with two minutes to spare, and far beyond a normal exit (a few seconds): exit
 # handlers that legitimately take a while (an experiment tracker's last upload on rank 0) get three minutes.
 EXIT_GRACE_S = 180.0
+BACKSTOP_S = 30.0  # after the deadline: the GIL-free watchdog's exit (module docstring)
 
 
 _armed: threading.Thread | None = None
@@ -48,6 +55,7 @@ def arm(code: int, seconds: float | None = None) -> threading.Thread | None:
 
     _armed = threading.Thread(target=expire, name="trainbox-exit-deadline", daemon=True)
     _armed.start()
+    faulthandler.dump_traceback_later(seconds + BACKSTOP_S, exit=True)
     return _armed
 
 
