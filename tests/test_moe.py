@@ -134,6 +134,14 @@ def test_gpt_oss_gate_is_transformers_own_and_compiles_into_one_graph_for_every_
     moe._gate(mixtral_experts, torch.randn(5, 2 * other.config.intermediate_size))
     assert len(calls) == 1
 
+    def out_of_memory(*a):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setitem(moe._FN, "gate", out_of_memory)  # the step's memory, not the compiler: raised as is
+    with pytest.raises(torch.OutOfMemoryError):
+        moe._gate(experts, h)
+    assert moe._FN["gate"] is out_of_memory and not capsys.readouterr().err
+
     def broken(*a):
         raise RuntimeError("inductor: no compiler here\nmore")
 

@@ -77,11 +77,14 @@ def oss_gate(gate_up, alpha: float, limit: float):
 
 
 def compiles(h) -> bool:
+    """Whether the gate is compiled for `h`: on GPUs (tests force it on the CPU)."""
     return h.is_cuda
 
 
 def _gate(module, h):
     """The module's gate: gpt-oss's compiled where it runs on a GPU (module docstring), else the model's own."""
+    import torch
+
     try:
         from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
     except ImportError:  # pragma: no cover - a transformers without gpt-oss
@@ -90,13 +93,13 @@ def _gate(module, h):
             or not compiles(h) or _FN.get("gate") is False:
         return module._apply_gate(h)
     if "gate" not in _FN:
-        import torch
-
         # dynamic: the slot count changes every batch (one graph, not one per batch); alpha and limit are the
         # config's floats, the same in every layer (Dynamo keeps them as constants: one graph for the model).
         _FN["gate"] = torch.compile(oss_gate, dynamic=True, fullgraph=True)
     try:
         return _FN["gate"](h, float(module.alpha), float(module.limit))
+    except torch.OutOfMemoryError:  # the step's memory, not the compiler: the op-by-op gate needs more
+        raise
     except Exception as error:  # noqa: BLE001 - a compiler failure: the model's own ops compute the same
         print(f"[trainbox] MoE: gpt-oss's gate did not compile ({type(error).__name__}: "
               f"{str(error).splitlines()[0][:160] if str(error) else ''}); running it op by op", file=sys.stderr,
