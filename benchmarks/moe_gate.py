@@ -6,8 +6,9 @@ one (issue 31: the gpt-oss shape's MFU), at the slot count and width of the gpt-
 
 One process on one GPU, bfloat16. The compiled variant is compiled first (timed); then --reps rounds, alternating
 the two, each round `--layers` forward+backward passes over fresh gate/up activations (as the layers of one step
-would). Printed per variant: median ms per round, GB/s of the bytes the fused kernels must move, and the memory
-autograd keeps for backward per layer (allocated after forward minus before, with the input counted apart).
+would). Printed per variant: median ms per round, GB/s of the bytes the fused kernels must move, the memory
+autograd keeps for backward per layer (allocated after forward minus before, with the input counted apart), and the
+largest difference from transformers' gate in float32 (output and gradient, 4,096 rows).
 """
 
 from __future__ import annotations
@@ -77,6 +78,18 @@ def main() -> None:
         ms = statistics.median(times[name])
         print(f"{name:>12}: {ms:7.2f} ms per {a.layers} layers (fwd+bwd)  {fused_bytes / ms / 1e6:7.0f} GB/s of the "
               f"fused bytes  kept for backward {kept / 2**20:7.1f} MiB a layer", flush=True)
+    # Right, not only fast: both bfloat16 variants against transformers' gate in float32 (values and gradients).
+    x = xs[0][:4096]
+    ref = {}
+    for name, fn in (("float32", lambda h: GptOssExperts._apply_gate(experts, h)), *variants.items()):
+        h = (x.float() if name == "float32" else x).detach().requires_grad_()
+        y = fn(h)
+        y.backward(grad[:4096].to(y.dtype))
+        ref[name] = y.detach().float(), h.grad.float()
+    for name in variants:
+        dy, dg = ((ref[name][i] - ref["float32"][i]).abs().max().item() for i in (0, 1))
+        print(f"{name:>12}: max |diff| vs float32: output {dy:.3g}, gradient {dg:.3g} "
+              f"(of max {ref['float32'][0].abs().max().item():.3g} / {ref['float32'][1].abs().max().item():.3g})")
     t_hf, t_ours = (statistics.median(times[k]) for k in ("transformers", "compiled"))
     print(f"SUMMARY moe_gate: compiled {t_ours:.2f} ms vs transformers {t_hf:.2f} ms per step's gates "
           f"= {t_hf / t_ours:.2f}x, {t_hf - t_ours:.1f} ms saved a step")
