@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Callable
 
+from common import errors
+
 VARLEN = "trainbox_varlen"
 FLEX = "trainbox_flex"  # flexattn.FLEX
 
@@ -210,7 +212,7 @@ def _try_kernel(fn) -> str | None:
         if not bool(torch.isfinite(out).all()) or q.grad is None or not bool(torch.isfinite(q.grad).all()):
             return "its test op gave non-finite values"
     except Exception as e:  # noqa: BLE001 - any failure means "use the next kernel"
-        return f"test op failed ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})"
+        return f"test op failed ({errors.brief(e)})"
     return None
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import os
 
+from common import errors
 from trainbox.training import config
 
 FLEX = "trainbox_flex"
@@ -351,5 +352,5 @@ def trial(device: str, head_dim: int = 64, dtype=None) -> str | None:
         if worst > 5e-2:
             return f"its test op disagrees with the dense math (max diff {worst:.3f})"
     except Exception as e:  # noqa: BLE001 - any failure means "use the next kernel"
-        return f"test op failed ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})"
+        return f"test op failed ({errors.brief(e)})"
     return None

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import sys
 
+from common import errors
+
 NAME = "trainbox_grouped_mm"
 
 
@@ -101,9 +103,8 @@ def _gate(module, h):
     except torch.OutOfMemoryError:  # the step's memory, not the compiler: the op-by-op gate needs more
         raise
     except Exception as error:  # noqa: BLE001 - a compiler failure: the model's own ops compute the same
-        print(f"[trainbox] MoE: gpt-oss's gate did not compile ({type(error).__name__}: "
-              f"{str(error).splitlines()[0][:160] if str(error) else ''}); running it op by op", file=sys.stderr,
-              flush=True)
+        print(f"[trainbox] MoE: gpt-oss's gate did not compile ({errors.brief(error)}); running it op by op",
+              file=sys.stderr, flush=True)
         _FN["gate"] = False
         return module._apply_gate(h)
 

@@ -23,6 +23,8 @@ import sys
 
 import torch
 
+from common import errors
+
 IMPL = "trainbox_decode"
 STEP = 512  # prompt budgets grow in these steps: each growth compiles the step anew (30-60 s on an H200)
 SCORE_BYTES = 2**29  # float32 attention scores of one pass where the kernel is ours (softcap, sinks): 512 MiB
@@ -274,7 +276,7 @@ class StaticDecoder:
             except Exception as error:  # noqa: BLE001 - the eager step below re-raises anything real
                 if self.step == self._step:
                     raise
-                why = f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
+                why = errors.brief(error)
                 if not self.uncompiled_fallback:
                     raise StepNotCompiled(why) from error
                 print(f"[trainbox] grpo: the decode step did not compile ({why}); decoding uncompiled",
