@@ -83,16 +83,22 @@ def compiles(h) -> bool:
     return h.is_cuda
 
 
+def _is_gpt_oss_gate(module) -> bool:
+    """Whether `module`'s gate is transformers' GptOssExperts._apply_gate (looked up once: every layer asks)."""
+    if "oss" not in _FN:
+        try:
+            from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+        except ImportError:  # pragma: no cover - a transformers without gpt-oss
+            GptOssExperts = None
+        _FN["oss"] = None if GptOssExperts is None else GptOssExperts._apply_gate
+    return _FN["oss"] is not None and getattr(type(module), "_apply_gate", None) is _FN["oss"]
+
+
 def _gate(module, h):
     """The module's gate: gpt-oss's compiled where it runs on a GPU (module docstring), else the model's own."""
     import torch
 
-    try:
-        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
-    except ImportError:  # pragma: no cover - a transformers without gpt-oss
-        GptOssExperts = None
-    if GptOssExperts is None or getattr(type(module), "_apply_gate", None) is not GptOssExperts._apply_gate \
-            or not compiles(h) or _FN.get("gate") is False:
+    if not compiles(h) or _FN.get("gate") is False or not _is_gpt_oss_gate(module):
         return module._apply_gate(h)
     if "gate" not in _FN:
         # dynamic: the slot count changes every batch (one graph, not one per batch); alpha and limit are the
