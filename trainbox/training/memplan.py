@@ -151,10 +151,10 @@ def estimate(job: Job, s: Settings) -> dict:
     return t
 
 
-def resident(job: Job, s: Settings | None = None) -> int:
+def resident(job: Job) -> int:
     """Bytes a job holds on each GPU whatever its batch: weights, gradients, optimizer states and what sits beside
-    them (job.extra); the estimate (checkpointing on unless S says) less activations and the loss head."""
-    t = estimate(job, s or Settings(checkpointing=True))
+    them (job.extra); the estimate less activations and the loss head."""
+    t = estimate(job, Settings(checkpointing=True))
     return t["total"] - t.get("activations", 0) - t.get("loss head", 0)
 
 
