@@ -129,28 +129,11 @@ def write_chat(path: Path, lens: list[int], seed: int = 0) -> Path:
 
 
 def flops_per_token(model: Path, lens: list[int]) -> float:
-    """The trainers' own formula (6N + causal attention) for the model built here; for MoE shapes N counts the
-    active experts only (top-k of E), and windowed layers count their window (a token attends to at most W keys)."""
-    import json as _json
-
+    """The trainers' own formula (throughput.flops_per_token: 6N over the parameters a token goes through, MoE top-k
+    of E, plus causal attention, windowed layers counting their window) for the model built here."""
     from trainbox.training import speed, throughput
 
-    facts = speed.model_facts(str(model))
-    conf = _json.loads((model / "config.json").read_text())
-    if not facts.experts and not conf.get("sliding_window"):
-        return throughput.flops_per_token(facts, lens)
-    n = facts.matmul_params
-    if facts.experts:
-        expert = 3 * conf["hidden_size"] * conf["intermediate_size"] * facts.experts * facts.layers
-        n -= expert * (1 - conf["num_experts_per_tok"] / facts.experts)
-    lens = [x for x in lens if x > 0]
-    w = conf.get("sliding_window") or 0
-    types = conf.get("layer_types") or []
-    windowed = sum(t == "sliding_attention" for t in types) if w else 0
-    full_ctx = sum(x * x for x in lens) / sum(lens)
-    win_ctx = sum(x * x if x <= w else 2 * x * w - w * w for x in lens) / sum(lens) if w else full_ctx
-    attn = 6.0 * facts.attn_width * ((facts.layers - windowed) * full_ctx + windowed * win_ctx)
-    return 6.0 * n + attn
+    return throughput.flops_per_token(speed.model_facts(str(model)), lens)
 
 
 MEASURE = '''

@@ -47,6 +47,40 @@ def test_needs_reads_every_feature_from_the_saved_model(zoo_dir, name):
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_mfu_counts_the_flops_a_forward_runs(zoo_dir, name):
+    """The summary line's FLOPs per token (throughput.flops_per_token) against PyTorch's own count of a forward
+    (FlopCounterMode), x3 for forward + backward. Rows of one token leave only the matmuls, where an MoE token runs its
+    top-k experts. Windowed layers: within the window they count as full ones, past it less."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModelForCausalLM
+
+    from trainbox.training import throughput
+
+    facts = speed.model_facts(str(zoo_dir / name))
+    # eager experts: a loop of plain matmuls over each expert's tokens, which FlopCounterMode counts (grouped_mm it
+    # does not)
+    model = AutoModelForCausalLM.from_pretrained(zoo_dir / name, dtype=torch.float32, attn_implementation="eager",
+                                                 experts_implementation="eager")
+    rows = 64
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(input_ids=torch.randint(3, 90, (rows, 1)))
+    counted = 3 * counter.get_total_flops() / rows
+    ours = throughput.flops_per_token(facts, [1] * rows)
+    # biases and sinks are parameters no matmul runs: within 3 %
+    assert ours == pytest.approx(counted, rel=0.03), (name, ours, counted, facts)
+    if facts.experts:
+        assert facts.active_matmul_params < facts.matmul_params  # idle experts are not counted
+    long = 4 * WINDOW
+    dense = throughput.flops_per_token(facts, [long])
+    if facts.windowed_layers:
+        assert dense < throughput.flops_per_token(speed.ModelFacts(**{**facts.__dict__, "windowed_layers": 0}), [long])
+        # within the window a windowed layer is a full one
+        assert throughput.flops_per_token(facts, [WINDOW]) == throughput.flops_per_token(
+            speed.ModelFacts(**{**facts.__dict__, "windowed_layers": 0}), [WINDOW])
+    assert ("window" in expected_features(name)) == bool(facts.windowed_layers)
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_no_kernel_that_drops_a_feature_is_picked(zoo_dir, name):
     """On a pretend sm90 where every kernel runs, and where only some do: the pick honours all the model needs, and
     each kernel passed over for the model says which feature it would drop."""

@@ -40,12 +40,23 @@ class ModelFacts:
     attn_width: int  # heads x head dim: the width of QK^T and AV
     attention: "attention.Needs" = None  # windows, softcaps, sinks: what the attention kernel must honour
     experts: int = 0  # routed experts per MoE layer (0: dense)
+    experts_per_token: int = 0  # MoE: routed experts each token goes through (top-k)
+    expert_params: int = 0  # MoE: the routed experts' parameters, all layers (a token uses top-k / experts of them)
+    windowed_layers: int = 0  # layers whose attention is limited to attention.window keys
     vocab: int = 0  # rows of the LM head (the loss head's width)
     experts_dispatch: str | None = None  # MoE: why moe.NAME can't be used (None: it can), moe.applies
 
     @property
     def matmul_params(self) -> int:
         return self.params - self.embedding_params
+
+    @property
+    def active_matmul_params(self) -> int:
+        """The matmul parameters one token goes through: an MoE layer's token uses top-k of its routed experts."""
+        if not self.experts or not self.expert_params:
+            return self.matmul_params
+        idle = self.expert_params * (self.experts - self.experts_per_token) // self.experts
+        return self.matmul_params - idle
 
 
 @functools.lru_cache(maxsize=8)
@@ -67,16 +78,25 @@ def model_facts(model_path: str, revision: str | None = None) -> ModelFacts:
     heads = getattr(text, "num_attention_heads", 0)
     head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else 0)
     experts = int(getattr(text, "num_local_experts", 0) or getattr(text, "num_experts", 0) or 0)
+    needs = attention.needs(conf, model)
+    types = getattr(text, "layer_types", None)
+    layers = getattr(text, "num_hidden_layers", 0)
+    windowed = 0 if not needs.window else layers if types is None else sum(t == "sliding_attention" for t in types)
     return ModelFacts(
         model_type=conf.model_type,
         params=params,
         embedding_params=0 if tied else emb.weight.numel(),
-        layers=getattr(text, "num_hidden_layers", 0),
+        layers=layers,
         hidden=text.hidden_size,
         intermediate=getattr(text, "intermediate_size", 4 * text.hidden_size) or 4 * text.hidden_size,
         attn_width=heads * head_dim,
-        attention=attention.needs(conf, model),
+        attention=needs,
         experts=experts,
+        # routed experts live under `.experts.` in every transformers MoE layout (fused tensors or a ModuleList);
+        # shared experts and the router do not
+        experts_per_token=int(getattr(text, "num_experts_per_tok", 0) or 0) if experts else 0,
+        expert_params=sum(p.numel() for n, p in model.named_parameters() if ".experts." in n) if experts else 0,
+        windowed_layers=windowed,
         vocab=int(getattr(text, "vocab_size", 0) or 0),
         experts_dispatch=moe.applies(type(model)) if experts else None,
     )

@@ -2,9 +2,10 @@
 so loading, data preparation, the first step's compilation/warm-up and the final save are not in it.
 
 Tokens are the Trainer's count of non-padding input tokens (summed over ranks). MFU = model FLOPs per second over
-the GPUs' dense bf16 peak: per token 6 x matmul parameters (forward + backward) plus causal attention,
-6 x layers x (heads x head dim) x E[n^2]/E[n] for examples of n tokens. GPU time comes from CUDA events recorded at
-step ends, so measuring adds no host sync.
+the GPUs' dense bf16 peak: per token 6 x the matmul parameters it goes through (forward + backward; an MoE token
+only its top-k experts) plus causal attention, 6 x layers x (heads x head dim) x E[n^2]/E[n] for examples of n tokens
+(a windowed layer counts at most W keys a token). GPU time comes from CUDA events recorded at step ends, so
+measuring adds no host sync.
 """
 
 from __future__ import annotations
@@ -36,10 +37,16 @@ def peak_tflops(device_name: str) -> float | None:
 
 
 def flops_per_token(facts, lengths) -> float:
-    """6N + causal attention, averaged over examples of the given token lengths."""
+    """6N + causal attention, averaged over examples of the given token lengths. N counts the parameters a token goes
+    through (an MoE token: its top-k experts); a windowed layer's token attends to at most W keys."""
     lengths = [n for n in lengths if n > 0]
-    mean_ctx = (sum(n * n for n in lengths) / sum(lengths)) if lengths else 0.0
-    return 6.0 * facts.matmul_params + 6.0 * facts.layers * facts.attn_width * mean_ctx
+    if not lengths:
+        return 6.0 * facts.active_matmul_params
+    full_ctx = sum(n * n for n in lengths) / sum(lengths)
+    w = facts.attention.window if facts.attention and facts.windowed_layers else 0
+    win_ctx = sum(n * n if n <= w else 2 * n * w - w * w for n in lengths) / sum(lengths) if w else full_ctx
+    ctx = (facts.layers - facts.windowed_layers) * full_ctx + facts.windowed_layers * win_ctx
+    return 6.0 * facts.active_matmul_params + 6.0 * facts.attn_width * ctx
 
 
 def example_lengths(dataset) -> list[int]:
