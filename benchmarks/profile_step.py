@@ -123,10 +123,10 @@ def region_of(evt) -> str | None:
     return None
 
 
-def device_kernels(events) -> tuple[list[tuple[str, float, str | None]], float]:
-    """The CUDA activities (kernels, memcpy, memset) of a profile: (name, us, region category), and busy time.
-    A device event names its launching CPU op by linked_correlation_id; a torch whose events lack it gets the
-    same list from the CPU ops' own kernel lists (activities launched outside any op are then left out)."""
+def launched(events) -> tuple[list[tuple[str, float, object]], float]:
+    """The CUDA activities (kernels, memcpy, memset) of a profile: (name, us, the CPU op that launched it or None),
+    and busy time. A device event names its launching CPU op by linked_correlation_id; a torch whose events lack it
+    gets the same list from the CPU ops' own kernel lists (activities launched outside any op are then left out)."""
     from torch.autograd import DeviceType
 
     gpu = [e for e in events if e.device_type == DeviceType.CUDA]
@@ -135,9 +135,44 @@ def device_kernels(events) -> tuple[list[tuple[str, float, str | None]], float]:
                 and getattr(e, "linked_correlation_id", 0) == 0]
     if gpu and hasattr(gpu[0], "linked_correlation_id"):
         ops = {e.id: e for e in frontend}
-        return [(e.name, e.time_range.end - e.time_range.start, region_of(ops.get(e.linked_correlation_id)))
-                for e in gpu], busy
-    return [(k.name, k.duration, region_of(e)) for e in frontend for k in e.kernels], busy
+        return [(e.name, e.time_range.end - e.time_range.start, ops.get(e.linked_correlation_id)) for e in gpu], busy
+    return [(k.name, k.duration, e) for e in frontend for k in e.kernels], busy
+
+
+def device_kernels(events) -> tuple[list[tuple[str, float, str | None]], float]:
+    """launched(events) with each launching op replaced by its region category (region_of)."""
+    kernels, busy = launched(events)
+    return [(name, us, region_of(op)) for name, us, op in kernels], busy
+
+
+def origin(evt) -> str:
+    """Where a kernel came from: its launching op < the outermost aten op around it < the first op that is not aten
+    (an autograd backward node, an autograd Function, the optimizer, a compiled graph), e.g.
+    'aten::copy_ < aten::to < ToCopyBackward0'."""
+    names = []
+    while evt is not None:
+        name = evt.name.replace("autograd::engine::evaluate_function: ", "")
+        names.append(name)
+        if not name.startswith("aten::"):
+            break
+        evt = evt.cpu_parent
+    aten = [n for n in names if n.startswith("aten::")]
+    parts = aten[:1] + aten[-1:] if len(aten) > 1 else aten
+    return " < ".join(parts + [n for n in names if not n.startswith("aten::")])
+
+
+def sources(events, category: str, top: int, steps: int) -> list[dict]:
+    """The `top` launching places (origin) of `category`'s kernels by time, ms per step: where elementwise/copies/casts
+    time comes from, which kernel names alone don't say."""
+    by: dict[str, list] = {}
+    for name, us, op in launched(events)[0]:
+        if (region_of(op) or categorize(name)) != category:
+            continue
+        entry = by.setdefault(origin(op) if op is not None else "(no launching op)", [0.0, 0])
+        entry[0] += us
+        entry[1] += 1
+    ranked = sorted(by.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"origin": o, "ms_per_step": us / steps / 1e3, "calls_per_step": n / steps} for o, (us, n) in ranked]
 
 
 def cpu_ops(prof) -> list[tuple[str, float, None, int]]:
@@ -282,8 +317,9 @@ def run_one(opts, kind: str, label: str, extra: list[str]) -> dict:
         raise SystemExit(f"error: trainbox sft exited {rc} before the profiled steps ran (see its output above)")
     trainer, p = found[-1]
     a, b = opts.warm, opts.warm + opts.active
+    events = p.prof.events()
     if cuda:
-        kernels, busy = device_kernels(p.prof.events())
+        kernels, busy = device_kernels(events)
     else:
         kernels, busy = cpu_ops(p.prof), None
     wall = p.seconds(a, b)
@@ -304,6 +340,8 @@ def run_one(opts, kind: str, label: str, extra: list[str]) -> dict:
                    peak_gib=__import__("torch").cuda.max_memory_allocated() / 2**30,
                    mfu=fpt * tokens / wall / (peak * 1e12),
                    mfu_unprofiled=fpt * p.tokens_between(start, end) / p.seconds(start, end) / (peak * 1e12))
+    if cuda and opts.sources:
+        res["sources"] = sources(events, OTHER, opts.sources, opts.active)
     if opts.trace:
         trace = Path(opts.trace)
         trace = trace.with_name(f"{trace.stem}-{kind}-{label}{trace.suffix or '.json'}")
@@ -338,7 +376,12 @@ def show(res: dict) -> None:
     for t in res["top"]:
         print(f"  {t['ms_per_step']:>8.2f} ms {100 * t['share_of_kernels']:5.1f}% x{t['calls_per_step']:<6.0f} "
               f"[{t['category']}] {t['name'][:110]}")
-    print(f"RESULT {json.dumps({k: v for k, v in res.items() if k not in ('top', 'categories')})}", flush=True)
+    if res.get("sources"):
+        print(f"  {OTHER} by where it is launched (launching op < outermost aten op < first other op):")
+        for t in res["sources"]:
+            print(f"  {t['ms_per_step']:>8.2f} ms x{t['calls_per_step']:<6.0f} {t['origin'][:150]}")
+    print(f"RESULT {json.dumps({k: v for k, v in res.items() if k not in ('top', 'categories', 'sources')})}",
+          flush=True)
 
 
 def compare(results: list[dict]) -> None:
@@ -366,6 +409,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--warm", type=int, default=8, help="unprofiled steps before the profiled ones (default 8)")
     ap.add_argument("--active", type=int, default=3, help="profiled steps (default 3)")
     ap.add_argument("--skip", type=int, default=3, help="steps before the unprofiled rate's start (default 3)")
+    ap.add_argument("--sources", type=int, default=0, metavar="N",
+                    help=f"also list the N places ({OTHER}) kernels are launched from, by time (GPU only)")
     ap.add_argument("--json", help="write the results (a list, one per run) to this file")
     ap.add_argument("--trace", help="chrome trace per run: FILE becomes FILE-STEM-KIND-VARIANT.json")
     ap.add_argument("--work", help="folder for the model and data (default: a new temporary one)")
@@ -391,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
             argv = [sys.executable, __file__, "--kinds", k, "--variant", f"{lab}={shlex.join(extra)}", "--shape",
                     opts.shape, "--device",
                     opts.device, "--warm", str(opts.warm), "--active", str(opts.active), "--skip", str(opts.skip),
-                    "--work", opts.work, "--json", str(child), *(["--trace", opts.trace] if opts.trace else [])]
+                    "--work", opts.work, "--json", str(child), "--sources", str(opts.sources),
+                    *(["--trace", opts.trace] if opts.trace else [])]
             r = subprocess.run(argv)
             if r.returncode != 0 or not child.is_file():
                 print(f"{k}/{lab}: FAILED (exit {r.returncode})", flush=True)

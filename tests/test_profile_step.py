@@ -141,3 +141,37 @@ def test_gpu_kernels_take_the_region_they_were_launched_in(linked):
     assert busy == 110  # [0, 100) and [200, 210)
     assert sorted(kernels) == [("multi_tensor_apply_kernel", 10, "optimizer"), ("nvjet_tst_lm_head", 50, "loss"),
                                ("nvjet_tst_mlp", 60, None)]
+
+
+class _Evt:
+    """A profiler event as sources()/origin() read it."""
+
+    def __init__(self, name, parent=None, device="CPU", id=0, link=0, us=0.0):
+        from types import SimpleNamespace
+
+        from torch.autograd import DeviceType
+
+        self.name, self.cpu_parent, self.id, self.linked_correlation_id = name, parent, id, link
+        self.device_type, self.is_async = getattr(DeviceType, device), False
+        self.time_range = SimpleNamespace(start=0.0, end=us)
+
+
+def test_sources_name_where_elementwise_kernels_come_from():
+    """Each kernel goes to its launching op < the outermost aten op < the first op that is not aten; other
+    categories and the optimizer's region are left out; ms per step over the profiled steps."""
+    step = _Evt("ProfilerStep#9")
+    bwd = _Evt("autograd::engine::evaluate_function: ToCopyBackward0", step)
+    to = _Evt("aten::to", bwd)
+    copy = _Evt("aten::copy_", _Evt("aten::_to_copy", to), id=1)
+    opt = _Evt("aten::mul_", _Evt("Optimizer.step#AdamW.step", step), id=2)
+    fwd_add = _Evt("aten::add", step, id=3)
+    events = [step, bwd, to, copy, opt, fwd_add,
+              _Evt("void at::native::unrolled_elementwise_kernel<direct_copy>", device="CUDA", link=1, us=300.0),
+              _Evt("void at::native::unrolled_elementwise_kernel<direct_copy>", device="CUDA", link=1, us=100.0),
+              _Evt("void at::native::vectorized_elementwise_kernel<mul>", device="CUDA", link=2, us=900.0),
+              _Evt("void at::native::vectorized_elementwise_kernel<CUDAFunctor_add>", device="CUDA", link=3, us=200.0),
+              _Evt("nvjet_sm90_tst_128x16", device="CUDA", link=3, us=5000.0)]
+    got = ps.sources(events, ps.OTHER, top=5, steps=2)
+    assert got == [{"origin": "aten::copy_ < aten::to < ToCopyBackward0", "ms_per_step": 0.2, "calls_per_step": 1.0},
+                   {"origin": "aten::add < ProfilerStep#9", "ms_per_step": 0.1, "calls_per_step": 0.5}]
+    assert ps.sources(events, ps.OTHER, top=1, steps=1)[0]["ms_per_step"] == pytest.approx(0.4)
