@@ -53,8 +53,8 @@ class ModelFacts:
     @property
     def active_matmul_params(self) -> int:
         """The matmul parameters one token goes through: an MoE layer's token uses top-k of its routed experts."""
-        if not self.experts or not self.expert_params:
-            return self.matmul_params
+        if not (self.experts and self.expert_params and self.experts_per_token):
+            return self.matmul_params  # dense, or a config that doesn't say its top-k: every expert counted
         idle = self.expert_params * (self.experts - self.experts_per_token) // self.experts
         return self.matmul_params - idle
 
