@@ -242,6 +242,10 @@ def test_choice_names_flex_and_packs(zoo, name):
     assert c.line().startswith("attention: PyTorch FlexAttention (trainbox_flex): the first that runs here and "
                                "honours this model's attention")
     assert "PyTorch varlen flash attention: would drop" in c.line()
+    assert c.line().endswith("its kernels compile during the first steps (kept under TORCHINDUCTOR_CACHE_DIR for "
+                             "later runs)")  # a cold compile is minutes: the long first step is announced
+    cpu = attention.decide(hopper, None, lambda n: None, model=needs)
+    assert cpu.impl == attention.FLEX and "compile" not in cpu.line()  # CPU: dense math, nothing compiled
     args = type("Args", (), {"packing_strategy": "bfd"})()
     from trainbox.training import config as cfg
 
