@@ -121,20 +121,14 @@ def test_ranks_agree_on_one_kernel(tmp_path):
     rank 0 decides, the others try only what it chose, and a kernel that fails anywhere is ruled out for all."""
     import json
     import os
-    import subprocess
-    import sys
     from pathlib import Path
 
-    script = tmp_path / "agree.py"
-    script.write_text(AGREE)
+    import gloo_ranks
+
     cases = {"split": ["flex", "varlen"], "same": ["flex", "flex"], "rank0-lacks": ["varlen", "flex"],
              "cpu": ["", ""]}
-    env = dict(os.environ, ROOT=str(Path(__file__).resolve().parents[1]), CASES=json.dumps(cases),
-               OMP_NUM_THREADS="1", OUT=str(tmp_path / "out"))
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        str(script)], env=env, capture_output=True, text=True, timeout=240)
-    assert r.returncode == 0, r.stderr[-2000:]
-    got = [json.loads((tmp_path / f"out.{rank}").read_text()) for rank in (0, 1)]
+    env = dict(os.environ, ROOT=str(Path(__file__).resolve().parents[1]), CASES=json.dumps(cases))
+    got = [json.loads(text) for text in gloo_ranks.run(AGREE, tmp_path, env, name="agree")]
 
     split = [g["split"] for g in got]
     assert "FlexAttention" in split[0]["alone"] and "eager" in split[1]["alone"]  # the bug agreement removes

@@ -9,6 +9,7 @@ the image's VOLUME /workspace/outputs, which lives in the container's rootfs fol
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -99,13 +100,26 @@ def started(container):
     pid = None
     while pid is None:
         assert p.poll() is None and time.monotonic() < end, "the container did not start"
-        procs = [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]
-        pid = next((q.pid for q in procs if q.name() == "sleep"), None)
+        pid = next((q.pid for q in _tree(p.pid) if _name(q) == "sleep"), None)
         time.sleep(0.2)
     yield pid
-    for q in [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]:
-        q.kill()
+    for q in _tree(p.pid):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            q.kill()
     p.wait(timeout=30)
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def _name(q: psutil.Process) -> str | None:
+    """None for a process that exited since it was listed (enroot's start runs short-lived helpers: seen on CI)."""
+    try:
+        return q.name()
+    except psutil.NoSuchProcess:
+        return None
 
 
 def pyxis_task(container, pid, *cmd, timeout=900) -> subprocess.CompletedProcess:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+import gloo_ranks
 from trainbox.cli import grpo
 from trainbox.training import grpo_data, grpo_options, grpo_rollouts, grpo_trainer, rewards
 from common.errors import UsageError
@@ -384,15 +385,8 @@ def test_ranks_with_different_gpus_pick_one_rollout_engine(tiny_model, tmp_path)
     """vLLM installed, two ranks whose GPUs differ (80 GiB and 1 MiB): alone, rank 0 would decode statically and
     rank 1 start colocated vLLM, whose collectives would then wait forever for rank 0. Agreed (memplan.agree), rank 0
     judges the smallest GPU of the job and both ranks get vLLM, with the same line."""
-    script = tmp_path / "engine.py"
-    script.write_text(ENGINE_AGREE)
-    out = tmp_path / "engine"
-    env = dict(os.environ, ROOT=str(ROOT), MODEL=str(tiny_model), TOTALS=f"{80 * 2**30},{2**20}",
-               OMP_NUM_THREADS="1", OUT=str(out))
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        str(script)], env=env, capture_output=True, text=True, timeout=240)
-    assert r.returncode == 0, r.stderr[-2000:]
-    got = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
+    env = dict(os.environ, ROOT=str(ROOT), MODEL=str(tiny_model), TOTALS=f"{80 * 2**30},{2**20}")
+    got = [json.loads(text) for text in gloo_ranks.run(ENGINE_AGREE, tmp_path, env, name="engine")]
     for line, vllm, static in got:  # (vLLM's share stays each rank's own: sized from its own GPU)
         assert vllm and not static and line.startswith("rollouts: vLLM colocate"), line
         why = line[line.index("static decode off: "):]

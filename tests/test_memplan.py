@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
+import gloo_ranks
 from common.errors import UsageError
 from trainbox.training import config, memplan, speed
 
@@ -169,15 +170,9 @@ dist.destroy_process_group()
 
 
 def two_ranks(tmp_path, free: str, local_only: bool = False) -> dict[int, str]:
-    script = tmp_path / "agree.py"
-    script.write_text(AGREE)
-    out = tmp_path / f"line-{free}-{local_only}"
-    env = dict(os.environ, ROOT=str(ROOT), FACTS=json.dumps(LLAMA_8B), FREE=free, OMP_NUM_THREADS="1", OUT=str(out),
+    env = dict(os.environ, ROOT=str(ROOT), FACTS=json.dumps(LLAMA_8B), FREE=free,
                **({"LOCAL_ONLY": "1"} if local_only else {}))
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        str(script)], env=env, capture_output=True, text=True, timeout=240)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return {rank: Path(f"{out}.{rank}").read_text() for rank in (0, 1)}
+    return dict(enumerate(gloo_ranks.run(AGREE, tmp_path, env, name=f"line-{free}-{local_only}")))
 
 
 def test_ranks_with_different_free_memory_agree_on_one_plan(tmp_path):
