@@ -28,15 +28,21 @@ def run(script_text: str, tmp_path: Path, env: dict[str, str], name: str = "rank
     script.write_text(script_text.rstrip()[: -len("dist.destroy_process_group()")] + TEARDOWN)
     out = tmp_path / f"{name}-out"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
-    for attempt in (1, 2):
+
+    def torchrun() -> subprocess.CompletedProcess:
         for rank in (0, 1):
             Path(f"{out}.{rank}").unlink(missing_ok=True)
-        r = subprocess.run(cmd, env=dict(env, OUT=str(out), OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                           timeout=timeout)
-        if r.returncode == 0:
-            return [Path(f"{out}.{rank}").read_text() for rank in (0, 1)]
-        told = "\n".join(line for line in r.stderr.splitlines() if TELLING.search(line))[-3000:]
-        if attempt == 2 or not ROOT_CAUSE_SIGNALLED.search(r.stderr):
-            raise AssertionError(f"torchrun exited {r.returncode}:\n{told}\n--- stderr's end:\n{r.stderr[-2000:]}")
-        warnings.warn(f"a rank was killed by a signal (run again once): {told[-1500:]}", stacklevel=2)
-    raise AssertionError("unreachable")
+        return subprocess.run(cmd, env=dict(env, OUT=str(out), OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                              timeout=timeout)
+
+    def telling(stderr: str) -> str:
+        return "\n".join(line for line in stderr.splitlines() if TELLING.search(line))[-3000:]
+
+    r = torchrun()
+    if r.returncode != 0 and ROOT_CAUSE_SIGNALLED.search(r.stderr):
+        warnings.warn(f"a rank was killed by a signal (run again once): {telling(r.stderr)[-1500:]}", stacklevel=2)
+        r = torchrun()
+    if r.returncode != 0:
+        raise AssertionError(f"torchrun exited {r.returncode}:\n{telling(r.stderr)}\n--- stderr's end:\n"
+                             f"{r.stderr[-2000:]}")
+    return [Path(f"{out}.{rank}").read_text() for rank in (0, 1)]
