@@ -353,3 +353,44 @@ def test_the_kernel_runs_in_autocasts_dtype_when_rope_left_q_and_k_in_float32():
     seen.clear()
     out, _ = flexattn.fused(q, k, v.float(), docs, 0.25, None, 50.0, fn=kernel, lse=False)
     assert seen == [(torch.float32,) * 3 + (False,)] and out.dtype == torch.float32
+
+
+def test_block_tiles_are_create_block_masks_without_the_dense_mask():
+    """flexattn.tiles reads the block mask off each block's document ids and positions; torch's create_block_mask
+    evaluates mask_mod at every (query, key) pair. Over packed rows (short and long examples), right- and left-padded
+    batches and one-example rows, with windows around the block size: the same tiles visited, and the same of them
+    visited without the mask (full), and block_mask's BlockMask says the same."""
+    import random
+
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    for seed in range(60):
+        r = random.Random(seed)
+        batch, length = r.choice([1, 2, 3]), r.randint(1, 1100)
+        positions = [p for _ in range(length) for p in range(r.randint(1, 300))][:length]
+        position_ids = torch.tensor(positions)[None].expand(batch, length) if seed % 3 else None
+        mask = None
+        if seed % 4 == 0:
+            mask = torch.ones(batch, length, dtype=torch.long)
+            for row in range(batch):
+                cut = r.randint(0, length - 1)
+                (mask[row, :cut] if seed % 8 else mask[row, length - cut:]).zero_()
+        flexattn._docs_cache.clear()
+        docs = flexattn.padded_documents(position_ids, mask, batch, length, "cpu")
+        window = r.choice([None, 1, 100, 127, 128, 129, 256, 1024])
+        n = docs.shape[1]
+        ref = create_block_mask(flexattn.mask_mod(docs, torch.tensor(window or flexattn.NO_WINDOW)), batch, None, n,
+                                n, device="cpu")
+        partial, full = flexattn.tiles(docs, window)
+        blocks = n // flexattn.BLOCK
+        ref_full = torch.zeros(batch, 1, blocks, blocks, dtype=torch.bool)
+        for b in range(batch):
+            for q in range(blocks):
+                ref_full[b, 0, q, ref.full_kv_indices[b, 0, q, :ref.full_kv_num_blocks[b, 0, q]]] = True
+        case = (seed, batch, length, window)
+        assert torch.equal(full, ref_full), case
+        assert torch.equal(partial | full, ref.to_dense().bool()) and not (partial & full).any(), case
+        flexattn._masks.clear()
+        assert torch.equal(flexattn.block_mask(docs, window).to_dense().bool(), partial | full), case
+    flexattn._masks.clear()
+    flexattn._docs_cache.clear()

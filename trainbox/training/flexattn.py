@@ -167,17 +167,64 @@ def block_mask(docs, window: int | None):
     """The BlockMask for `docs` (already padded to a multiple of BLOCK), reused while the same tensors come back
     (every layer of one forward, and its recomputation under checkpointing)."""
     import torch
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import BlockMask
 
     for key_docs, key_window, bm in _masks:
         if key_docs is docs and key_window == window:
             return bm
-    b, n = docs.shape
+    n = docs.shape[1]
     w = torch.tensor(window or NO_WINDOW, device=docs.device)
-    bm = create_block_mask(mask_mod(docs, w), b, None, n, n, device=docs.device)
+    (num, idx), (full_num, full_idx) = (_ordered(t) for t in tiles(docs, window))
+    bm = BlockMask.from_kv_blocks(num, idx, full_num, full_idx, BLOCK_SIZE=BLOCK, mask_mod=mask_mod(docs, w),
+                                  seq_lengths=(n, n))
     _masks.insert(0, (docs, window, bm))
     del _masks[4:]
     return bm
+
+
+def tiles(docs, window: int | None):
+    """(partial, full): (batch, 1, blocks, blocks) bool, which BLOCK x BLOCK tiles of mask_mod(docs, window) the
+    kernel visits with the mask applied, and which it visits without (every pair allowed), from each block's position
+    span, lowest and highest real document id and which padding ids it holds. torch's create_block_mask finds the
+    same by evaluating the mask at every (query, key) pair: (batch x length^2) elements, six passes over 268 M of them
+    for one 16k-token packed row, ~5 ms a mask on an H100: two masks a step for models with windows, 10.3 ms of the
+    Gemma-2 benchmark step's kernels (benchmarks/results/moe_fold_tiles-2026-11-27.txt). Real document ids never
+    decrease along a row (documents() counts position resets), so two blocks' id ranges overlap exactly when they
+    share a document; padding ids (PAD_DOC, PAD_DOC - 1) are matched by presence. Full tiles are exact; a tile whose
+    shared document meets only outside the window would be visited (masked) rather than skipped, which only costs
+    time (tests/test_flex_attention.py finds create_block_mask's tiles exactly on packed and padded rows)."""
+    import torch
+
+    b, n = docs.shape
+    blocks = n // BLOCK
+    d = docs.view(b, blocks, BLOCK)
+    real = d >= 0
+    lo = torch.where(real, d, torch.iinfo(d.dtype).max).amin(-1)  # a block without real tokens: an empty range
+    hi = torch.where(real, d, -1).amax(-1)
+    some_doc = (lo[:, :, None] <= hi[:, None, :]) & (lo[:, None, :] <= hi[:, :, None])
+    for pad in (PAD_DOC, PAD_DOC - 1):
+        has = (d == pad).any(-1)
+        some_doc |= has[:, :, None] & has[:, None, :]
+    first, last = d.amin(-1), d.amax(-1)
+    all_doc = (first == last)[:, :, None] & (first == last)[:, None, :] & (first[:, :, None] == first[:, None, :])
+    i = torch.arange(blocks, device=docs.device)[:, None]
+    j = torch.arange(blocks, device=docs.device)[None, :]
+    w = window or NO_WINDOW
+    # query block i spans [i*BLOCK, i*BLOCK + BLOCK - 1], key block j likewise; allowed: kv <= q and q - kv < w
+    some_pos = (j <= i) & ((i - j - 1) * BLOCK + 1 < w)  # the closest causal pair is inside the window
+    all_pos = (j < i) & ((i - j + 1) * BLOCK - 1 < w)  # the farthest pair is too
+    full = all_pos & all_doc
+    partial = some_pos & some_doc & ~full
+    return partial[:, None], full[:, None]
+
+
+def _ordered(tiles):
+    """(per query block, how many key blocks; their indices first, ascending): BlockMask's layout, int32."""
+    import torch
+
+    num = tiles.sum(-1, dtype=torch.int32)
+    idx = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return num, idx
 
 
 _docs_cache: list = []  # (position_ids, attention_mask, batch, length) -> padded docs: one per forward
