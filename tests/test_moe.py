@@ -95,9 +95,10 @@ def test_float32_weights_under_bf16_autocast_run_the_grouped_gemms_in_bf16(monke
 
 def test_gpt_oss_gate_is_transformers_own_and_compiles_into_one_graph_for_every_batch(monkeypatch, capsys):
     """moe.oss_gate computes transformers' GptOssExperts._apply_gate (values and gradients: a transformers upgrade
-    that changes theirs fails here). Compiled as on a GPU (dynamic, fullgraph; inductor's CPU code here), slot counts
-    that change every batch reuse one graph, and the gradients match. The experts use it for gpt-oss only, and a
-    compiler failure falls back to the model's own ops with one line."""
+    that changes theirs fails here), times each row's routing weight when given (and the weights' gradients).
+    Compiled as on a GPU (dynamic, fullgraph; inductor's CPU code here), slot counts that change every batch reuse
+    one graph, and the gradients match. The experts use it for gpt-oss only, and a compiler failure falls back to the
+    model's own ops with one line; the fallbacks say the weights are still to be multiplied."""
     import torch
     from torch._dynamo.utils import counters
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
@@ -109,45 +110,50 @@ def test_gpt_oss_gate_is_transformers_own_and_compiles_into_one_graph_for_every_
     counters.clear()
     compiled = torch.compile(moe.oss_gate, dynamic=True, fullgraph=True)
     for rows in (37, 53, 101):
-        x = (torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)) * 6).requires_grad_()
+        gen = torch.Generator().manual_seed(rows)
+        x = (torch.randn(rows, 64, generator=gen) * 6).requires_grad_()
+        w = torch.rand(rows, generator=gen).requires_grad_()
         grad = torch.randn(rows, 32)
         outs = {}
-        for name, fn in (("theirs", experts._apply_gate), ("ours", lambda t: moe.oss_gate(t, alpha, limit)),
-                         ("compiled", lambda t: compiled(t, alpha, limit))):
-            y = fn(x)
-            (g,) = torch.autograd.grad(y, x, grad)
-            outs[name] = y.detach(), g
+        for name, fn in (("theirs", lambda t, v: experts._apply_gate(t) * v.unsqueeze(-1)),
+                         ("ours", lambda t, v: moe.oss_gate(t, alpha, limit, v)),
+                         ("compiled", lambda t, v: compiled(t, alpha, limit, v))):
+            y = fn(x, w)
+            outs[name] = (y.detach(), *torch.autograd.grad(y, (x, w), grad))
         assert (outs["theirs"][1] == 0).any() and (outs["theirs"][1] != 0).any()  # clamps cut some gradients
         for name in ("ours", "compiled"):
-            assert torch.allclose(outs[name][0], outs["theirs"][0], atol=1e-5), name
-            assert torch.allclose(outs[name][1], outs["theirs"][1], atol=1e-5), name
+            for got, ref in zip(outs[name], outs["theirs"]):
+                assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5), name
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])  # the first shape, then the symbolic one
+    assert torch.equal(moe.oss_gate(x, alpha, limit), experts._apply_gate(x))  # no weights: transformers' gate
 
     # In the experts: gpt-oss's compiled gate where compiles() (a GPU), the model's own elsewhere and for others.
     calls = []
     monkeypatch.setattr(moe, "compiles", lambda h: True)
-    monkeypatch.setitem(moe._FN, "gate", lambda h, a, lim: calls.append((a, lim)) or moe.oss_gate(h, a, lim))
-    h = torch.randn(5, 64)
-    assert torch.equal(moe._gate(experts, h), experts._apply_gate(h)) and calls == [(alpha, limit)]
+    monkeypatch.setitem(moe._FN, "gate", lambda h, a, lim, v: calls.append((a, lim)) or moe.oss_gate(h, a, lim, v))
+    h, w = torch.randn(5, 64), torch.rand(5)
+    out, weighted = moe._gate(experts, h, w)
+    assert weighted and torch.allclose(out, experts._apply_gate(h) * w[:, None]) and calls == [(alpha, limit)]
     other = _model("mixtral")
     mixtral_experts = next(m for m in other.modules() if hasattr(m, "_apply_gate") and m is not other)
-    moe._gate(mixtral_experts, torch.randn(5, 2 * other.config.intermediate_size))
-    assert len(calls) == 1
+    h2 = torch.randn(5, 2 * other.config.intermediate_size)
+    assert moe._gate(mixtral_experts, h2, w)[1] is False and len(calls) == 1
 
     def out_of_memory(*a):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
     monkeypatch.setitem(moe._FN, "gate", out_of_memory)  # the step's memory, not the compiler: raised as is
     with pytest.raises(torch.OutOfMemoryError):
-        moe._gate(experts, h)
+        moe._gate(experts, h, w)
     assert moe._FN["gate"] is out_of_memory and not capsys.readouterr().err
 
     def broken(*a):
         raise RuntimeError("inductor: no compiler here\nmore")
 
     monkeypatch.setitem(moe._FN, "gate", broken)
-    assert torch.equal(moe._gate(experts, h), experts._apply_gate(h))
-    assert moe._FN["gate"] is False and torch.equal(moe._gate(experts, h), experts._apply_gate(h))
+    for _ in range(2):  # the first call falls back and says so; later ones go straight to the model's own ops
+        out, weighted = moe._gate(experts, h, w)
+        assert not weighted and torch.equal(out, experts._apply_gate(h)) and moe._FN["gate"] is False
     err = capsys.readouterr().err
     assert err.count("[trainbox] MoE: gpt-oss's gate did not compile (RuntimeError: inductor: no compiler here); "
                      "running it op by op") == 1, err

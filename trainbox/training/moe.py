@@ -9,8 +9,11 @@ gpt-oss-shaped step (benchmarks/profile_step.py --shape gpt-oss-2b: `indexing_ba
 
 Here the same computation, registered as transformers' experts implementation "trainbox_grouped_mm":
 - the gathers by a permutation are autograd Functions whose backward is the inverse gather (no accumulation: each
-  row goes to one place, and a token's k rows are summed by a reshape);
-- the expert biases are added as one_hot(expert) @ bias, whose backward is one small GEMM (E x S @ S x width);
+  row goes to one place): the tokens to their sorted slots by `Gather` (backward: un-sort and sum a token's k slots),
+  the slots back to their tokens by `Combine`, Gather's adjoint (forward: un-sort and sum; backward: one gather);
+- the up-projection biases are added as one_hot(expert) @ bias, whose backward is one small GEMM (E x S @ S x width);
+  the down-projection biases per token, as routing (tokens x E, the routing weights) @ bias, after the k slots are
+  summed;
 - the grouped GEMMs are transformers' own (`_grouped_linear`);
 - gpt-oss's gate (clamped, interleaved gate/up columns, `(up + 1) * gate * sigmoid(alpha * gate)`) is compiled on GPUs
   into one kernel forward and one backward that recomputes from the gate/up input: run op by op it is seven kernels
@@ -19,6 +22,11 @@ Here the same computation, registered as transformers' experts implementation "t
   and autograd keeps four intermediate-wide tensors for backward besides the input (6.3 GiB over the 12 layers of
   that shape, 16k tokens a step) where the compiled one keeps only its input. The same ops as transformers'
   `GptOssExperts._apply_gate`; other models keep their own gate, and so does the CPU (nothing to gain there).
+  The compiled gate also multiplies each slot by its routing weight (the down GEMM is linear: scaling its input
+  scales its output). That removes the multiply over the down GEMM's (slots x hidden) output, its backward and the
+  output autograd kept for it: 3.8 ms of kernels and 1.5 GiB on the gpt-oss-2b benchmark step on an H100
+  (benchmarks/results/moe_fold_tiles-2026-11-27.txt). Where the gate is not compiled the weights multiply the down
+  GEMM's output, as transformers does (the cheaper side where the intermediate width is above hidden: Mixtral).
 Expert parallelism's sentinel ids (>= num_experts) are not handled: `applies` says where this is used.
 """
 
@@ -47,7 +55,21 @@ def _functions():
         @staticmethod
         def backward(ctx, grad):
             (inverse,) = ctx.saved_tensors
-            return grad[inverse].view(-1, ctx.k, grad.shape[-1]).sum(1), None, None, None
+            return _sum_slots(grad, inverse, ctx.k), None, None, None
+
+    class Combine(torch.autograd.Function):
+        """Gather's adjoint: the S slots put back in slot order by `inverse` and each row's k summed; backward:
+        grad[index] (each slot takes its row's gradient: a gather, no accumulation)."""
+
+        @staticmethod
+        def forward(ctx, x, index, inverse, k: int):
+            ctx.save_for_backward(index)
+            return _sum_slots(x, inverse, k)
+
+        @staticmethod
+        def backward(ctx, grad):
+            (index,) = ctx.saved_tensors
+            return grad[index], None, None, None
 
     class Permute(torch.autograd.Function):
         """x[perm] for a permutation; backward: grad[inverse]."""
@@ -62,20 +84,27 @@ def _functions():
             (inverse,) = ctx.saved_tensors
             return grad[inverse], None, None
 
-    return Gather, Permute
+    return Gather, Combine, Permute
+
+
+def _sum_slots(x, inverse, k: int):
+    """x's S sorted slots back in slot order (token-major, k a token) and each token's k summed."""
+    return x[inverse].view(-1, k, x.shape[-1]).sum(1)
 
 
 _FN: dict = {}
 
 
-def oss_gate(gate_up, alpha: float, limit: float):
-    """gpt-oss's gate, the ops of transformers' GptOssExperts._apply_gate: gate and up columns interleaved."""
+def oss_gate(gate_up, alpha: float, limit: float, weights=None):
+    """gpt-oss's gate, the ops of transformers' GptOssExperts._apply_gate (gate and up columns interleaved), each row
+    times its routing weight when `weights` (rows,) is given."""
     import torch
 
     gate, up = gate_up[..., ::2], gate_up[..., 1::2]
     gate = gate.clamp(max=limit)
     up = up.clamp(min=-limit, max=limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    out = (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    return out if weights is None else out * weights.to(out.dtype).unsqueeze(-1)
 
 
 def compiles(h) -> bool:
@@ -94,25 +123,26 @@ def _is_gpt_oss_gate(module) -> bool:
     return _FN["oss"] is not None and getattr(type(module), "_apply_gate", None) is _FN["oss"]
 
 
-def _gate(module, h):
-    """The module's gate: gpt-oss's compiled where it runs on a GPU (module docstring), else the model's own."""
+def _gate(module, h, weights):
+    """(the module's gate, whether `weights` are multiplied in): gpt-oss's compiled gate with the routing weights folded
+    in where it runs on a GPU (module docstring), else the model's own gate without them."""
     import torch
 
     if not compiles(h) or _FN.get("gate") is False or not _is_gpt_oss_gate(module):
-        return module._apply_gate(h)
+        return module._apply_gate(h), False
     if "gate" not in _FN:
         # dynamic: the slot count changes every batch (one graph, not one per batch); alpha and limit are the
         # config's floats, the same in every layer (Dynamo keeps them as constants: one graph for the model).
         _FN["gate"] = torch.compile(oss_gate, dynamic=True, fullgraph=True)
     try:
-        return _FN["gate"](h, float(module.alpha), float(module.limit))
+        return _FN["gate"](h, float(module.alpha), float(module.limit), weights), True
     except torch.OutOfMemoryError:  # the step's memory, not the compiler: the op-by-op gate needs more
         raise
     except Exception as error:  # noqa: BLE001 - a compiler failure: the model's own ops compute the same
         print(f"[trainbox] MoE: gpt-oss's gate did not compile ({errors.brief(error)}); running it op by op",
               file=sys.stderr, flush=True)
         _FN["gate"] = False
-        return module._apply_gate(h)
+        return module._apply_gate(h), False
 
 
 def experts_forward(self, hidden_states, top_k_index, top_k_weights):
@@ -121,14 +151,15 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     import torch.nn.functional as F
     from transformers.integrations.moe import _grouped_linear
 
-    if not _FN:
-        _FN["gather"], _FN["permute"] = _functions()
+    if "gather" not in _FN:
+        _FN["gather"], _FN["combine"], _FN["permute"] = _functions()
     tokens, k = top_k_index.shape
     experts = self.num_experts
     ids, order = torch.sort(top_k_index.reshape(-1))  # slots grouped by expert
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    x = _FN["gather"].apply(hidden_states, order // k, inverse, k)
+    slot_rows = order // k
+    x = _FN["gather"].apply(hidden_states, slot_rows, inverse, k)
     counts = torch.histc(ids.int() if ids.is_cuda else ids.float(), bins=experts, min=0, max=experts - 1)
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
     up, down = self.gate_up_proj if self.has_gate else self.up_proj, self.down_proj
@@ -138,18 +169,22 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
         # weights under bf16 autocast (TRL's GRPO default) would run them in float32. Cast as autocast casts a Linear.
         dtype = torch.get_autocast_dtype(device)
         x, up, down = x.to(dtype), up.to(dtype), down.to(dtype)
-    onehot = F.one_hot(ids, experts).to(x.dtype) if self.has_bias else None
+    weights = _FN["permute"].apply(top_k_weights.reshape(-1), order, inverse).to(x.dtype)  # (slots,), sorted
 
     h = _grouped_linear(x, up, offsets, is_transposed=self.is_transposed)
     if self.has_bias:
+        onehot = F.one_hot(ids, experts).to(x.dtype)
         h = h + onehot @ (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias).to(h.dtype)
-    h = _gate(self, h) if self.has_gate else self.act_fn(h)
+    h, weighted = _gate(self, h, weights) if self.has_gate else (self.act_fn(h), False)
     out = _grouped_linear(h, down, offsets, is_transposed=self.is_transposed)
-    if self.has_bias:
-        out = out + onehot @ self.down_proj_bias.to(out.dtype)
-    out = out * _FN["permute"].apply(top_k_weights.reshape(-1), order, inverse).unsqueeze(-1).to(out.dtype)
-    out = _FN["permute"].apply(out, inverse, order)  # back to (token, slot) order
-    return out.view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+    if not weighted:
+        out = out * weights.unsqueeze(-1)
+    out = _FN["combine"].apply(out, slot_rows, inverse, k)  # (tokens, hidden)
+    if self.has_bias:  # sum over a token's slots of weight * bias[expert] = routing (tokens x E) @ bias
+        routing = torch.zeros(tokens, experts, dtype=out.dtype, device=out.device)
+        routing = routing.scatter(1, top_k_index, top_k_weights.to(out.dtype))
+        out = torch.addmm(out, routing, self.down_proj_bias.to(out.dtype))
+    return out.to(hidden_states.dtype)
 
 
 def register() -> None:
