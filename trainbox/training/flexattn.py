@@ -205,8 +205,9 @@ def tiles(docs, window: int | None):
     for pad in (PAD_DOC, PAD_DOC - 1):
         has = (d == pad).any(-1)
         some_doc |= has[:, :, None] & has[:, None, :]
-    first, last = d.amin(-1), d.amax(-1)
-    all_doc = (first == last)[:, :, None] & (first == last)[:, None, :] & (first[:, :, None] == first[:, None, :])
+    first = d.amin(-1)
+    single = first == d.amax(-1)  # the block holds one id (real or padding)
+    all_doc = single[:, :, None] & single[:, None, :] & (first[:, :, None] == first[:, None, :])
     i = torch.arange(blocks, device=docs.device)[:, None]
     j = torch.arange(blocks, device=docs.device)[None, :]
     w = window or NO_WINDOW
@@ -219,7 +220,8 @@ def tiles(docs, window: int | None):
 
 
 def _ordered(tiles):
-    """(per query block, how many key blocks; their indices first, ascending): BlockMask's layout, int32."""
+    """(per query block, how many key blocks; their indices first, ascending): BlockMask's layout, int32 (torch's
+    own conversion, _dense_to_ordered, is private; from_kv_blocks is the public entry)."""
     import torch
 
     num = tiles.sum(-1, dtype=torch.int32)
