@@ -63,9 +63,10 @@ OTHER = "elementwise/copies/casts"
 ORDER = [c for c, _ in CATEGORIES] + [OTHER]
 # Launched under these (a kernel's CPU op or one of its parents): the region decides, not the kernel's name. The
 # profiler records an autograd Function's forward under its class name and its backward as <name>Backward: TRL's
-# fused LM head (ChunkedLogProbFunction: the LM-head GEMMs in tiles + log-softmax) is the loss, GEMMs included;
+# fused LM head (ChunkedLogProbFunction: the LM-head GEMMs in tiles + log-softmax) and trainbox's one-pass head
+# (losshead.py's OnePassLogProbs) are the loss, GEMMs included;
 # torch.optim records every optimizer's step and zero_grad.
-REGIONS = [("loss", re.compile(r"ChunkedLogProb|LigerFusedLinearCrossEntropy")),
+REGIONS = [("loss", re.compile(r"ChunkedLogProb|OnePassLogProbs|LigerFusedLinearCrossEntropy")),
            ("optimizer", re.compile(r"Optimizer\.(step|zero_grad)"))]
 _COMPILED = [(c, re.compile(p, re.I)) for c, p in CATEGORIES]
 

@@ -22,7 +22,9 @@ and in bytes, term by term:
   Liger's SwiGLU, which recomputes the product in backward); with gradient checkpointing each layer's input
   (2*hidden) plus one layer recomputed.
 - the loss head: TRL's fused LM head computes the loss in tiles and never holds the full logits; its float32
-  working set is taken as 2,048 tokens x vocabulary (small beside the rest; calibrated on the device).
+  working set is taken as 2,048 tokens x vocabulary (small beside the rest; calibrated on the device). One process
+  per model copy (no FSDP2) may run losshead.py's one-pass head instead, whose tile spans the vocabulary: plus that
+  tile (<= losshead.TILE_BYTES; measured +0.73 GiB peak at 16k tokens x 128k vocabulary, the tile 0.98 GiB).
 - slack: what the caching allocator and NCCL hold beyond the tensors (fragmentation, communication buffers):
   the plan only takes settings whose estimate stays under FIT x free - RESERVE.
 
@@ -49,6 +51,7 @@ from dataclasses import dataclass, field, replace
 
 from common.errors import UsageError
 from trainbox.run import ranks
+from trainbox.training import losshead
 
 GiB = 2**30
 FIT = 0.92  # of the free memory: the allocator's fragmentation (expandable segments keep it small)
@@ -122,6 +125,8 @@ def estimate(job: Job, s: Settings) -> dict:
     layers = max(1, f.layers)
     acts = tokens * (layers * 2 * f.hidden + per_token if s.checkpointing else layers * per_token)
     loss = 4 * min(tokens, LOSS_CHUNK_TOKENS) * getattr(f, "vocab", 0) if head else 0
+    if head and not job.fsdp:  # losshead's tile (bf16 tiles: 2 bytes a logit)
+        loss += 2 * min(tokens, losshead.tile_tokens(f.vocab, 2)) * f.vocab
     extra = {"reference model": job.extra} if job.extra else {}
     if not job.fsdp:
         t = {"weights+grads": 10 * n if s.masters else 8 * n, "optimizer": state_bytes * n,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from trainbox.run import outputs, preemption, ranks, resume
-from trainbox.training import attention, data, leanmlp, speed, throughput
+from trainbox.training import attention, data, leanmlp, losshead, speed, throughput
 from trainbox.training import config as cfg
 
 
@@ -128,6 +128,9 @@ def finish_tuning(trainer, facts, qlora: bool = False) -> None:
         line = leanmlp.choose(trainer.model, checkpointing=bool(trainer.args.gradient_checkpointing))
         if line and outputs.is_main_process():
             print(f"[trainbox] {line}", flush=True)
+    line = losshead.install(trainer, on_gpu=trainer.args.device.type == "cuda")
+    if line and outputs.is_main_process():
+        print(f"[trainbox] {line}", flush=True)
     cb = preemption.find_callback(trainer, throughput.Throughput)
     if cb:
         cb.flops_per_token = throughput.flops_per_token(facts, throughput.example_lengths(trainer.train_dataset))

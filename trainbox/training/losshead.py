@@ -1,0 +1,249 @@
+"""SFT's loss head in one pass: the LM head's GEMM, the next-token log-probabilities and their gradients together.
+
+TRL's fused LM head (trl.trainer.utils.add_fused_lm_head over trl.kernels.ChunkedLogProbFunction) never holds the
+full logits: its forward folds (4,096 tokens x 32,768 vocabulary) tiles into each token's log-sum-exp, and its
+backward computes every tile again, turns it into the logits' gradient and runs the two gradient GEMMs: four
+(tokens x vocabulary x hidden) GEMMs. SFT's loss weighs every token's log-probability alike (their sum over the
+number of tokens), so the gradient of a token's logits is known in the forward pass up to that one factor. Here a
+tile spans the whole vocabulary (up to 4,096 tokens, at most TILE_BYTES), so TRL's own kernels finish it at once: its
+forward fold gives each token's log-sum-exp, its backward kernel (with a unit weight) overwrites the tile with the
+logits' gradient, and the two gradient GEMMs run right away: three GEMMs, nothing computed twice. The backward
+scales the gradients by the factor it receives (the hidden states' rows by each token's own factor, which is exact
+for any weighting; the LM head's gradient by the common one).
+
+When: `install(trainer)` (unless TRAINBOX_ONE_PASS_LOSS=0) puts `LogProbs` where TRL's add_fused_lm_head looks its function up, and runs the trainer's
+compute_loss inside `uniform()` when the loss is TRL's plain NLL (no compute_loss_func, label smoothing or DFT); the
+path is taken there for bf16/fp16 weights on a GPU, no bias, plain tensors (not FSDP's gathered ones), grad enabled.
+Everything else (GRPO's weighted losses, evaluation, float32 weights under autocast, FSDP2) runs TRL's own function,
+unchanged. Should a caller inside `uniform()` still weigh the tokens unevenly, the backward sees it and computes the
+LM head's gradient again from the tiles (slower, exact). Memory: one tile (<= TILE_BYTES), the hidden states'
+gradient and the float32 LM head gradient, from the loss head's forward to its backward; TRL holds the same
+gradient and a smaller tile in its backward (memplan's loss-head term covers both).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from trainbox.training import config
+
+ENV = "TRAINBOX_ONE_PASS_LOSS"  # 0: TRL's own head everywhere
+TILE_BYTES = 2**30  # one (tokens x vocabulary) tile of logits, overwritten by their gradient
+TILE_TOKENS = 4096  # at most: fewer tiles means fewer passes over the float32 LM head gradient they add into
+OUTPUTS = ("log_probs", "entropy", "is_top1")  # what TRL's SFTTrainer asks its fused head for (this path gives these)
+
+_uniform = False  # inside uniform(): the caller's loss weighs every token's log-probability alike
+_FN: dict = {}  # "trl": TRL's function (install), "fn": OnePassLogProbs (built on first use)
+
+
+@contextlib.contextmanager
+def uniform():
+    """Marks a loss that is a uniformly weighted sum of the fused head's log-probabilities (SFT's NLL)."""
+    global _uniform
+    before, _uniform = _uniform, True
+    try:
+        yield
+    finally:
+        _uniform = before
+
+
+def install(trainer, on_gpu: bool) -> str | None:
+    """Our head for `trainer` (TRL's SFTTrainer, its model already patched by add_fused_lm_head) when it trains on a
+    GPU with the plain NLL loss: returns the line to print, or None where TRL's own head stays."""
+    import trl.trainer.utils as trl_utils
+
+    args = trainer.args
+    if (not on_gpu or getattr(trainer, "compute_loss_func", None) is not None
+            or getattr(trainer, "label_smoother", None) is not None
+            or getattr(args, "loss_type", "nll") != "nll" or not hasattr(trl_utils, "_ChunkedLogProbFunction")
+            or not kernels_found()):
+        return None
+    on = config.switch(os.environ.get(ENV), default=True)
+    if on is False:
+        return f"loss head: TRL's ({ENV}={os.environ.get(ENV)})"
+    current = trl_utils._ChunkedLogProbFunction
+    if current is not LogProbs:
+        _FN["trl"] = current
+        trl_utils._ChunkedLogProbFunction = LogProbs
+    compute_loss = trainer.compute_loss
+
+    def compute_loss_uniform(*a, **kw):
+        with uniform():
+            return compute_loss(*a, **kw)
+
+    trainer.compute_loss = compute_loss_uniform
+    note = "" if on else f"; {ENV}={os.environ.get(ENV)!r} is neither 0 nor 1: left on"
+    return ("loss head: one pass (the logits' gradient made in the forward: 3 GEMMs over the vocabulary instead of "
+            f"TRL's 4; {ENV}=0 keeps TRL's)" + note)
+
+
+def applies(hidden, weight, bias, outputs) -> bool:
+    """Whether this call of the fused head takes our path (module docstring)."""
+    import torch
+
+    if not (_uniform and torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
+        return False
+    if bias is not None or not hidden.is_cuda or hidden.dim() != 2 or not set(outputs) <= set(OUTPUTS):
+        return False
+    if hidden.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != hidden.dtype:
+        return False
+    if torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") != hidden.dtype:
+        return False
+    return type(weight) in (torch.Tensor, torch.nn.Parameter)
+
+
+class LogProbs:
+    """Stands where TRL's add_fused_lm_head finds ChunkedLogProbFunction, with its `apply` signature: ours where
+    `applies`, TRL's own otherwise."""
+
+    @staticmethod
+    def apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None, logit_scale=1.0,
+              outputs=OUTPUTS):
+        if applies(hidden, weight, bias, outputs):
+            return one_pass().apply(hidden, weight, targets, float(temperature), final_logit_softcapping,
+                                    float(logit_scale), tuple(outputs))
+        return _FN["trl"].apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping,
+                                logit_scale, outputs)
+
+
+def _kernels(device):
+    """TRL's own per-tile steps (trl.kernels.chunked_logprob): on GPUs its Triton kernels, elsewhere their torch
+    twins; (forward fold for n rows, backward for n rows x cols, their BLOCK_SIZE). Our tiles are just wider."""
+    from trl.kernels import chunked_logprob as k
+
+    if k._use_triton(device):
+        import triton
+
+        return (lambda n: k._forward_kernel[(n,)],
+                lambda n, cols: k._backward_kernel[(n, triton.cdiv(cols, k._BLOCK_SIZE))], k._BLOCK_SIZE)
+    return (lambda n: k._forward_tile), (lambda n, cols: k._backward_tile), k._BLOCK_SIZE
+
+
+def kernels_found() -> bool:
+    """Whether this TRL has the per-tile steps _kernels uses (private names: a TRL without them keeps its head)."""
+    try:
+        from trl.kernels import chunked_logprob as k
+    except ImportError:
+        return False
+    return all(hasattr(k, n) for n in ("_use_triton", "_forward_kernel", "_backward_kernel", "_forward_tile",
+                                       "_backward_tile", "_BLOCK_SIZE"))
+
+
+def _fp32_product(a, b, out, add: bool) -> None:
+    """out (float32) = a @ b, or += with `add`, without rounding the product to a's dtype first."""
+    import torch
+
+    if out.is_cuda and a.dtype != torch.float32:
+        if add:
+            torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+        else:
+            torch.mm(a, b, out_dtype=torch.float32, out=out)
+    elif add:
+        out.addmm_(a.float(), b.float())
+    else:
+        torch.mm(a.float(), b.float(), out=out)
+
+
+def tile_tokens(vocab: int, itemsize: int) -> int:
+    """Rows of a tile: TILE_TOKENS, fewer (a multiple of 128) where a row of the vocabulary makes it pass TILE_BYTES."""
+    return max(128, min(TILE_TOKENS, TILE_BYTES // max(1, vocab * itemsize) // 128 * 128))
+
+
+def one_pass():
+    """The autograd Function (built on first use: torch is imported late); one_pass().apply(hidden, weight, targets,
+    temperature, softcap, logit_scale, outputs)."""
+    if "fn" not in _FN:
+        _FN["fn"] = _function()
+    return _FN["fn"]
+
+
+def _function():
+    import torch
+
+    class OnePassLogProbs(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, hidden, weight, targets, temperature, softcap, logit_scale, outputs):
+            ctx.set_materialize_grads(False)
+            n, vocab = hidden.shape[0], weight.shape[0]
+            dev = hidden.device
+            consts = dict(logit_scale=logit_scale, softcap=softcap or 1.0, inv_t=1.0 / temperature,
+                          HAS_SOFTCAP=softcap is not None)
+            need_h, need_w = ctx.needs_input_grad[:2]
+            f32 = dict(device=dev, dtype=torch.float32)
+            running_max = torch.full((n,), float("-inf"), **f32)
+            before_target = torch.full((n,), float("-inf"), **f32)
+            # sq_sum_exp and z_sum: statistics SFT doesn't ask for, read (not written) by TRL's kernel all the same
+            sum_exp, x_sum_exp, target_logit, sq_sum_exp, z_sum = (torch.zeros(n, **f32) for _ in range(5))
+            unit = torch.ones(n, **f32)  # d log p / d log p: the tiles' gradients before the caller's factor
+            # float32: the backward scales it by each token's factor, then rounds once (as TRL's float32 sums)
+            grad_hidden = torch.empty(hidden.shape, **f32) if need_h else None
+            grad_weight = torch.zeros(weight.shape, **f32) if need_w else None
+            rows = tile_tokens(vocab, hidden.element_size())
+            buf = torch.empty((min(n, rows), vocab), device=dev, dtype=hidden.dtype)
+            fold, grad_of, block = _kernels(dev)
+            for start in range(0, n, rows):
+                end = min(start + rows, n)
+                tile, h, t, part = buf[: end - start], hidden[start:end], targets[start:end], slice(start, end)
+                torch.mm(h, weight.t(), out=tile)
+                fold(end - start)(tile, tile.stride(0), t, running_max[part], sum_exp[part], x_sum_exp[part],
+                                  sq_sum_exp[part], z_sum[part], before_target[part], target_logit[part], 0, vocab,
+                                  BLOCK_SIZE=block, HAS_ENTROPY=True, HAS_LOG_SUM_SQ_PROBS=False, HAS_MEAN_LOGITS=False,
+                                  HAS_IS_TOP1=True, **consts)
+                log_z = running_max[part] + torch.log(sum_exp[part])  # (the entropy slots: no entropy gradient)
+                grad_of(end - start, vocab)(tile, tile.stride(0), t, log_z, log_z, unit[part], log_z, 0, vocab,
+                                            HAS_LOGPROB_GRAD=True, HAS_ENTROPY_GRAD=False, BLOCK_SIZE=block, **consts)
+                if grad_hidden is not None:
+                    _fp32_product(tile, weight, grad_hidden[part], add=False)
+                if grad_weight is not None:
+                    _fp32_product(tile.t(), h, grad_weight, add=True)
+            del buf
+            log_z = running_max + torch.log(sum_exp)
+            log_probs = target_logit - log_z
+            entropy = log_z - x_sum_exp / sum_exp
+            top1 = (target_logit >= running_max) & (target_logit > before_target)
+            ctx.save_for_backward(hidden, weight, targets, log_z, grad_hidden, grad_weight)
+            ctx.consts = consts
+            ctx.mark_non_differentiable(top1)
+            return (log_probs, entropy if "entropy" in outputs else None, None, None,
+                    top1 if "is_top1" in outputs else None)
+
+        @staticmethod
+        def backward(ctx, grad_log_probs, grad_entropy, *_):
+            if grad_entropy is not None:
+                raise RuntimeError("trainbox's one-pass loss head has no entropy gradient: the loss reads only the "
+                                   "log-probabilities (losshead.uniform() around a loss that needs it?)")
+            hidden, weight, targets, log_z, grad_hidden, grad_weight = ctx.saved_tensors
+            if grad_log_probs is None:
+                return None, None, None, None, None, None, None
+            g = grad_log_probs.float().contiguous()
+            dh = (grad_hidden * g.unsqueeze(-1)).to(hidden.dtype) if grad_hidden is not None else None
+            dw = None
+            if grad_weight is not None:
+                if g.numel() == 0 or bool((g == g[0]).all()):  # SFT's loss: one factor for every token
+                    dw = (grad_weight * (g[0] if g.numel() else 0.0)).to(weight.dtype)
+                else:
+                    dw = _weighted_weight_grad(hidden, weight, targets, log_z, g, ctx.consts).to(weight.dtype)
+            return dh, dw, None, None, None, None, None
+
+    return OnePassLogProbs
+
+
+def _weighted_weight_grad(hidden, weight, targets, log_z, g, consts):
+    """The LM head's gradient for tokens weighted unevenly (not SFT's loss): each tile computed again, as TRL does."""
+    import torch
+
+    n, vocab = hidden.shape[0], weight.shape[0]
+    out = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)
+    rows = tile_tokens(vocab, hidden.element_size())
+    buf = torch.empty((min(n, rows), vocab), device=hidden.device, dtype=hidden.dtype)
+    _, grad_of, block = _kernels(hidden.device)
+    for start in range(0, n, rows):
+        end = min(start + rows, n)
+        tile, h, part = buf[: end - start], hidden[start:end], slice(start, end)
+        torch.mm(h, weight.t(), out=tile)
+        grad_of(end - start, vocab)(tile, tile.stride(0), targets[part], log_z[part], log_z[part], g[part],
+                                    log_z[part], 0, vocab, HAS_LOGPROB_GRAD=True, HAS_ENTROPY_GRAD=False,
+                                    BLOCK_SIZE=block, **consts)
+        _fp32_product(tile.t(), h, out, add=True)
+    return out
