@@ -166,3 +166,25 @@ def test_applies_only_inside_uniform_with_gradients():
         assert not losshead.applies(gpu, wb, None, losshead.OUTPUTS + ("mean_logits",))
         with torch.no_grad():
             assert not losshead.applies(gpu, wb, None, losshead.OUTPUTS)
+
+
+def test_a_trl_whose_kernels_changed_keeps_its_own_head(monkeypatch):
+    import trl.trainer.utils as trl_utils
+
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", trl_utils._ChunkedLogProbFunction)
+    assert losshead.self_check() is None  # this TRL: the one-pass head gives its results
+    monkeypatch.setitem(losshead._FN, "check", None)
+    broken = losshead._kernels
+
+    def renamed(device):  # a TRL whose backward step takes other arguments
+        fold, _, block = broken(device)
+        return fold, (lambda n, cols: (lambda *a, **kw: None)), block
+
+    monkeypatch.setattr(losshead, "_kernels", renamed)
+    assert losshead.self_check() == "the one-pass head differs from this TRL's on a test case"
+    monkeypatch.setattr(losshead, "_kernels", lambda device: (_ for _ in ()).throw(AttributeError("_forward_tile")))
+    why = losshead.self_check()
+    assert why.startswith("this TRL's kernels did not take the one-pass call") and "_forward_tile" in why
+    monkeypatch.delitem(losshead._FN, "check")
+    t, _ = _trainer()
+    assert losshead.install(t, on_gpu=True) == f"loss head: TRL's ({why})"

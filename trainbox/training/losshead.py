@@ -34,7 +34,7 @@ TILE_TOKENS = 4096  # at most: fewer tiles means fewer passes over the float32 L
 OUTPUTS = ("log_probs", "entropy", "is_top1")  # what TRL's SFTTrainer asks its fused head for (this path gives these)
 
 _uniform = False  # inside uniform(): the caller's loss weighs every token's log-probability alike
-_FN: dict = {}  # "trl": TRL's function (install), "fn": OnePassLogProbs (built on first use)
+_FN: dict = {}  # "trl": TRL's function (install), "fn": OnePassLogProbs (built on first use), "check": self_check()
 
 
 @contextlib.contextmanager
@@ -56,12 +56,15 @@ def install(trainer, on_gpu: bool) -> str | None:
     args = trainer.args
     if (not on_gpu or getattr(trainer, "compute_loss_func", None) is not None
             or getattr(trainer, "label_smoother", None) is not None
-            or getattr(args, "loss_type", "nll") != "nll" or not hasattr(trl_utils, "_ChunkedLogProbFunction")
-            or not kernels_found()):
+            or getattr(args, "loss_type", "nll") != "nll" or not hasattr(trl_utils, "_ChunkedLogProbFunction")):
         return None
     on = config.switch(os.environ.get(ENV), default=True)
     if on is False:
         return f"loss head: TRL's ({ENV}={os.environ.get(ENV)})"
+    if "check" not in _FN:
+        _FN["check"] = self_check()
+    if _FN["check"]:
+        return f"loss head: TRL's ({_FN['check']})"
     current = trl_utils._ChunkedLogProbFunction
     if current is not LogProbs:
         _FN["trl"] = current
@@ -120,14 +123,32 @@ def _kernels(device):
     return (lambda n: k._forward_tile), (lambda n, cols: k._backward_tile), k._BLOCK_SIZE
 
 
-def kernels_found() -> bool:
-    """Whether this TRL has the per-tile steps _kernels uses (private names: a TRL without them keeps its head)."""
+def self_check() -> str | None:
+    """None when our head gives TRL's own results on a tiny CPU case (this TRL's private per-tile steps, called as
+    _kernels calls them, whose GPU kernels share their torch twins' signature), else why not: a TRL that renamed or
+    changed them keeps its own head instead of failing mid-run."""
     try:
-        from trl.kernels import chunked_logprob as k
-    except ImportError:
-        return False
-    return all(hasattr(k, n) for n in ("_use_triton", "_forward_kernel", "_backward_kernel", "_forward_tile",
-                                       "_backward_tile", "_BLOCK_SIZE"))
+        import torch
+        from trl.kernels import ChunkedLogProbFunction
+
+        g = torch.Generator().manual_seed(0)
+        h = torch.randn(6, 8, generator=g).requires_grad_(True)
+        w = torch.randn(40, 8, generator=g).requires_grad_(True)
+        t = torch.randint(0, 40, (6,), generator=g)
+        got = []
+        for fn in (lambda: one_pass().apply(h, w, t, 1.0, 5.0, 1.0, OUTPUTS),
+                   lambda: ChunkedLogProbFunction.apply(h, w, None, t, 1.0, 16, 5.0, 1.0, OUTPUTS)):
+            h.grad = w.grad = None
+            lp = fn()[0]
+            (-lp.sum() / len(t)).backward()
+            got.append((lp.detach(), h.grad, w.grad))
+    except Exception as error:  # noqa: BLE001 - any failure means: not this TRL
+        from common import errors
+
+        return f"this TRL's kernels did not take the one-pass call ({errors.brief(error)})"
+    if all(torch.allclose(a, b, atol=1e-4, rtol=1e-3) for a, b in zip(*got)):
+        return None
+    return "the one-pass head differs from this TRL's on a test case"
 
 
 def _fp32_product(a, b, out, add: bool) -> None:
