@@ -9,7 +9,7 @@ before) against trainbox's one-pass head (trainbox/training/losshead.py), forwar
 One process, one GPU. Each head: 3 warm-up calls (the compile), then --reps timed calls alternating with the other
 head (CUDA events around forward + backward), the peak memory above what the inputs hold, and the kernels of one
 profiled call by time. Right: both heads' log-probabilities and gradients against float32 math on the same bf16
-inputs (max abs error, relative to the reference's largest value).
+inputs (max abs error, relative to the reference's largest value); exit 1 when ours is over 2x TRL's (+1e-3).
 """
 
 from __future__ import annotations
@@ -104,9 +104,10 @@ def main(argv=None) -> int:
           f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
 
     ref = reference(h, w, t, opts.softcap)
+    errors = {}
     for name, fn in fns.items():
         got = step(fn, h, w, t)
-        errs = [float((a.float() - b).abs().max()) / float(b.abs().max()) for a, b in zip(got, ref)]
+        errs = errors[name] = [float((a.float() - b).abs().max()) / float(b.abs().max()) for a, b in zip(got, ref)]
         print(f"  {name:5s} vs float32: log-prob {errs[0]:.2e}  d hidden {errs[1]:.2e}  d weight {errs[2]:.2e} "
               "(max abs error / reference's max)", flush=True)
     ours, theirs = step(fns["ours"], h, w, t), step(fns["trl"], h, w, t)
@@ -145,7 +146,11 @@ def main(argv=None) -> int:
             print(f"      {ms:7.2f} ms x{n:<4d} {kname}")
     m = {k: statistics.median(v) for k, v in times.items()}
     print(f"SUMMARY loss_head: ours {m['ours']:.2f} ms vs trl {m['trl']:.2f} ms = {m['trl'] / m['ours']:.2f}x")
-    return 0
+    worse = [k for k, o, r in zip(("log-prob", "d hidden", "d weight"), errors["ours"], errors["trl"])
+             if o > 2 * r + 1e-3]
+    if worse:
+        print(f"MISMATCH: ours is over 2x TRL's error against float32 (+1e-3) in {', '.join(worse)}")
+    return 1 if worse else 0
 
 
 if __name__ == "__main__":
