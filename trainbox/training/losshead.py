@@ -21,7 +21,7 @@ unevenly, the backward sees it and computes the LM head's gradient again from th
 Memory: one tile (<= TILE_BYTES), the hidden states' gradient and the float32 LM head gradient, from the loss head's
 forward to its backward; TRL holds the same gradients and a smaller tile in its backward (memplan counts the tile).
 Measured on one H100 (benchmarks/results/loss_head-2026-11-27.txt): the head 58.3 -> 46.1 ms at 16k tokens x 128k
-vocabulary, +0.72 GiB; `trainbox sft` on the Llama 1B shape 56.3k -> 58.9-59.3k real tok/s at the same losses.
+vocabulary, +0.17 GiB at its peak; `trainbox sft` on the Llama 1B shape 56.3k -> 58.9-59.3k real tok/s at the same losses.
 """
 
 from __future__ import annotations
@@ -241,11 +241,13 @@ def _function():
             if grad_log_probs is None:
                 return None, None, None, None, None, None, None
             g = grad_log_probs.float().contiguous()
-            dh = (grad_hidden * g.unsqueeze(-1)).to(hidden.dtype) if grad_hidden is not None else None
+            # Products written straight into tensors of the parameters' dtype (computed in float32, rounded once):
+            # no float32 temporary as large as the LM head beside its float32 gradient
+            dh = None if grad_hidden is None else torch.mul(grad_hidden, g.unsqueeze(-1), out=torch.empty_like(hidden))
             dw = None
             if grad_weight is not None:
                 if g.numel() == 0 or bool((g == g[0]).all()):  # SFT's loss: one factor for every token
-                    dw = (grad_weight * (g[0] if g.numel() else 0.0)).to(weight.dtype)
+                    dw = torch.mul(grad_weight, g[0] if g.numel() else 0.0, out=torch.empty_like(weight))
                 else:
                     dw = _weighted_weight_grad(hidden, weight, targets, log_z, g, ctx.consts).to(weight.dtype)
             return dh, dw, None, None, None, None, None

@@ -24,7 +24,8 @@ and in bytes, term by term:
 - the loss head: TRL's fused LM head computes the loss in tiles and never holds the full logits; its float32
   working set is taken as 2,048 tokens x vocabulary (small beside the rest; calibrated on the device). One process
   per model copy (no FSDP2) may run losshead.py's one-pass head instead, whose tile spans the vocabulary: plus that
-  tile (<= losshead.TILE_BYTES; measured +0.73 GiB peak at 16k tokens x 128k vocabulary, the tile 0.98 GiB).
+  tile (<= losshead.TILE_BYTES: 0.98 GiB at 128k vocabulary; measured +0.17 GiB at the head, +0.23 GiB at the
+  step's peak, Llama 1B shape, 16k tokens: the estimate stays on the safe side).
 - slack: what the caching allocator and NCCL hold beyond the tensors (fragmentation, communication buffers):
   the plan only takes settings whose estimate stays under FIT x free - RESERVE.
 
