@@ -21,7 +21,8 @@ unevenly, the backward sees it and computes the LM head's gradient again from th
 Memory: one tile (<= TILE_BYTES), the hidden states' gradient and the float32 LM head gradient, from the loss head's
 forward to its backward; TRL holds the same gradients and a smaller tile in its backward (memplan counts the tile).
 Measured on one H100 (benchmarks/results/loss_head-2026-11-27.txt): the head 58.3 -> 46.1 ms at 16k tokens x 128k
-vocabulary, +0.17 GiB at its peak; `trainbox sft` on the Llama 1B shape 56.3k -> 58.9-59.3k real tok/s at the same losses.
+vocabulary, +0.17 GiB at its peak; `trainbox sft` on the Llama 1B shape 56.3k -> 58.9-59.3k real tok/s at the same
+losses.
 """
 
 from __future__ import annotations
@@ -174,6 +175,21 @@ def tile_tokens(vocab: int, itemsize: int) -> int:
     return max(128, min(TILE_TOKENS, TILE_BYTES // max(1, vocab * itemsize) // 128 * 128))
 
 
+def _tiles(hidden, weight):
+    """(tile, hidden rows, their slice) for each block of rows: the tile (rows x vocabulary, in one reused buffer)
+    holds their raw logits hidden @ weight.T."""
+    import torch
+
+    n, vocab = hidden.shape[0], weight.shape[0]
+    rows = tile_tokens(vocab, hidden.element_size())
+    buf = torch.empty((min(n, rows), vocab), device=hidden.device, dtype=hidden.dtype)
+    for start in range(0, n, rows):
+        end = min(start + rows, n)
+        tile, h = buf[: end - start], hidden[start:end]
+        torch.mm(h, weight.t(), out=tile)
+        yield tile, h, slice(start, end)
+
+
 def one_pass():
     """The autograd Function (built on first use: torch is imported late); one_pass().apply(hidden, weight, targets,
     temperature, softcap, logit_scale, outputs)."""
@@ -203,26 +219,22 @@ def _function():
             # float32: the backward scales it by each token's factor, then rounds once (as TRL's float32 sums)
             grad_hidden = torch.empty(hidden.shape, **f32) if need_h else None
             grad_weight = torch.zeros(weight.shape, **f32) if need_w else None
-            rows = tile_tokens(vocab, hidden.element_size())
-            buf = torch.empty((min(n, rows), vocab), device=dev, dtype=hidden.dtype)
+            log_z = torch.empty(n, **f32)
             fold, grad_of, block = _kernels(dev)
-            for start in range(0, n, rows):
-                end = min(start + rows, n)
-                tile, h, t, part = buf[: end - start], hidden[start:end], targets[start:end], slice(start, end)
-                torch.mm(h, weight.t(), out=tile)
-                fold(end - start)(tile, tile.stride(0), t, running_max[part], sum_exp[part], x_sum_exp[part],
-                                  sq_sum_exp[part], z_sum[part], before_target[part], target_logit[part], 0, vocab,
-                                  BLOCK_SIZE=block, HAS_ENTROPY=True, HAS_LOG_SUM_SQ_PROBS=False, HAS_MEAN_LOGITS=False,
-                                  HAS_IS_TOP1=True, **consts)
-                log_z = running_max[part] + torch.log(sum_exp[part])  # (the entropy slots: no entropy gradient)
-                grad_of(end - start, vocab)(tile, tile.stride(0), t, log_z, log_z, unit[part], log_z, 0, vocab,
-                                            HAS_LOGPROB_GRAD=True, HAS_ENTROPY_GRAD=False, BLOCK_SIZE=block, **consts)
+            for tile, h, part in _tiles(hidden, weight):
+                rows, t = len(h), targets[part]
+                fold(rows)(tile, tile.stride(0), t, running_max[part], sum_exp[part], x_sum_exp[part],
+                           sq_sum_exp[part], z_sum[part], before_target[part], target_logit[part], 0, vocab,
+                           BLOCK_SIZE=block, HAS_ENTROPY=True, HAS_LOG_SUM_SQ_PROBS=False, HAS_MEAN_LOGITS=False,
+                           HAS_IS_TOP1=True, **consts)
+                torch.add(running_max[part], torch.log(sum_exp[part]), out=log_z[part])
+                lz = log_z[part]  # (also in the entropy slots: no entropy gradient)
+                grad_of(rows, vocab)(tile, tile.stride(0), t, lz, lz, unit[part], lz, 0, vocab,
+                                     HAS_LOGPROB_GRAD=True, HAS_ENTROPY_GRAD=False, BLOCK_SIZE=block, **consts)
                 if grad_hidden is not None:
                     _fp32_product(tile, weight, grad_hidden[part], add=False)
                 if grad_weight is not None:
                     _fp32_product(tile.t(), h, grad_weight, add=True)
-            del buf
-            log_z = running_max + torch.log(sum_exp)
             log_probs = target_logit - log_z
             entropy = log_z - x_sum_exp / sum_exp
             top1 = (target_logit >= running_max) & (target_logit > before_target)
@@ -259,17 +271,11 @@ def _weighted_weight_grad(hidden, weight, targets, log_z, g, consts):
     """The LM head's gradient for tokens weighted unevenly (not SFT's loss): each tile computed again, as TRL does."""
     import torch
 
-    n, vocab = hidden.shape[0], weight.shape[0]
     out = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)
-    rows = tile_tokens(vocab, hidden.element_size())
-    buf = torch.empty((min(n, rows), vocab), device=hidden.device, dtype=hidden.dtype)
     _, grad_of, block = _kernels(hidden.device)
-    for start in range(0, n, rows):
-        end = min(start + rows, n)
-        tile, h, part = buf[: end - start], hidden[start:end], slice(start, end)
-        torch.mm(h, weight.t(), out=tile)
-        grad_of(end - start, vocab)(tile, tile.stride(0), targets[part], log_z[part], log_z[part], g[part],
-                                    log_z[part], 0, vocab, HAS_LOGPROB_GRAD=True, HAS_ENTROPY_GRAD=False,
-                                    BLOCK_SIZE=block, **consts)
+    for tile, h, part in _tiles(hidden, weight):
+        lz = log_z[part]
+        grad_of(len(h), weight.shape[0])(tile, tile.stride(0), targets[part], lz, lz, g[part], lz, 0, weight.shape[0],
+                                         HAS_LOGPROB_GRAD=True, HAS_ENTROPY_GRAD=False, BLOCK_SIZE=block, **consts)
         _fp32_product(tile.t(), h, out, add=True)
     return out
