@@ -11,6 +11,11 @@ occurrence of an option wins), e.g. without the per-step host syncs of logging e
     python benchmarks/profile_step.py --kinds uniform mix --variant base= \\
         --variant fewer-syncs="--logging_steps 10 --include_num_input_tokens_seen no" --json /tmp/profile.json
 
+Where the GPU waits for the host (idle gaps, by the kernel that ended them) and where one step syncs host and GPU
+(torch's sync debug mode over step --skip, before the timed ones):
+
+    python benchmarks/profile_step.py --shape gpt-oss-2b --kinds mix --gaps 10 --syncs
+
 Here (CPU, a tiny Llama, ~10 s): `python benchmarks/profile_step.py --device cpu`.
 
 What runs: the Llama-3.2-1B shape (`--shape`: another of train_throughput's, e.g. gemma2-1b or gpt-oss-2b), its
@@ -124,13 +129,26 @@ def region_of(evt) -> str | None:
     return None
 
 
+ANNOTATION = re.compile(r"^ProfilerStep|#")  # 'ProfilerStep*', 'Optimizer.step#AdamW.step'
+
+
+def device_activities(events) -> list:
+    """The GPU's own work: kernels, memcpy, memset; not the user annotations the profiler also puts on the GPU's
+    timeline (the step's and the optimizer's ranges, ANNOTATION: they span whole regions, and counted as work they
+    hid every idle gap; torch 2.11's events don't say their activity type)."""
+    from torch.autograd import DeviceType
+
+    return [e for e in events if e.device_type == DeviceType.CUDA and not ANNOTATION.search(e.name)
+            and getattr(e, "activity_type", None) != "gpu_user_annotation"]
+
+
 def launched(events) -> tuple[list[tuple[str, float, object]], float]:
     """The CUDA activities (kernels, memcpy, memset) of a profile: (name, us, the CPU op that launched it or None),
     and busy time. A device event names its launching CPU op by linked_correlation_id; a torch whose events lack it
     gets the same list from the CPU ops' own kernel lists (activities launched outside any op are then left out)."""
     from torch.autograd import DeviceType
 
-    gpu = [e for e in events if e.device_type == DeviceType.CUDA]
+    gpu = device_activities(events)
     busy = union_us([(e.time_range.start, e.time_range.end) for e in gpu])
     frontend = [e for e in events if e.device_type == DeviceType.CPU and not e.is_async
                 and getattr(e, "linked_correlation_id", 0) == 0]
@@ -176,6 +194,31 @@ def sources(events, category: str, top: int, steps: int) -> list[dict]:
     return [{"origin": o, "ms_per_step": us / steps / 1e3, "calls_per_step": n / steps} for o, (us, n) in ranked]
 
 
+def gaps(events, top: int, steps: int) -> dict:
+    """The GPU's idle time between activities (all streams as one timeline), each gap put on the activity that ends
+    it: by that activity's origin (its launching op; its own name where the profile links none: torch 2.11's
+    kernels on the device), the `top` largest sums, ms per step. A gap is time the GPU
+    waited for the host: a launch that came late (Python, a sync before it, the data loader)."""
+    from torch.autograd import DeviceType
+
+    ops = {e.id: e for e in events if e.device_type == DeviceType.CPU and not e.is_async
+           and getattr(e, "linked_correlation_id", 0) == 0}  # the ops, not their runtime calls (same ids)
+    gpu = sorted(device_activities(events), key=lambda e: e.time_range.start)
+    by: dict[str, list] = {}
+    end = None
+    for e in gpu:
+        if end is not None and e.time_range.start > end:
+            op = ops.get(getattr(e, "linked_correlation_id", 0))
+            entry = by.setdefault(origin(op) if op is not None else f"(kernel) {e.name[:100]}", [0.0, 0])
+            entry[0] += e.time_range.start - end
+            entry[1] += 1
+        end = e.time_range.end if end is None else max(end, e.time_range.end)
+    ranked = sorted(by.items(), key=lambda kv: -kv[1][0])
+    return {"ms_per_step": sum(v[0] for v in by.values()) / steps / 1e3,
+            "where": [{"origin": o, "ms_per_step": us / steps / 1e3, "gaps_per_step": n / steps}
+                      for o, (us, n) in ranked[:top]]}
+
+
 def cpu_ops(prof) -> list[tuple[str, float, None, int]]:
     """CPU mode: each op's self time (no double counting of nested ops); the plumbing, not a GPU profile."""
     return [(k.key, k.self_cpu_time_total, None, k.count) for k in prof.key_averages()
@@ -187,8 +230,10 @@ class Profile:
     profiler over steps warm+1 .. warm+active. The profiler starts one step earlier, in its warm-up phase (CUPTI's
     set-up stalls the host): that step, `warm`, is in neither timed window."""
 
-    def __init__(self, trainer, warm: int, active: int, skip: int, cuda: bool):
+    def __init__(self, trainer, warm: int, active: int, skip: int, cuda: bool, syncs: bool = False):
         self.trainer, self.warm, self.active, self.skip, self.cuda = trainer, warm, active, skip, cuda
+        self.syncs: dict | None = {} if syncs and cuda else None  # where step `skip` synchronizes: count
+        self._sync_watch = None
         self.marks: dict[int, tuple] = {}  # global step -> (time mark, real tokens so far)
         self.prof = None
         # Real tokens so far: counted on the host where the shape says it (padding-free), summed on the device where
@@ -210,6 +255,8 @@ class Profile:
 
         step = state.global_step
         self.marks[step] = self.mark()
+        if self.syncs is not None and step in (self.skip - 1, self.skip):
+            self.watch_syncs(step == self.skip - 1)
         if step == self.warm - 1:
             acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if self.cuda else [])
             self.prof = torch.profiler.profile(activities=acts, schedule=torch.profiler.schedule(
@@ -219,6 +266,32 @@ class Profile:
             self.prof.step()  # at `warm`: warm-up -> recording
         elif step == self.warm + self.active and self.prof is not None:
             self.prof.stop()
+
+    def watch_syncs(self, on: bool) -> None:
+        """torch's sync debug mode over step `skip` (before the timed ones): each host<->device synchronization
+        warns; the warnings are counted by where Python called the op (a backward's show at the backward() call)."""
+        import torch
+        import traceback
+        import warnings
+
+        if on:
+            self._sync_watch = warnings.catch_warnings()
+            self._sync_watch.__enter__()
+            warnings.simplefilter("always")
+
+            def record(message, category, filename, lineno, file=None, line=None):
+                if "synchroniz" not in str(message):
+                    return
+                frames = [f for f in traceback.extract_stack()[:-1] if not f.filename.endswith("warnings.py")]
+                where = " < ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames[-4:]))
+                self.syncs[where] = self.syncs.get(where, 0) + 1
+
+            warnings.showwarning = record
+            torch.cuda.set_sync_debug_mode("warn")
+        elif self._sync_watch is not None:
+            torch.cuda.set_sync_debug_mode(0)
+            self._sync_watch.__exit__(None, None, None)
+            self._sync_watch = None
 
     def count(self, inputs) -> None:
         """Real tokens of a micro-batch, kept on its device: the mask's sum where there is padding, every position
@@ -244,7 +317,7 @@ def attach(trainer, opts) -> Profile:
     """Adds the profile callback and the token count to a trainer trainbox built."""
     from transformers import TrainerCallback
 
-    prof = Profile(trainer, opts.warm, opts.active, opts.skip, cuda=opts.device == "cuda")
+    prof = Profile(trainer, opts.warm, opts.active, opts.skip, cuda=opts.device == "cuda", syncs=opts.syncs)
     callback = type("ProfileCallback", (TrainerCallback,), {"on_step_end": lambda self, *a, **k:
                                                              prof.on_step_end(*a, **k)})()
     trainer.add_callback(callback)
@@ -343,6 +416,10 @@ def run_one(opts, kind: str, label: str, extra: list[str]) -> dict:
                    mfu_unprofiled=fpt * p.tokens_between(start, end) / p.seconds(start, end) / (peak * 1e12))
     if cuda and opts.sources:
         res["sources"] = sources(events, OTHER, opts.sources, opts.active)
+    if cuda and opts.gaps:
+        res["gaps"] = gaps(events, opts.gaps, opts.active)
+    if p.syncs is not None:
+        res["syncs"] = {"step": opts.skip, "where": sorted(p.syncs.items(), key=lambda kv: -kv[1])}
     if opts.trace:
         trace = Path(opts.trace)
         trace = trace.with_name(f"{trace.stem}-{kind}-{label}{trace.suffix or '.json'}")
@@ -381,7 +458,17 @@ def show(res: dict) -> None:
         print(f"  {OTHER} by where it is launched (launching op < outermost aten op < first other op):")
         for t in res["sources"]:
             print(f"  {t['ms_per_step']:>8.2f} ms x{t['calls_per_step']:<6.0f} {t['origin'][:150]}")
-    print(f"RESULT {json.dumps({k: v for k, v in res.items() if k not in ('top', 'categories', 'sources')})}",
+    if res.get("gaps"):
+        print(f"  GPU idle between activities: {res['gaps']['ms_per_step']:.2f} ms/step; by the activity that ended "
+              "the gap (launching op < outermost aten op < first other op):")
+        for t in res["gaps"]["where"]:
+            print(f"  {t['ms_per_step']:>8.2f} ms x{t['gaps_per_step']:<6.0f} {t['origin'][:150]}")
+    if "syncs" in res:
+        where = res["syncs"]["where"]
+        print(f"  host<->device synchronizations in step {res['syncs']['step']}: {sum(n for _, n in where)}"
+              + "".join(f"\n    x{n:<4} {w[:160]}" for w, n in where))
+    brief = {k: v for k, v in res.items() if k not in ("top", "categories", "sources", "syncs", "gaps")}
+    print(f"RESULT {json.dumps(brief)}",
           flush=True)
 
 
@@ -412,6 +499,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--skip", type=int, default=3, help="steps before the unprofiled rate's start (default 3)")
     ap.add_argument("--sources", type=int, default=0, metavar="N",
                     help=f"also list the N places ({OTHER}) kernels are launched from, by time (GPU only)")
+    ap.add_argument("--gaps", type=int, default=0, metavar="N",
+                    help="also list the N places whose kernels the GPU waited for longest (idle gaps; GPU only)")
+    ap.add_argument("--syncs", action="store_true",
+                    help="list where step --skip (before the timed ones) synchronizes host and GPU (torch's sync "
+                         "debug mode)")
     ap.add_argument("--json", help="write the results (a list, one per run) to this file")
     ap.add_argument("--trace", help="chrome trace per run: FILE becomes FILE-STEM-KIND-VARIANT.json")
     ap.add_argument("--work", help="folder for the model and data (default: a new temporary one)")
@@ -438,6 +530,7 @@ def main(argv: list[str] | None = None) -> int:
                     opts.shape, "--device",
                     opts.device, "--warm", str(opts.warm), "--active", str(opts.active), "--skip", str(opts.skip),
                     "--work", opts.work, "--json", str(child), "--sources", str(opts.sources),
+                    "--gaps", str(opts.gaps), *(["--syncs"] if opts.syncs else []),
                     *(["--trace", opts.trace] if opts.trace else [])]
             r = subprocess.run(argv)
             if r.returncode != 0 or not child.is_file():

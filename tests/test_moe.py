@@ -192,3 +192,29 @@ def test_compiled_gate_inside_the_experts_trains_as_transformers_does(monkeypatc
     assert torch.allclose(logits, ref_logits, atol=1e-5, rtol=1e-5)
     for n, ref in ref_grads.items():
         assert torch.allclose(grads[n], ref, atol=1e-5 * float(ref.abs().max()) + 1e-7), n
+
+
+def test_balancing_loss_is_mixtrals_without_a_sync(monkeypatch):
+    """register() puts moe.balancing_loss where TRL's fused LM head imports Mixtral's load_balancing_loss_func: the
+    same loss and router gradients, counted without torch.bincount (whose output size is read back to the host)."""
+    import torch
+    from transformers.models.mixtral import modeling_mixtral
+
+    moe.register()
+    assert modeling_mixtral.load_balancing_loss_func is moe.balancing_loss
+    original = moe._FN["balancing"]
+    assert original is not moe.balancing_loss and original.__module__ == modeling_mixtral.__name__
+    torch.manual_seed(0)
+    for experts, k in ((8, 2), (4, 1), (16, 4)):
+        logits = tuple(torch.randn(37, experts, requires_grad=True) for _ in range(3))
+        theirs = original(logits, experts, k, None)
+        with monkeypatch.context() as m:
+            m.setattr(torch, "bincount", lambda *a, **kw: pytest.fail("bincount syncs"))
+            ours = moe.balancing_loss(logits, experts, k, None)
+        assert torch.allclose(ours, theirs, atol=1e-6)
+        for a, b in zip(torch.autograd.grad(ours, logits), torch.autograd.grad(theirs, logits)):
+            assert torch.allclose(a, b, atol=1e-7)
+        mask = torch.ones(1, 37)
+        mask[0, 30:] = 0  # masked rows: transformers' own (it counts with scatter_add already)
+        assert torch.allclose(moe.balancing_loss(logits, experts, k, mask), original(logits, experts, k, mask))
+    assert moe.balancing_loss(None, 8, 2, None) == 0

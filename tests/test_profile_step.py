@@ -175,3 +175,30 @@ def test_sources_name_where_elementwise_kernels_come_from():
     assert got == [{"origin": "aten::copy_ < aten::to < ToCopyBackward0", "ms_per_step": 0.2, "calls_per_step": 1.0},
                    {"origin": "aten::add < ProfilerStep#9", "ms_per_step": 0.1, "calls_per_step": 0.5}]
     assert ps.sources(events, ps.OTHER, top=1, steps=1)[0]["ms_per_step"] == pytest.approx(0.4)
+
+
+def _event(name, start, end, device, id=0, linked=0, parent=None):
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), id=id, is_async=False,
+                           device_type=DeviceType.CUDA if device else DeviceType.CPU, linked_correlation_id=linked,
+                           cpu_parent=parent)
+
+
+def test_gaps_are_the_gpus_idle_time_without_the_annotations():
+    """The profiler mirrors the step's and the optimizer's ranges on the GPU's timeline (torch 2.11: no activity
+    type on them): they are no work, and counted as work they hid every idle gap (session 27's first runs)."""
+    op = _event("aten::mm", 0, 5, device=False, id=7)
+    events = [op,
+              _event("ProfilerStep*", 0, 100, device=True), _event("Optimizer.step#AdamW.step", 60, 90, device=True),
+              _event("nvjet_a", 10, 20, device=True, linked=7), _event("nvjet_b", 15, 30, device=True),
+              _event("triton_x", 45, 50, device=True), _event("Memcpy DtoD", 52, 60, device=True, linked=7)]
+    assert [e.name for e in ps.device_activities(events)] == ["nvjet_a", "nvjet_b", "triton_x", "Memcpy DtoD"]
+    kernels, busy = ps.launched(events)
+    assert busy == 20 + 5 + 8 and sum(k[1] for k in kernels) == 10 + 15 + 5 + 8
+    res = ps.gaps(events, top=5, steps=1)
+    assert res["ms_per_step"] == pytest.approx((15 + 2) / 1e3)  # 30 -> 45 and 50 -> 52 (us)
+    assert res["where"][0] == {"origin": "(kernel) triton_x", "ms_per_step": pytest.approx(0.015), "gaps_per_step": 1}
+    assert res["where"][1]["origin"] == "aten::mm"  # the launching op, where the profile links one

@@ -173,7 +173,7 @@ def block_mask(docs, window: int | None):
         if key_docs is docs and key_window == window:
             return bm
     n = docs.shape[1]
-    w = torch.tensor(window or NO_WINDOW, device=docs.device)
+    w = torch.full((), window or NO_WINDOW, device=docs.device)  # a fill kernel: torch.tensor() would sync
     (num, idx), (full_num, full_idx) = (_ordered(t) for t in tiles(docs, window))
     bm = BlockMask.from_kv_blocks(num, idx, full_num, full_idx, BLOCK_SIZE=BLOCK, mask_mod=mask_mod(docs, w),
                                   seq_lengths=(n, n))

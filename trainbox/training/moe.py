@@ -187,11 +187,40 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     return out.to(hidden_states.dtype)
 
 
+def balancing_loss(gate_logits, num_experts=None, top_k=2, attention_mask=None):
+    """transformers' load_balancing_loss_func (Mixtral's, which TRL's fused LM head calls for every MoE family), the
+    same sums, with each layer's top-k assignments counted by scatter_add instead of torch.bincount: bincount reads
+    its largest index back to the host to size its output, a host<->device sync per layer (12 a step on the
+    gpt-oss-2b benchmark shape, found by benchmarks/profile_step.py --syncs). Masked batches go to transformers'
+    own, which counts with scatter_add already."""
+    import torch
+
+    if attention_mask is not None or not isinstance(gate_logits, tuple) or not gate_logits:
+        return _FN["balancing"](gate_logits, num_experts, top_k, attention_mask)
+    device = gate_logits[0].device
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    probs = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    rows = 0
+    for layer in gate_logits:
+        weights = torch.nn.functional.softmax(layer.to(device), dim=-1)
+        _, chosen = torch.topk(weights, top_k, dim=-1)
+        ones = torch.ones(chosen.numel(), dtype=torch.float32, device=device)
+        counts = counts.scatter_add(0, chosen.reshape(-1), ones)
+        probs = probs + weights.float().sum(dim=0)
+        rows += weights.shape[0]
+    return torch.sum((counts / rows) * (probs / rows).unsqueeze(0)) * num_experts
+
+
 def register() -> None:
-    """Make experts_implementation="trainbox_grouped_mm" known to transformers."""
+    """Make experts_implementation="trainbox_grouped_mm" known to transformers, and Mixtral's balancing loss, which
+    TRL's fused LM head imports at each call, sync-free (balancing_loss)."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    from transformers.models.mixtral import modeling_mixtral
 
     ALL_EXPERTS_FUNCTIONS.register(NAME, experts_forward)
+    if "balancing" not in _FN:
+        _FN["balancing"] = modeling_mixtral.load_balancing_loss_func
+        modeling_mixtral.load_balancing_loss_func = balancing_loss
 
 
 def applies(model_class) -> str | None:

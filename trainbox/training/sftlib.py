@@ -133,6 +133,7 @@ def finish_tuning(trainer, facts, qlora: bool = False) -> None:
         print(f"[trainbox] {line}", flush=True)
     cb = preemption.find_callback(trainer, throughput.Throughput)
     if cb:
+        cb.count = throughput.TokenCount.install(trainer, on_gpu=trainer.args.device.type == "cuda")
         cb.flops_per_token = throughput.flops_per_token(facts, throughput.example_lengths(trainer.train_dataset))
 
 

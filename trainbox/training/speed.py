@@ -242,6 +242,11 @@ def apply(args, model_args, choice, f: ModelFacts, *, shards: int, checkpointing
         args.include_num_input_tokens_seen = "non_padding"  # the summary's tokens/s counts real tokens only
     if on_gpu and "dataloader_num_workers" not in cfg.explicit(args):
         args.dataloader_num_workers = min(2, os.cpu_count() or 1)
+    if on_gpu and args.dataloader_pin_memory and "accelerator_config" not in cfg.explicit(args):
+        # Batches from pinned memory copied without waiting: a blocking copy syncs the host with the GPU at each
+        # step's start, so the next forward could only be launched once the last optimizer step had finished
+        # (with throughput.TokenCount: -28 ms of a 288 ms gpt-oss-2b step, benchmarks/profile_step.py --gaps)
+        args.accelerator_config.non_blocking = True
     lines.append(choose_precision(args, model_args, on_gpu, shards, masters_off))
     return lines
 

@@ -1,7 +1,8 @@
 """Steady-state throughput for the summary line: from the end of the first optimizer step to the end of the last,
 so loading, data preparation, the first step's compilation/warm-up and the final save are not in it.
 
-Tokens are the Trainer's count of non-padding input tokens (summed over ranks). MFU = model FLOPs per second over
+Tokens are the Trainer's count of non-padding input tokens (summed over ranks), kept on the GPU between reads
+(TokenCount). MFU = model FLOPs per second over
 the GPUs' dense bf16 peak: per token 6 x the matmul parameters it goes through (forward + backward; an MoE token
 only its top-k experts) plus causal attention, 6 x layers x (heads x head dim) x E[n^2]/E[n] for examples of n tokens
 (a windowed layer counts at most W keys a token). GPU time comes from CUDA events recorded at step ends, so
@@ -65,12 +66,80 @@ def _callback_base():
     return TrainerCallback
 
 
+class TokenCount:
+    """The Trainer's non-padding token count (state.num_input_tokens_seen) kept on the GPU between reads: HF's
+    `_track_num_input_tokens` calls .item() every micro-batch, a host<->device sync at the start of each step that
+    drains the GPU's queue (the previous optimizer step) before the next forward can be launched; on the gpt-oss-2b
+    benchmark shape that sync, with the data loader's blocking copies, left the GPU idle ~28 ms of a 288 ms step
+    (benchmarks/profile_step.py --syncs --gaps). Here the same count is summed on the device and added to the state
+    where something reads it: before a log line, before a checkpoint is written (resume reads it), at the end.
+    The count is HF's: the attention mask's sum, else the tokens that are not padding, else all of them."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.pending = None  # device int64: tokens counted since the last settle
+        self._track, self._log, self._save = trainer._track_num_input_tokens, trainer.log, trainer._save_checkpoint
+
+    @classmethod
+    def install(cls, trainer, on_gpu: bool) -> TokenCount | None:
+        """Replaces `trainer`'s per-step count on a GPU when it counts non-padding tokens; None where HF's stays
+        (on the CPU there is no queue to drain)."""
+        if trainer.args.include_num_input_tokens_seen != "non_padding" or not on_gpu:
+            return None
+        count = cls(trainer)
+        trainer._track_num_input_tokens = count.track
+        trainer.log = count.log
+        trainer._save_checkpoint = count.save_checkpoint
+        return count
+
+    def track(self, inputs) -> None:
+        import torch
+
+        tr = self.trainer
+        name = getattr(tr.model, "main_input_name", "input_ids")
+        if name not in inputs:
+            return self._track(inputs)  # HF's warning
+        pad = getattr(tr.processing_class, "pad_token_id", None)
+        if "attention_mask" in inputs:
+            n = inputs["attention_mask"].sum()
+        elif pad is not None:
+            n = (inputs[name] != pad).sum()
+        else:
+            return self._track(inputs)  # HF's warning, then all tokens
+        n = tr.accelerator.gather(torch.as_tensor(n, device=tr.args.device, dtype=torch.int64)).sum()
+        self.pending = n if self.pending is None else self.pending + n
+
+    def settle(self) -> None:
+        if self.pending is not None:
+            self.trainer.state.num_input_tokens_seen += int(self.pending.item())
+            self.pending = None
+
+    def snapshot(self, state) -> tuple:
+        """(the state's count, the device's pending count or None): no sync; `total` adds them up later."""
+        return int(getattr(state, "num_input_tokens_seen", 0) or 0), (None if self.pending is None
+                                                                       else self.pending.clone())
+
+    @staticmethod
+    def total(snap: tuple) -> int:
+        host, pending = snap
+        return host + (int(pending.item()) if pending is not None else 0)
+
+    def log(self, *args, **kwargs):
+        self.settle()
+        return self._log(*args, **kwargs)
+
+    def save_checkpoint(self, *args, **kwargs):
+        self.settle()
+        return self._save(*args, **kwargs)
+
+
 class Throughput(_callback_base()):
     def __init__(self, flops_per_token: float | None = None):
         super().__init__()
         self.flops_per_token = flops_per_token
-        self.first: tuple | None = None  # (step, tokens, wall time, cuda event)
+        self.first: tuple | None = None  # (step, tokens: TokenCount.snapshot's pair, wall time, cuda event)
         self.last: tuple | None = None
+        self.count: TokenCount | None = None  # set by sftlib where the count stays on the GPU
 
     def _mark(self, state):
         ev = None
@@ -82,7 +151,9 @@ class Throughput(_callback_base()):
                 ev.record()
         except ImportError:  # pragma: no cover
             pass
-        return (int(state.global_step), int(getattr(state, "num_input_tokens_seen", 0) or 0), time.perf_counter(), ev)
+        tokens = (self.count.snapshot(state) if self.count is not None
+                  else (int(getattr(state, "num_input_tokens_seen", 0) or 0), None))
+        return int(state.global_step), tokens, time.perf_counter(), ev
 
     def on_step_end(self, args, state, control, **kwargs):
         mark = self._mark(state)
@@ -92,12 +163,18 @@ class Throughput(_callback_base()):
             self.last = mark
         return control
 
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.count is not None:
+            self.count.settle()  # the run summary and the saved state read the count
+        return control
+
     def figures(self) -> dict | None:
         """steps/s, tokens/s, TFLOP/s per GPU and MFU over the steady steps, or None before two steps ended."""
         if self.first is None or self.last is None:
             return None
         s0, t0, w0, e0 = self.first
         s1, t1, w1, e1 = self.last
+        t0, t1 = TokenCount.total(t0), TokenCount.total(t1)
         seconds = w1 - w0
         if e0 is not None and e1 is not None:
             e1.synchronize()
