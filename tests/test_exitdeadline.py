@@ -8,7 +8,10 @@ import os
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import pytest
 
 from trainbox.run import exitdeadline
 
@@ -57,8 +60,22 @@ def _rank(tmp_path: Path, code: int, grace: float, mode: str) -> subprocess.Comp
                           env=env, timeout=120)
 
 
-def test_a_rank_held_at_exit_leaves_with_its_code_and_the_stacks(tmp_path):
-    r = _rank(tmp_path, code=3, grace=2, mode="held")
+# The three single-rank runs below, started together on a module-scoped pool: each is a python start-up (most of its
+# seconds) plus a wait of a few seconds, so run in a row they cost the sum. Each has its own folder; a test reads
+# its own run's result (the subprocess timeout of 120 s still bounds each).
+RANK_RUNS = {"held": dict(code=3, grace=2), "gil": dict(code=3, grace=2), "clean": dict(code=0, grace=600)}
+
+
+@pytest.fixture(scope="module")
+def rank_runs(tmp_path_factory):
+    pool = ThreadPoolExecutor(max_workers=len(RANK_RUNS))
+    runs = {mode: pool.submit(_rank, tmp_path_factory.mktemp(mode), mode=mode, **kw) for mode, kw in RANK_RUNS.items()}
+    yield {mode: run.result for mode, run in runs.items()}
+    pool.shutdown(wait=True)
+
+
+def test_a_rank_held_at_exit_leaves_with_its_code_and_the_stacks(rank_runs):
+    r = rank_runs["held"]()
     assert r.returncode == 3, r.stderr
     assert "[trainbox] rank 1: training ended 2s ago and this process has not exited" in r.stderr, r.stderr
     assert "leaving with exit code 3" in r.stderr
@@ -67,18 +84,18 @@ def test_a_rank_held_at_exit_leaves_with_its_code_and_the_stacks(tmp_path):
     assert "thread MainThread:" in r.stderr and "_shutdown" in r.stderr, r.stderr
 
 
-def test_a_rank_whose_gil_is_held_at_exit_still_leaves(tmp_path):
+def test_a_rank_whose_gil_is_held_at_exit_still_leaves(rank_runs):
     """The deadline thread cannot run without the GIL; faulthandler's watchdog (a C thread) dumps the stacks and
     exits 1 a little later, instead of the rank hanging for good."""
-    r = _rank(tmp_path, code=3, grace=2, mode="gil")
+    r = rank_runs["gil"]()
     assert r.returncode == 1, r.stderr
     assert "has not exited" not in r.stderr, r.stderr  # the Python deadline never got the GIL
     assert "Timeout (0:00:03)!" in r.stderr and "in hold_the_gil" in r.stderr, r.stderr
 
 
-def test_a_rank_that_exits_cleanly_does_not_wait_for_the_deadline(tmp_path):
+def test_a_rank_that_exits_cleanly_does_not_wait_for_the_deadline(rank_runs):
     # The deadline thread is a daemon: a clean exit never waits for its 600 s (_rank's 120 s timeout would fail).
-    r = _rank(tmp_path, code=0, grace=600, mode="clean")
+    r = rank_runs["clean"]()
     assert r.returncode == 0, r.stderr
     assert "has not exited" not in r.stderr
 

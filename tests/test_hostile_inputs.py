@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,10 @@ def rows(path: Path, *items) -> Path:
 
 @pytest.fixture
 def files(tmp_path):
+    return make_files(tmp_path)
+
+
+def make_files(tmp_path: Path) -> Path:
     ro = tmp_path / "ro"
     ro.mkdir()
     (tmp_path / "a_file").write_text("x")
@@ -78,15 +83,43 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,args,needle", CASES, ids=[f"{c[0]}:{c[2][:30]}" for c in CASES])
-def test_bad_input_is_one_line_and_exit_2(tiny_model, files, name, args, needle):
+def run_case(tiny_model, files: Path, name: str, args: list[str]) -> subprocess.CompletedProcess:
     argv = [a.format(t=files, m=tiny_model) for a in args]
     if "--model_name_or_path" not in argv:
         argv = ["--model_name_or_path", str(tiny_model), *argv]
     if "--output_dir" not in argv:
         argv += ["--output_dir", str(files / "out")]
-    r = subprocess.run([sys.executable, "-m", "trainbox", name, *argv, "--max_steps", "1"], cwd=files,
-                       env=env(files), capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "trainbox", name, *argv, "--max_steps", "1"], cwd=files,
+                          env=env(files), capture_output=True, text=True, timeout=300)
+
+
+def in_parallel(calls) -> list:
+    """Each call's result, the calls run one per core (two at least): each is a `python -m trainbox` whose
+    seconds go to importing torch and TRL before it checks its input, one core each."""
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        return list(pool.map(lambda call: call(), calls))
+
+
+@pytest.fixture(scope="module")
+def case_runs(request, tiny_model, tmp_path_factory):
+    """The CASES this session runs, each in a fresh folder of its own (make_files), started together on a pool
+    (the module's wall time was one python start-up per case in a row); a test waits for its own case's run."""
+    selected = sorted({item.callspec.indices["name"] for item in request.session.items
+                       if getattr(item, "originalname", None) == "test_bad_input_is_one_line_and_exit_2"
+                       and item.module is request.module})
+    pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2))
+    runs = {}
+    for i in selected:
+        folder = make_files(tmp_path_factory.mktemp("case"))
+        runs[i] = folder, pool.submit(run_case, tiny_model, folder, CASES[i][0], CASES[i][1])
+    yield runs
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.mark.parametrize("name,args,needle", CASES, ids=[f"{c[0]}:{c[2][:30]}" for c in CASES])
+def test_bad_input_is_one_line_and_exit_2(case_runs, request, name, args, needle):
+    files, run = case_runs[request.node.callspec.indices["name"]]
+    r = run.result()
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-3000:]
     errors = [ln for ln in r.stderr.splitlines() if "error" in ln.lower() or "Traceback" in ln]
     assert len(errors) == 1 and needle in errors[0], r.stderr[-3000:]
@@ -143,11 +176,15 @@ def test_fuzzed_yaml_parses_or_is_one_usage_error(doc, tmp_path_factory):
 
 def test_fuzz_sample_through_the_real_command(tiny_model, files):
     """A few fuzz-shaped inputs through `python -m trainbox sft` itself: exit 0 or 2, never a traceback."""
-    for extra in (["--max_length", "1e400"], ["--learning_rate", "nan"], ["--per_device_train_batch_size", "-1"],
-                  ["--warmup_steps", "abc"], ["--report_to", "nonsense"]):
-        r = subprocess.run([sys.executable, "-m", "trainbox", "sft", "--model_name_or_path", str(tiny_model),
-                            "--dataset", str(files / "good.jsonl"), "--output_dir", str(files / "out"), *extra],
-                           cwd=files, env=env(files), capture_output=True, text=True, timeout=300)
+    extras = (["--max_length", "1e400"], ["--learning_rate", "nan"], ["--per_device_train_batch_size", "-1"],
+              ["--warmup_steps", "abc"], ["--report_to", "nonsense"])
+
+    def call(extra):
+        return lambda: subprocess.run([sys.executable, "-m", "trainbox", "sft", "--model_name_or_path", str(tiny_model),
+                                       "--dataset", str(files / "good.jsonl"), "--output_dir", str(files / "out"),
+                                       *extra], cwd=files, env=env(files), capture_output=True, text=True, timeout=300)
+
+    for extra, r in zip(extras, in_parallel([call(extra) for extra in extras]), strict=True):
         assert r.returncode == 2 and "Traceback" not in r.stderr, (extra, r.stderr[-2000:])
 
 

@@ -5,8 +5,10 @@ eager in bf16) is tests/gpu/zoo_logits.py."""
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -163,15 +165,35 @@ def jobs(model: Path, data: dict, out: Path) -> list:
     ]
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_sft_resume_qlora_grpo_train_and_save_loadable_models(zoo_dir, data, tmp_path, name):
-    from transformers import AutoModelForCausalLM
-
-    out = tmp_path / "out"
+def train_all(model: Path, data: dict, tmp_path: Path) -> subprocess.CompletedProcess:
     env = {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
            "HF_DATASETS_CACHE": str(tmp_path / "hf"), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
-    r = subprocess.run([sys.executable, "-u", "-c", DRIVER, json.dumps(jobs(zoo_dir / name, data, out))], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-u", "-c", DRIVER, json.dumps(jobs(model, data, tmp_path / "out"))],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def zoo_runs(request, zoo_dir, data, tmp_path_factory):
+    """Each selected model's DRIVER process, in a folder of its own, started together on a pool of one worker per
+    core (OMP_NUM_THREADS=1: each process uses one core; in a row they cost the sum); a test waits for its own."""
+    selected = [n for n in NAMES if any(getattr(item, "originalname", None) == "test_sft_resume_qlora_grpo_train_and_"
+                                        "save_loadable_models" and item.module is request.module
+                                        and item.callspec.params["name"] == n for item in request.session.items)]
+    pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2))
+    runs = {}
+    for name in selected:
+        folder = tmp_path_factory.mktemp(f"train-{name}")
+        runs[name] = folder / "out", pool.submit(train_all, zoo_dir / name, data, folder)
+    yield runs
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_sft_resume_qlora_grpo_train_and_save_loadable_models(zoo_runs, name):
+    from transformers import AutoModelForCausalLM
+
+    out, run = zoo_runs[name]
+    r = run.result()
     log = r.stdout + r.stderr
     assert [line for line in r.stdout.splitlines() if line.startswith("ZOO-RC")] == [
         "ZOO-RC sft 0", "ZOO-RC sft 0", "ZOO-RC qlora 0", "ZOO-RC grpo 0"], log[-4000:]
