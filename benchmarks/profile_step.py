@@ -142,16 +142,21 @@ def device_activities(events) -> list:
             and getattr(e, "activity_type", None) != "gpu_user_annotation"]
 
 
+def frontend_ops(events) -> list:
+    """The CPU ops that launch device work (linked_correlation_id 0): not their runtime calls, which share the ids."""
+    from torch.autograd import DeviceType
+
+    return [e for e in events if e.device_type == DeviceType.CPU and not e.is_async
+            and getattr(e, "linked_correlation_id", 0) == 0]
+
+
 def launched(events) -> tuple[list[tuple[str, float, object]], float]:
     """The CUDA activities (kernels, memcpy, memset) of a profile: (name, us, the CPU op that launched it or None),
     and busy time. A device event names its launching CPU op by linked_correlation_id; a torch whose events lack it
     gets the same list from the CPU ops' own kernel lists (activities launched outside any op are then left out)."""
-    from torch.autograd import DeviceType
-
     gpu = device_activities(events)
     busy = union_us([(e.time_range.start, e.time_range.end) for e in gpu])
-    frontend = [e for e in events if e.device_type == DeviceType.CPU and not e.is_async
-                and getattr(e, "linked_correlation_id", 0) == 0]
+    frontend = frontend_ops(events)
     if gpu and hasattr(gpu[0], "linked_correlation_id"):
         ops = {e.id: e for e in frontend}
         return [(e.name, e.time_range.end - e.time_range.start, ops.get(e.linked_correlation_id)) for e in gpu], busy
@@ -199,10 +204,7 @@ def gaps(events, top: int, steps: int) -> dict:
     it: by that activity's origin (its launching op; its own name where the profile links none: torch 2.11's
     kernels on the device), the `top` largest sums, ms per step. A gap is time the GPU
     waited for the host: a launch that came late (Python, a sync before it, the data loader)."""
-    from torch.autograd import DeviceType
-
-    ops = {e.id: e for e in events if e.device_type == DeviceType.CPU and not e.is_async
-           and getattr(e, "linked_correlation_id", 0) == 0}  # the ops, not their runtime calls (same ids)
+    ops = {e.id: e for e in frontend_ops(events)}
     gpu = sorted(device_activities(events), key=lambda e: e.time_range.start)
     by: dict[str, list] = {}
     end = None
