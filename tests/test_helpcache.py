@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import sidebyside
 from trainbox import helpcache
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,29 +33,48 @@ def poisoned(tmp_path):
     return tmp_path / "poison"
 
 
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory):
+    """The runs that render a --help (each imports TRL: ~10-20 s), started together on a pool (sidebyside); each
+    test waits for its own. Per trainer: the first --help with a cache folder of its own; qlora's with no kept text
+    anywhere; sft's with a --config file."""
+    pool = sidebyside.pool()
+    runs = {}
+    for name in ("sft", "qlora", "grpo"):
+        cache = tmp_path_factory.mktemp(f"help-{name}") / "cache"
+        runs[name] = cache, pool.submit(trainbox, name, "--help", env={"XDG_CACHE_HOME": str(cache)})
+    runs["qlora-uncached"] = None, pool.submit(
+        subprocess.run, [sys.executable, "-m", "trainbox.cli.qlora", "--help"], cwd=ROOT, capture_output=True,
+        text=True, env={**os.environ, "PYTHONPATH": str(ROOT), "TRAINBOX_HELP_DIR": "/nonexistent/x"}, timeout=300)
+    folder = tmp_path_factory.mktemp("help-config")
+    (folder / "c.yaml").write_text("learning_rate: 0.5\n")
+    runs["sft-config"] = folder / "cache", pool.submit(trainbox, "sft", "--config", str(folder / "c.yaml"), "--help",
+                                                       env={"XDG_CACHE_HOME": str(folder / "cache")})
+    yield runs
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
 @pytest.mark.parametrize("name", ["sft", "qlora", "grpo"])
-def test_second_help_prints_the_same_text_without_importing_trl(tmp_path, poisoned, name):
-    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
-    first = trainbox(name, "--help", env=env)
+def test_second_help_prints_the_same_text_without_importing_trl(rendered, tmp_path, poisoned, name):
+    cache, run = rendered[name]
+    first = run.result()
     assert first.returncode == 0 and "--model_name_or_path" in first.stdout, first.stderr[-2000:]
-    again = trainbox(name, "--help", env=env, pythonpath=[poisoned])
+    again = trainbox(name, "--help", env={"XDG_CACHE_HOME": str(cache)}, pythonpath=[poisoned])
     assert again.returncode == 0, again.stderr[-2000:]
     assert again.stdout == first.stdout
-    assert (tmp_path / "cache" / "trainbox" / "help" / f"{name}.txt").is_file()
+    assert (cache / "trainbox" / "help" / f"{name}.txt").is_file()
     # Without the kept text the poisoned import is what runs: the test above would have caught a miss.
     cold = trainbox(name, "--help", env={"XDG_CACHE_HOME": str(tmp_path / "empty")}, pythonpath=[poisoned])
     assert cold.returncode != 0 and "was imported" in cold.stderr
 
 
-def test_help_is_the_same_on_every_host():
+def test_help_is_the_same_on_every_host(rendered):
     """qlora's optimizer default depends on the GPU; its --help shows the GPU's on a CPU host too (and sft's does
     not force use_cpu), so the text kept at image build is right where the image runs."""
     from trainbox.cli import qlora
 
     assert qlora.qlora_defaults(gpu=True)["optim"] == "paged_adamw_8bit"
-    text = subprocess.run([sys.executable, "-m", "trainbox.cli.qlora", "--help"], cwd=ROOT, capture_output=True,
-                          text=True, env={**os.environ, "PYTHONPATH": str(ROOT), "TRAINBOX_HELP_DIR": "/nonexistent/x"},
-                          timeout=300).stdout
+    text = rendered["qlora-uncached"][1].result().stdout
     assert "paged_adamw_8bit" in text.split("--optim", 1)[1].split("--", 1)[0]
 
 
@@ -71,12 +91,11 @@ def test_a_stale_or_foreign_text_is_not_printed(tmp_path, monkeypatch):
     assert helpcache.load("sft") is None
 
 
-def test_help_with_a_config_file_is_rendered_not_kept(tmp_path):
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text("learning_rate: 0.5\n")
-    r = trainbox("sft", "--config", str(cfg), "--help", env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
+def test_help_with_a_config_file_is_rendered_not_kept(rendered):
+    cache, run = rendered["sft-config"]
+    r = run.result()
     assert r.returncode == 0 and "--learning_rate" in r.stdout
-    assert not (tmp_path / "cache" / "trainbox" / "help" / "sft.txt").exists()
+    assert not (cache / "trainbox" / "help" / "sft.txt").exists()
 
 
 def test_asked_ignores_arguments_after_double_dash():

@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from common.errors import UsageError
+import sidebyside
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
@@ -93,13 +93,6 @@ def run_case(tiny_model, files: Path, name: str, args: list[str]) -> subprocess.
                           env=env(files), capture_output=True, text=True, timeout=300)
 
 
-def in_parallel(calls) -> list:
-    """Each call's result, the calls run one per core (two at least): each is a `python -m trainbox` whose
-    seconds go to importing torch and TRL before it checks its input, one core each."""
-    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
-        return list(pool.map(lambda call: call(), calls))
-
-
 @pytest.fixture(scope="module")
 def case_runs(request, tiny_model, tmp_path_factory):
     """The CASES this session runs, each in a fresh folder of its own (make_files), started together on a pool
@@ -107,7 +100,7 @@ def case_runs(request, tiny_model, tmp_path_factory):
     selected = sorted({item.callspec.indices["name"] for item in request.session.items
                        if getattr(item, "originalname", None) == "test_bad_input_is_one_line_and_exit_2"
                        and item.module is request.module})
-    pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2))
+    pool = sidebyside.pool()
     runs = {}
     for i in selected:
         folder = make_files(tmp_path_factory.mktemp("case"))
@@ -184,7 +177,7 @@ def test_fuzz_sample_through_the_real_command(tiny_model, files):
                                        "--dataset", str(files / "good.jsonl"), "--output_dir", str(files / "out"),
                                        *extra], cwd=files, env=env(files), capture_output=True, text=True, timeout=300)
 
-    for extra, r in zip(extras, in_parallel([call(extra) for extra in extras]), strict=True):
+    for extra, r in zip(extras, sidebyside.in_parallel([call(extra) for extra in extras]), strict=True):
         assert r.returncode == 2 and "Traceback" not in r.stderr, (extra, r.stderr[-2000:])
 
 

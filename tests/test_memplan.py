@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 import gloo_ranks
+import sidebyside
 from common.errors import UsageError
 from trainbox.training import config, memplan, speed
 
@@ -209,19 +210,23 @@ def plan_cli(*argv):
 def test_plan_for_70b_on_2_nodes_of_8_and_8b_on_one_24gb_card(tmp_path):
     big = config_dir(tmp_path, "llama-70b", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                      num_attention_heads=64)
-    r = plan_cli("--model_name_or_path", str(big), "--nnodes", "2", "--nproc-per-node", "8", "--gpu-memory", "77.7")
-    print(r.stdout)
-    # 16 bytes per parameter over 16 GPUs is 70.6 GB each before any activation: one node more is what fits
-    assert r.returncode == 1, r.stdout + r.stderr
-    assert "70.6 B parameters (llama) on 2 node(s) x 8 GPU(s)" in r.stdout and "it fits with 24 GPUs" in r.stdout
-    r = plan_cli("--model_name_or_path", str(big), "--nnodes", "3", "--nproc-per-node", "8", "--gpu-memory", "77.7")
-    print(r.stdout)
-    assert r.returncode == 0 and "memory plan:" in r.stdout and "usable" in r.stdout, r.stdout + r.stderr
     small = config_dir(tmp_path, "llama-8b", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                        num_attention_heads=32)
-    r = plan_cli("--model_name_or_path", str(small), "--gpu-memory", "22.5")
-    print(r.stdout)
-    assert r.returncode == 1, r.stdout + r.stderr
-    assert "does not fit" in r.stdout and "GPUs like these" in r.stdout and "trainbox qlora" in r.stdout
-    r = plan_cli("--model_name_or_path", str(small), "--gpu-memory", "banana")
+    two_nodes, three_nodes, one_card, r = sidebyside.in_parallel([
+        lambda: plan_cli("--model_name_or_path", str(big), "--nnodes", "2", "--nproc-per-node", "8",
+                         "--gpu-memory", "77.7"),
+        lambda: plan_cli("--model_name_or_path", str(big), "--nnodes", "3", "--nproc-per-node", "8",
+                         "--gpu-memory", "77.7"),
+        lambda: plan_cli("--model_name_or_path", str(small), "--gpu-memory", "22.5"),
+        lambda: plan_cli("--model_name_or_path", str(small), "--gpu-memory", "banana"),
+    ])
+    # 16 bytes per parameter over 16 GPUs is 70.6 GB each before any activation: one node more is what fits
+    assert two_nodes.returncode == 1, two_nodes.stdout + two_nodes.stderr
+    assert "70.6 B parameters (llama) on 2 node(s) x 8 GPU(s)" in two_nodes.stdout
+    assert "it fits with 24 GPUs" in two_nodes.stdout
+    assert three_nodes.returncode == 0, three_nodes.stdout + three_nodes.stderr
+    assert "memory plan:" in three_nodes.stdout and "usable" in three_nodes.stdout
+    assert one_card.returncode == 1, one_card.stdout + one_card.stderr
+    assert "does not fit" in one_card.stdout and "GPUs like these" in one_card.stdout
+    assert "trainbox qlora" in one_card.stdout
     assert r.returncode == 2 and r.stderr.startswith("error: --gpu-memory 'banana'")

@@ -5,15 +5,14 @@ eager in bf16) is tests/gpu/zoo_logits.py."""
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
+import sidebyside
 from trainbox.training import attention, speed
 from test_data import write_dolly, write_messages
 from test_grpo import gsm8k_rows, write_jsonl
@@ -179,7 +178,7 @@ def zoo_runs(request, zoo_dir, data, tmp_path_factory):
     selected = [n for n in NAMES if any(getattr(item, "originalname", None) == "test_sft_resume_qlora_grpo_train_and_"
                                         "save_loadable_models" and item.module is request.module
                                         and item.callspec.params["name"] == n for item in request.session.items)]
-    pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2))
+    pool = sidebyside.pool()
     runs = {}
     for name in selected:
         folder = tmp_path_factory.mktemp(f"train-{name}")
