@@ -101,7 +101,8 @@ def oss_gate(gate_up, alpha: float, limit: float, weights=None):
     import torch
 
     # gate_up[..., ::2] and [..., 1::2] as the two halves of (width, 2) pairs: the same values, and inductor's
-    # backward then writes the pairs side by side; as strided slices it ran at a third of the speed (see compiled).
+    # backward then writes each pair side by side (compiled on an H100: 8.1 ms a step as strided slices, 6.7 as pairs;
+    # benchmarks/results/moe_gate_static_width-2026-11-28.txt).
     pairs = gate_up.unflatten(-1, (-1, 2))
     gate, up = pairs[..., 0], pairs[..., 1]
     gate = gate.clamp(max=limit)
@@ -112,9 +113,10 @@ def oss_gate(gate_up, alpha: float, limit: float, weights=None):
 
 def compiled():
     """oss_gate compiled as the experts call it: one graph for every batch, with only the slot count (rows) symbolic.
-    alpha and limit are the config's floats, the same in every layer (Dynamo keeps them as constants). Every dim
-    symbolic (`dynamic=True`) ran the gate's forward + backward at 657 GB/s on an H100, the width static at 1,931
-    (19.6 -> 6.7 ms a step for gpt-oss-2b's 12 layers, benchmarks/moe_gate.py)."""
+    alpha and limit are the config's floats, the same in every layer (Dynamo keeps them as constants). With every
+    dim symbolic (`dynamic=True`) inductor could not see the width or the columns' stride: the gate's forward +
+    backward took 18.4 ms a step for gpt-oss-2b's 12 layers on an H100, 9.1 ms with the width static
+    (benchmarks/moe_gate.py)."""
     import torch
 
     fn = torch.compile(oss_gate, fullgraph=True)
