@@ -8,12 +8,14 @@ import subprocess
 import sys
 import textwrap
 import time
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from transformers import TrainerControl, TrainerState
 
+import sidebyside
 from trainbox.run import outputs, preemption, resume, runsummary
 
 
@@ -281,8 +283,10 @@ def test_dataloader_workers_outlive_the_preemption_signal(tmp_path):
         print("batches", len(list(loader)))
         """))
     env = dict(os.environ, PYTHONPATH=str(Path(outputs.__file__).resolve().parents[2]))
-    runs = {how: subprocess.run([sys.executable, str(script), how], capture_output=True, text=True, env=env,
-                                timeout=120) for how in ("plain", "shielded")}
+    hows = ("plain", "shielded")
+    runs = dict(zip(hows, sidebyside.in_parallel([
+        partial(subprocess.run, [sys.executable, str(script), how], capture_output=True, text=True, env=env,
+                timeout=120) for how in hows])))
     assert runs["plain"].returncode != 0 and "killed by signal: Terminated" in runs["plain"].stderr  # the failure
     assert runs["shielded"].returncode == 0 and "batches 4" in runs["shielded"].stdout, runs["shielded"].stderr
 
