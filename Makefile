@@ -14,7 +14,8 @@ help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:[^#]*## /\t/' | expand -t 16
 
 # Debian packages: python3-venv for .venv; engine, registry, skopeo, QEMU binfmt and debootstrap for the builds and the
-# real-image tests; squashfs for .sqsh; Slurm + munge, umoci, chromium, docker-compose for their tests.
+# real-image tests; squashfs for .sqsh; Slurm + munge, umoci, chromium, docker-compose for their tests. apt-get clean
+# drops the downloaded .debs after them (2.5 GB): the suite's images and temp files need the room.
 SYSTEM_PACKAGES := python3-venv docker.io docker-registry skopeo squashfs-tools squashfuse qemu-user-static \
 	binfmt-support debootstrap slurm-wlm munge umoci iproute2 curl chromium docker-compose tini
 
@@ -31,7 +32,7 @@ system-deps: ## the Debian packages above (root; a no-op when all are present)
 	  if [ "$$(id -u)" != 0 ]; then echo "error: missing Debian packages:" $$missing "(run make as root, or" \
 	    "apt-get install -y" $$missing")" >&2; exit 2; fi; \
 	  echo "installing:" $$missing; apt-get update -qq && \
-	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing && apt-get clean; fi
 
 setup: .venv/.installed ## .venv: the host package, the test tools and the smoke cell's training stack (CPU torch)
 

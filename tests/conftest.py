@@ -48,6 +48,24 @@ def slurm2(slurm_cluster):
     return slurm_cluster
 
 
+# What the whole suite (engine tests included) took of the disk at its peak: images, build cache, .sqsh files,
+# rootfs trees, venvs (a CI-like rehearsal, 2026-11-28, before passing tests' temp dirs were removed: 23 GB).
+DISK_NEEDED_GB = 16
+
+
+def pytest_report_header(config):
+    """The free disk under the temp dir and Docker's data root, so that a run that fills it says so up front."""
+    import shutil
+    import tempfile
+
+    lines = []
+    for where in {tempfile.gettempdir(), "/var/lib/docker" if os.path.isdir("/var/lib/docker") else "/"}:
+        free = shutil.disk_usage(where).free / 2**30
+        low = f" - LOW: the full suite needs about {DISK_NEEDED_GB} GB" if free < DISK_NEEDED_GB else ""
+        lines.append(f"disk: {free:.1f} GB free under {where}{low}")
+    return sorted(lines)
+
+
 def pytest_collection_modifyitems(config, items):
     """`gpuimage` tests build a real CUDA image (several GB from the default index): deselected unless the -m
     expression names them (`make test-gpu-image`), so `make test` and `make test-fast` never start one."""

@@ -356,6 +356,7 @@ def slow_image(test_image, docker_engine, tmp_path_factory):
     ref = "trainbox-test/enroot-slow:1"
     subprocess.run([docker_engine, "build", "-q", "-t", ref, str(tmp)], check=True, capture_output=True,
                    env=dict(os.environ, DOCKER_BUILDKIT="0"))
+    shutil.rmtree(tmp, ignore_errors=True)  # the blob lives in the image now
     return ref
 
 
@@ -530,9 +531,12 @@ def _with_epoch(fn):
 # ------------------------------------------------------------------ the smoke image (built once per session by enginefix)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def smoke_root(smoke_sqsh, tmp_path_factory):
-    return _unsquash(smoke_sqsh, tmp_path_factory.mktemp("smoke-root") / "r")
+    """The smoke .sqsh unpacked (2 GB): this module's tests read it; removed when they are done."""
+    tmp = tmp_path_factory.mktemp("smoke-root")
+    yield _unsquash(smoke_sqsh, tmp / "r")
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _environment(root: Path) -> dict:

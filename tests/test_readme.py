@@ -15,6 +15,7 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -104,8 +105,9 @@ def _norm(cmd: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def repo_copy(tmp_path_factory) -> Path:
-    """The checkout's files (tracked and untracked-but-not-ignored), without .git, .venv or caches."""
+def repo_copy(tmp_path_factory) -> Iterator[Path]:
+    """The checkout's files (tracked and untracked-but-not-ignored), without .git, .venv or caches; removed after the
+    module (its commands leave images and .sqsh files in it: 0.8 GB)."""
     dest = tmp_path_factory.mktemp("readme") / "repo"
     names = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True,
                            check=True).stdout.decode().split("\0")
@@ -114,7 +116,8 @@ def repo_copy(tmp_path_factory) -> Path:
         if src.is_file():
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / name)
-    return dest
+    yield dest
+    shutil.rmtree(dest.parent, ignore_errors=True)
 
 
 def run(cmd: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
