@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -319,7 +320,7 @@ def test_twenty_stops_at_random_moments_never_hang(jupyter, tmp_path):
         with pytest.raises(requests.ConnectionError):
             requests.get(j.base + "/api", timeout=2)
 
-    sidebyside.in_parallel([lambda i=i: once(i) for i in range(20)])
+    sidebyside.in_parallel([partial(once, i) for i in range(20)])
 
 
 def test_busy_port_fails_instead_of_moving(jupyter):
