@@ -394,3 +394,37 @@ def test_block_tiles_are_create_block_masks_without_the_dense_mask():
         assert torch.equal(flexattn.block_mask(docs, window).to_dense().bool(), partial | full), case
     flexattn._masks.clear()
     flexattn._docs_cache.clear()
+
+
+def test_sinks_compile_into_the_models_layout_once_for_every_length(monkeypatch, capsys):
+    """On GPUs the sinks and the models' (batch, seq, heads, dim) layout run compiled (flexattn.sinks_to_layout;
+    inductor's CPU code here): with_sinks's values and the gradients of the output, log-sum-exp and sinks, one graph
+    for every sequence length; a compiler failure falls back to the same ops with one line."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    monkeypatch.setattr(flexattn, "_sinks", {})
+    for s in (40, 77, 130):
+        g = torch.Generator().manual_seed(s)
+        out = torch.randn(1, 4, s, 8, generator=g).to(torch.bfloat16).requires_grad_()
+        lse = torch.randn(1, 4, s, generator=g, requires_grad=True)
+        sinks = torch.randn(4, generator=g, requires_grad=True)
+        grad = torch.randn(1, s, 4, 8, generator=g).to(torch.bfloat16)
+        ref = flexattn.with_sinks(out, lse, sinks).transpose(1, 2).contiguous()
+        got = flexattn.sinks_to_layout(out, lse, sinks)
+        assert got.shape == (1, s, 4, 8) and got.is_contiguous() and torch.equal(got, ref)
+        for a, b in zip(torch.autograd.grad(got, (out, lse, sinks), grad),
+                        torch.autograd.grad(ref, (out, lse, sinks), grad)):
+            assert torch.allclose(a.float(), b.float(), atol=1e-5, rtol=1e-3)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+    def broken(*a):
+        raise RuntimeError("inductor: no kernel for this")
+
+    monkeypatch.setattr(flexattn, "_sinks", {"fn": broken})
+    assert torch.equal(flexattn.sinks_to_layout(out, lse, sinks), ref)
+    assert flexattn.sinks_to_layout(out, lse, sinks).shape == ref.shape and flexattn._sinks["fn"] is False
+    err = capsys.readouterr().err
+    assert err.count("sinks did not compile (RuntimeError: inductor") == 1, err
+    torch._dynamo.reset()

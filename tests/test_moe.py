@@ -219,3 +219,68 @@ def test_balancing_loss_is_mixtrals_without_a_sync(monkeypatch):
         mask[0, 30:] = 0  # masked rows: transformers' own (it counts with scatter_add already)
         assert torch.allclose(moe.balancing_loss(logits, experts, k, mask), original(logits, experts, k, mask))
     assert moe.balancing_loss(None, 8, 2, None) == 0
+
+
+def test_gpt_oss_experts_in_bf16_compile_whole_into_one_graph(monkeypatch, capsys):
+    """bf16 gpt-oss (as trainbox sft loads it) runs its experts on a GPU as one compiled graph (forced here: inductor's
+    CPU code): one graph for every layer and token count, under the Trainer's bf16 autocast too, with logits and
+    gradients as close to float32 as transformers' own bf16 experts. Float32 weights under autocast stay op by op;
+    a compiler failure falls back to the ops with one line; the user's own torch.compile of the model traces them."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    moe.register()
+    base = _model("gpt-oss")
+    monkeypatch.setattr(moe, "compiles", lambda h: True)
+
+    def run(impl, dtype, ids, autocast=True):
+        m = copy.deepcopy(base).to(dtype)
+        m.set_experts_implementation(impl)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = m(ids, labels=ids)
+        out.loss.backward()
+        return out.logits.detach().float(), {n: p.grad.float() for n, p in m.named_parameters() if p.grad is not None}
+
+    def off(got, ref):  # (max |logit diff|, the worst parameter's max |grad diff| over its largest gradient)
+        return (float((got[0] - ref[0]).abs().max()),
+                max(float((got[1][n] - ref[1][n]).abs().max() / ref[1][n].abs().max()) for n in ref[1]))
+
+    torch._dynamo.reset()
+    counters.clear()
+    monkeypatch.delitem(moe._FN, "experts", raising=False)
+    for length in (57, 33):
+        ids = torch.randint(0, 97, (3, length), generator=torch.Generator().manual_seed(length))
+        ref = run("eager", torch.float32, ids, autocast=False)
+        ours, theirs = off(run(moe.NAME, torch.bfloat16, ids), ref), off(run("eager", torch.bfloat16, ids), ref)
+        assert ours[0] <= 2 * theirs[0] + 1e-3 and ours[1] <= 2 * theirs[1] + 0.02, (ours, theirs)
+    assert callable(moe._FN["experts"]) and counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+    ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(3))
+    compiled = moe._FN["experts"]
+    monkeypatch.setitem(moe._FN, "experts", lambda *a: pytest.fail("float32 weights are not compiled whole"))
+    fp32 = run(moe.NAME, torch.float32, ids)  # under bf16 autocast: op by op, the gate compiled alone
+    assert off(fp32, run("eager", torch.float32, ids))[0] < 0.1
+
+    def broken(*a):
+        raise RuntimeError("inductor: no kernel for this")
+
+    monkeypatch.setitem(moe._FN, "experts", broken)
+    ref = run("eager", torch.float32, ids, autocast=False)
+    assert off(run(moe.NAME, torch.bfloat16, ids), ref)[0] < 0.1
+    err = capsys.readouterr().err
+    assert moe._FN["experts"] is False and err.count("experts did not compile (RuntimeError: inductor") == 1, err
+
+    # Inside the user's own torch.compile (the Trainer's --torch_compile): no compile of ours, the same values.
+    monkeypatch.setitem(moe._FN, "experts", compiled)
+    monkeypatch.setattr(moe, "_compiled_experts", lambda *a: pytest.fail("compiled inside the user's compile"))
+    m = copy.deepcopy(base).to(torch.bfloat16)
+    m.set_experts_implementation(moe.NAME)
+    experts = next(x for x in m.modules() if hasattr(x, "_apply_gate") and x is not m)
+    h = torch.randn(29, base.config.hidden_size, dtype=torch.bfloat16)
+    top = torch.randint(0, experts.num_experts, (29, 2), generator=torch.Generator().manual_seed(4))
+    w = torch.rand(29, 2, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    user = torch.compile(lambda *a: experts(*a), fullgraph=True)(h, top, w)
+    monkeypatch.setattr(moe, "compiles", lambda h: False)  # op by op, the model's own gate
+    assert torch.allclose(user.float(), experts(h, top, w).float(), atol=0.05, rtol=0.02)
+    torch._dynamo.reset()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 
 from common import errors
 from trainbox.training import config
@@ -39,6 +40,7 @@ PAD_DOC = -1  # document id of padding (attention mask 0); internal bucket paddi
 GPU_ENV = "TRAINBOX_FLEX_GPU"  # "0": never offer the fused kernel on GPUs (it is offered by default: see usable)
 _compiled: dict = {}  # torch.compile backend -> compiled flex_attention (one per process)
 _score_mods: dict = {}  # (scale, softcap, device) -> score_mod: one function and its tensors, reused by every call
+_sinks: dict = {}  # "fn" -> the compiled sinks (False once it failed to compile)
 _masks: list = []  # (key tensors, window, length) -> BlockMask, for the layers of the current forward
 # Block sizes where inductor's default is slow, by (GPU capability, head size above): head size 256 (Gemma 2) on sm90,
 # benchmarks/flex_configs.py on an H200 (2026-11-26): forward+backward of one packed 16k-token row 2.76 / 2.64 ms
@@ -325,9 +327,40 @@ def flex_attention_forward(module, query, key, value, attention_mask, dropout: f
     else:
         docs = documents(pos if s == kv else None, attention_mask, b, kv, query.device)
         out, lse = dense(query, key, value, docs, scale, sliding_window, softcap, p, training)
+    if s_aux is not None and query.is_cuda:
+        return sinks_to_layout(out, lse, s_aux), None
     if s_aux is not None:
         out = with_sinks(out, lse, s_aux)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _sinks_to_layout(out, lse, sinks):
+    return with_sinks(out, lse, sinks).transpose(1, 2).contiguous()
+
+
+def sinks_to_layout(out, lse, sinks):
+    """with_sinks and the models' (batch, seq, heads, dim) layout, compiled into one kernel each way: op by op they
+    are about ten kernels forward and backward over the attention output (float32 casts, the gate, its product and
+    sum): ~7 ms of the gpt-oss-2b benchmark step's 12 layers on an H200 (benchmarks/results/moe_compiled-*). The
+    sequence length is symbolic from the first call. A compiler failure falls back to the same ops, once, with a
+    line; inside the user's own torch.compile (--torch_compile) that compile traces them."""
+    import torch
+
+    if torch.compiler.is_compiling() or _sinks.get("fn") is False:
+        return _sinks_to_layout(out, lse, sinks)
+    if "fn" not in _sinks:
+        _sinks["fn"] = torch.compile(_sinks_to_layout, fullgraph=True)
+    torch._dynamo.maybe_mark_dynamic(out, 2)
+    torch._dynamo.maybe_mark_dynamic(lse, 2)
+    try:
+        return _sinks["fn"](out, lse, sinks)
+    except torch.OutOfMemoryError:  # the step's memory, not the compiler
+        raise
+    except Exception as error:  # noqa: BLE001 - a compiler failure: the same ops run one by one
+        print(f"[trainbox] attention: the sinks did not compile ({errors.brief(error)}); applying them op by op",
+              file=sys.stderr, flush=True)
+        _sinks["fn"] = False
+        return _sinks_to_layout(out, lse, sinks)
 
 
 def register() -> None:

@@ -27,6 +27,13 @@ Here the same computation, registered as transformers' experts implementation "t
   output autograd kept for it: 3.8 ms of kernels and 1.5 GiB on the gpt-oss-2b benchmark step on an H100
   (benchmarks/results/moe_fold_tiles-2026-11-27.txt). Where the gate is not compiled the weights multiply the down
   GEMM's output, as transformers does (the cheaper side where the intermediate width is above hidden: Mixtral).
+- for gpt-oss in bf16 on GPUs the whole of it (sort, gathers, GEMMs, biases, gate, combine) is one compiled graph,
+  shared by every layer and batch (the token count symbolic): op by op its small kernels and their launches (about
+  25 forward and 30 backward a layer) left the GPU waiting on the host. On the gpt-oss-2b benchmark step on an H200
+  it took 8 ms of elementwise kernels off and ~5 ms off the step (benchmarks/results/moe_compiled-2026-11-28.txt).
+  Float32 weights (under autocast) stay op by op with the gate compiled alone: transformers sends a compiled grouped
+  GEMM of any dtype but bf16 to its fallback op, which has no backward. Inside a user's own torch.compile of the
+  model (the Trainer's --torch_compile) nothing is compiled here: that compile traces the same ops.
 Expert parallelism's sentinel ids (>= num_experts) are not handled: `applies` says where this is used.
 """
 
@@ -85,6 +92,11 @@ def _functions():
             return grad[inverse], None, None
 
     return Gather, Combine, Permute
+
+
+def _functions_once() -> None:
+    if "gather" not in _FN:
+        _FN["gather"], _FN["combine"], _FN["permute"] = _functions()
 
 
 def _sum_slots(x, inverse, k: int):
@@ -149,6 +161,8 @@ def _gate(module, h, weights):
 
     if not compiles(h) or _FN.get("gate") is False or not _is_gpt_oss_gate(module):
         return module._apply_gate(h), False
+    if torch.compiler.is_compiling():  # inside the user's own torch.compile (--torch_compile): it traces the ops
+        return oss_gate(h, float(module.alpha), float(module.limit), weights), True
     if "gate" not in _FN:
         _FN["gate"] = compiled()
     try:
@@ -165,13 +179,45 @@ def _gate(module, h, weights):
 def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """transformers' experts interface: hidden_states (tokens, hidden), top_k_index/top_k_weights (tokens, k)."""
     import torch
+
+    device = hidden_states.device.type
+    up, down = self.gate_up_proj if self.has_gate else self.up_proj, self.down_proj
+    up_bias = (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias) if self.has_bias else None
+    down_bias = self.down_proj_bias if self.has_bias else None
+    autocast = torch.is_autocast_enabled(device)
+    # gpt-oss in bf16 is compiled whole. Other dtypes stay op by op: transformers sends a compiled grouped GEMM of
+    # any other dtype to its fallback op, which has no backward. With bf16 weights and input the Trainer's bf16
+    # autocast would cast nothing here, so the compiled graph runs outside it (as flexattn's kernel does).
+    bf16 = (torch.get_autocast_dtype(device) if autocast else hidden_states.dtype) == torch.bfloat16
+    if (bf16 and hidden_states.dtype == up.dtype == down.dtype == torch.bfloat16 and compiles(hidden_states)
+            and not torch.compiler.is_compiling() and _FN.get("experts") is not False and self.has_gate
+            and _is_gpt_oss_gate(self)):
+        with torch.autocast(device_type=device, enabled=False):
+            out = _compiled_experts(hidden_states, top_k_index, top_k_weights, up, down, up_bias, down_bias,
+                                    self.num_experts, self.is_transposed, float(self.alpha), float(self.limit))
+        if out is not None:
+            return out
+    given = hidden_states.dtype
+    if autocast:
+        # The grouped GEMMs are not autocast ops: transformers casts the input to the weights' dtype, so float32
+        # weights under bf16 autocast (TRL's GRPO default) would run them in float32. Cast as autocast casts a Linear.
+        dtype = torch.get_autocast_dtype(device)
+        hidden_states, up, down = hidden_states.to(dtype), up.to(dtype), down.to(dtype)
+    gate = (lambda h, w: _gate(self, h, w)) if self.has_gate else (lambda h, w: (self.act_fn(h), False))
+    return _experts(hidden_states, top_k_index, top_k_weights, up, down, up_bias, down_bias, self.num_experts,
+                    self.is_transposed, gate).to(given)
+
+
+def _experts(hidden_states, top_k_index, top_k_weights, up, down, up_bias, down_bias, experts: int,
+             transposed: bool, gate):
+    """The experts' computation, op by op or traced whole by _compiled_experts. `gate(h, weights)` returns the
+    activated intermediate and whether each slot's routing weight is multiplied in."""
+    import torch
     import torch.nn.functional as F
     from transformers.integrations.moe import _grouped_linear
 
-    if "gather" not in _FN:
-        _FN["gather"], _FN["combine"], _FN["permute"] = _functions()
+    _functions_once()
     tokens, k = top_k_index.shape
-    experts = self.num_experts
     ids, order = torch.sort(top_k_index.reshape(-1))  # slots grouped by expert
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
@@ -179,29 +225,50 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     x = _FN["gather"].apply(hidden_states, slot_rows, inverse, k)
     counts = torch.histc(ids.int() if ids.is_cuda else ids.float(), bins=experts, min=0, max=experts - 1)
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    up, down = self.gate_up_proj if self.has_gate else self.up_proj, self.down_proj
-    device = x.device.type
-    if torch.is_autocast_enabled(device):
-        # The grouped GEMMs are not autocast ops: transformers casts the input to the weights' dtype, so float32
-        # weights under bf16 autocast (TRL's GRPO default) would run them in float32. Cast as autocast casts a Linear.
-        dtype = torch.get_autocast_dtype(device)
-        x, up, down = x.to(dtype), up.to(dtype), down.to(dtype)
     weights = _FN["permute"].apply(top_k_weights.reshape(-1), order, inverse).to(x.dtype)  # (slots,), sorted
 
-    h = _grouped_linear(x, up, offsets, is_transposed=self.is_transposed)
-    if self.has_bias:
+    h = _grouped_linear(x, up, offsets, is_transposed=transposed)
+    if up_bias is not None:
         onehot = F.one_hot(ids, experts).to(x.dtype)
-        h = h + onehot @ (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias).to(h.dtype)
-    h, weighted = _gate(self, h, weights) if self.has_gate else (self.act_fn(h), False)
-    out = _grouped_linear(h, down, offsets, is_transposed=self.is_transposed)
+        h = h + onehot @ up_bias.to(h.dtype)
+    h, weighted = gate(h, weights)
+    out = _grouped_linear(h, down, offsets, is_transposed=transposed)
     if not weighted:
         out = out * weights.unsqueeze(-1)
     out = _FN["combine"].apply(out, slot_rows, inverse, k)  # (tokens, hidden)
-    if self.has_bias:  # sum over a token's slots of weight * bias[expert] = routing (tokens x E) @ bias
+    if down_bias is not None:  # sum over a token's slots of weight * bias[expert] = routing (tokens x E) @ bias
         routing = torch.zeros(tokens, experts, dtype=out.dtype, device=out.device)
         routing = routing.scatter(1, top_k_index, top_k_weights.to(out.dtype))
-        out = torch.addmm(out, routing, self.down_proj_bias.to(out.dtype))
+        out = torch.addmm(out, routing, down_bias.to(out.dtype))
     return out.to(hidden_states.dtype)
+
+
+def _oss_experts(hidden_states, top_k_index, top_k_weights, up, down, up_bias, down_bias, experts: int,
+                 transposed: bool, alpha: float, limit: float):
+    """gpt-oss's experts with its gate inline (the routing weights folded in), for torch.compile to trace whole."""
+    return _experts(hidden_states, top_k_index, top_k_weights, up, down, up_bias, down_bias, experts, transposed,
+                    lambda h, w: (oss_gate(h, alpha, limit, w), True))
+
+
+def _compiled_experts(hidden_states, top_k_index, top_k_weights, *rest):
+    """_oss_experts compiled (one graph for every layer and batch: the token count symbolic), or None once it failed
+    to compile (then the caller runs it op by op, with the gate compiled alone)."""
+    import torch
+
+    _functions_once()  # classes are made outside the trace (Dynamo cannot trace a class statement)
+    if "experts" not in _FN:
+        _FN["experts"] = torch.compile(_oss_experts, fullgraph=True)
+    for t in (hidden_states, top_k_index, top_k_weights):
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+    try:
+        return _FN["experts"](hidden_states, top_k_index, top_k_weights, *rest)
+    except torch.OutOfMemoryError:  # the step's memory, not the compiler
+        raise
+    except Exception as error:  # noqa: BLE001 - a compiler failure: the same computation runs op by op
+        print(f"[trainbox] MoE: gpt-oss's experts did not compile ({errors.brief(error)}); running them op by op "
+              "with the gate compiled alone", file=sys.stderr, flush=True)
+        _FN["experts"] = False
+        return None
 
 
 def balancing_loss(gate_logits, num_experts=None, top_k=2, attention_mask=None):
@@ -235,6 +302,7 @@ def register() -> None:
     from transformers.models.mixtral import modeling_mixtral
 
     ALL_EXPERTS_FUNCTIONS.register(NAME, experts_forward)
+    _functions_once()  # now, not inside a trace of the model (Dynamo cannot trace a class statement)
     if "balancing" not in _FN:
         _FN["balancing"] = modeling_mixtral.load_balancing_loss_func
         modeling_mixtral.load_balancing_loss_func = balancing_loss
