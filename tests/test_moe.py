@@ -225,7 +225,8 @@ def test_gpt_oss_experts_in_bf16_compile_whole_into_one_graph(monkeypatch, capsy
     """bf16 gpt-oss (as trainbox sft loads it) runs its experts on a GPU as one compiled graph (forced here: inductor's
     CPU code): one graph for every layer and token count, under the Trainer's bf16 autocast too, with logits and
     gradients as close to float32 as transformers' own bf16 experts. Float32 weights under autocast stay op by op;
-    a compiler failure falls back to the ops with one line; the user's own torch.compile of the model traces them."""
+    the same under activation checkpointing; a compiler failure falls back to the ops with one line; the user's own
+    torch.compile of the model traces them."""
     import torch
     from torch._dynamo.utils import counters
 
@@ -254,6 +255,21 @@ def test_gpt_oss_experts_in_bf16_compile_whole_into_one_graph(monkeypatch, capsy
         ours, theirs = off(run(moe.NAME, torch.bfloat16, ids), ref), off(run("eager", torch.bfloat16, ids), ref)
         assert ours[0] <= 2 * theirs[0] + 1e-3 and ours[1] <= 2 * theirs[1] + 0.02, (ours, theirs)
     assert callable(moe._FN["experts"]) and counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+    # Under activation checkpointing (the memory plan's rung): the recomputation's early stop passes through the
+    # compiled call (caught as a compiler failure it broke the checkpoint's state): the same logits and gradients.
+    got = {}
+    for checkpointing in (False, True):
+        m = copy.deepcopy(base).to(torch.bfloat16)
+        m.set_experts_implementation(moe.NAME)
+        if checkpointing:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.train()
+        out = m(ids, labels=ids)
+        out.loss.backward()
+        got[checkpointing] = out.logits.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+    assert torch.equal(got[True][0], got[False][0]) and callable(moe._FN["experts"])
+    assert all(torch.equal(g, got[False][1][n]) for n, g in got[True][1].items())
 
     ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(3))
     compiled = moe._FN["experts"]
@@ -284,3 +300,16 @@ def test_gpt_oss_experts_in_bf16_compile_whole_into_one_graph(monkeypatch, capsy
     monkeypatch.setattr(moe, "compiles", lambda h: False)  # op by op, the model's own gate
     assert torch.allclose(user.float(), experts(h, top, w).float(), atol=0.05, rtol=0.02)
     torch._dynamo.reset()
+
+
+def test_only_compiler_failures_fall_back():
+    """The compiled paths' fallback (compilefail) lets the step's own exceptions through: out of memory, and
+    activation checkpointing's early stop of a recomputation."""
+    import torch
+    from torch.utils import checkpoint
+
+    from trainbox.training import compilefail
+
+    assert compilefail.is_compiler_failure(RuntimeError("inductor: no kernel for this"))
+    assert not compilefail.is_compiler_failure(torch.OutOfMemoryError("CUDA out of memory"))
+    assert not compilefail.is_compiler_failure(checkpoint._StopRecomputationError())

@@ -28,7 +28,7 @@ import os
 import sys
 
 from common import errors
-from trainbox.training import config
+from trainbox.training import compilefail, config
 
 FLEX = "trainbox_flex"
 BLOCK = 128  # FlexAttention's default block size: packed lengths are padded up to a multiple of it (2 at least:
@@ -354,9 +354,9 @@ def sinks_to_layout(out, lse, sinks):
     torch._dynamo.maybe_mark_dynamic(lse, 2)
     try:
         return _sinks["fn"](out, lse, sinks)
-    except torch.OutOfMemoryError:  # the step's memory, not the compiler
-        raise
     except Exception as error:  # noqa: BLE001 - a compiler failure: the same ops run one by one
+        if not compilefail.is_compiler_failure(error):
+            raise
         print(f"[trainbox] attention: the sinks did not compile ({errors.brief(error)}); applying them op by op",
               file=sys.stderr, flush=True)
         _sinks["fn"] = False

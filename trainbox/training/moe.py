@@ -42,6 +42,7 @@ from __future__ import annotations
 import sys
 
 from common import errors
+from trainbox.training import compilefail
 
 NAME = "trainbox_grouped_mm"
 
@@ -167,9 +168,9 @@ def _gate(module, h, weights):
         _FN["gate"] = compiled()
     try:
         return _FN["gate"](h, float(module.alpha), float(module.limit), weights), True
-    except torch.OutOfMemoryError:  # the step's memory, not the compiler: the op-by-op gate needs more
-        raise
     except Exception as error:  # noqa: BLE001 - a compiler failure: the model's own ops compute the same
+        if not compilefail.is_compiler_failure(error):  # the step's (out of memory: the op-by-op gate needs more)
+            raise
         print(f"[trainbox] MoE: gpt-oss's gate did not compile ({errors.brief(error)}); running it op by op",
               file=sys.stderr, flush=True)
         _FN["gate"] = False
@@ -262,9 +263,9 @@ def _compiled_experts(hidden_states, top_k_index, top_k_weights, *rest):
         torch._dynamo.maybe_mark_dynamic(t, 0)
     try:
         return _FN["experts"](hidden_states, top_k_index, top_k_weights, *rest)
-    except torch.OutOfMemoryError:  # the step's memory, not the compiler
-        raise
     except Exception as error:  # noqa: BLE001 - a compiler failure: the same computation runs op by op
+        if not compilefail.is_compiler_failure(error):
+            raise
         print(f"[trainbox] MoE: gpt-oss's experts did not compile ({errors.brief(error)}); running them op by op "
               "with the gate compiled alone", file=sys.stderr, flush=True)
         _FN["experts"] = False

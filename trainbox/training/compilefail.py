@@ -1,0 +1,15 @@
+"""What the compiled fast paths (moe.py's experts and gate, flexattn.py's sinks) share: they fall back to the same
+ops, once, when the compiler fails, and must tell that failure from an exception that belongs to the step."""
+
+from __future__ import annotations
+
+
+def is_compiler_failure(error: BaseException) -> bool:
+    """False for the step's own exceptions, which pass through: out of memory, and non-reentrant activation
+    checkpointing stopping a recomputation early (it raises through the recomputed forward's frames, ours included,
+    once it has every tensor it needs: caught, the recomputation went on and broke the checkpoint's state)."""
+    import torch
+    from torch.utils import checkpoint
+
+    stop = getattr(checkpoint, "_StopRecomputationError", None)
+    return not isinstance(error, torch.OutOfMemoryError) and not (stop is not None and isinstance(error, stop))
