@@ -211,8 +211,9 @@ def test_compiled_path_trains_after_the_choice_trial_and_reuses_its_graphs(zoo, 
               f"grad {grad:.1e}")
     assert logit < 1e-4 and grad < 1e-4, (logit, grad)
     # trial; model (its modifiers differ from the trial's): first shape, then the symbolic length, each with and
-    # without grad. A per-batch (per-length, per-layer) recompile would exceed it.
-    assert compiled <= 5
+    # without grad; gpt-oss's sinks (sinks_to_layout, inductor) one more. A per-batch (per-length, per-layer)
+    # recompile would exceed it.
+    assert compiled <= 5 + (name == "gpt-oss")
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gpt-oss"])

@@ -324,11 +324,11 @@ def flex_attention_forward(module, query, key, value, attention_mask, dropout: f
     if uses_fused(query, key, p):
         docs = padded_documents(pos, attention_mask, b, s, query.device)
         out, lse = fused(query, key, value, docs, scale, sliding_window, softcap, lse=s_aux is not None)
+        if s_aux is not None:  # (generation's shapes, on the dense path, stay op by op: no graphs for them)
+            return sinks_to_layout(out, lse, s_aux), None
     else:
         docs = documents(pos if s == kv else None, attention_mask, b, kv, query.device)
         out, lse = dense(query, key, value, docs, scale, sliding_window, softcap, p, training)
-    if s_aux is not None and query.is_cuda:
-        return sinks_to_layout(out, lse, s_aux), None
     if s_aux is not None:
         out = with_sinks(out, lse, s_aux)
     return out.transpose(1, 2).contiguous(), None
