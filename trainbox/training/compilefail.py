@@ -3,6 +3,10 @@ ops, once, when the compiler fails, and must tell that failure from an exception
 
 from __future__ import annotations
 
+import sys
+
+from common import errors
+
 
 def is_compiler_failure(error: BaseException) -> bool:
     """False for the step's own exceptions, which pass through: out of memory, and non-reentrant activation
@@ -13,3 +17,13 @@ def is_compiler_failure(error: BaseException) -> bool:
 
     stop = getattr(checkpoint, "_StopRecomputationError", None)
     return not isinstance(error, torch.OutOfMemoryError) and not (stop is not None and isinstance(error, stop))
+
+
+def report(error: BaseException, what: str, instead: str) -> bool:
+    """For `except Exception as error` around a compiled call: False for the step's own exceptions (the caller
+    re-raises them); for a compiler failure, prints the one line saying `what` did not compile and what runs
+    `instead`, and returns True (the caller falls back)."""
+    if not is_compiler_failure(error):
+        return False
+    print(f"[trainbox] {what} did not compile ({errors.brief(error)}); {instead}", file=sys.stderr, flush=True)
+    return True

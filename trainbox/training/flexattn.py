@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 
 from common import errors
 from trainbox.training import compilefail, config
@@ -355,10 +354,8 @@ def sinks_to_layout(out, lse, sinks):
     try:
         return _sinks["fn"](out, lse, sinks)
     except Exception as error:  # noqa: BLE001 - a compiler failure: the same ops run one by one
-        if not compilefail.is_compiler_failure(error):
+        if not compilefail.report(error, "attention: the sinks", "applying them op by op"):
             raise
-        print(f"[trainbox] attention: the sinks did not compile ({errors.brief(error)}); applying them op by op",
-              file=sys.stderr, flush=True)
         _sinks["fn"] = False
         return _sinks_to_layout(out, lse, sinks)
 

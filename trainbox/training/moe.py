@@ -39,9 +39,6 @@ Expert parallelism's sentinel ids (>= num_experts) are not handled: `applies` sa
 
 from __future__ import annotations
 
-import sys
-
-from common import errors
 from trainbox.training import compilefail
 
 NAME = "trainbox_grouped_mm"
@@ -169,10 +166,8 @@ def _gate(module, h, weights):
     try:
         return _FN["gate"](h, float(module.alpha), float(module.limit), weights), True
     except Exception as error:  # noqa: BLE001 - a compiler failure: the model's own ops compute the same
-        if not compilefail.is_compiler_failure(error):  # the step's (out of memory: the op-by-op gate needs more)
-            raise
-        print(f"[trainbox] MoE: gpt-oss's gate did not compile ({errors.brief(error)}); running it op by op",
-              file=sys.stderr, flush=True)
+        if not compilefail.report(error, "MoE: gpt-oss's gate", "running it op by op"):
+            raise  # the step's own (out of memory: the op-by-op gate needs more)
         _FN["gate"] = False
         return module._apply_gate(h), False
 
@@ -189,10 +184,10 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     # gpt-oss in bf16 is compiled whole. Other dtypes stay op by op: transformers sends a compiled grouped GEMM of
     # any other dtype to its fallback op, which has no backward. With bf16 weights and input the Trainer's bf16
     # autocast would cast nothing here, so the compiled graph runs outside it (as flexattn's kernel does).
-    bf16 = (torch.get_autocast_dtype(device) if autocast else hidden_states.dtype) == torch.bfloat16
-    if (bf16 and hidden_states.dtype == up.dtype == down.dtype == torch.bfloat16 and compiles(hidden_states)
-            and not torch.compiler.is_compiling() and _FN.get("experts") is not False and self.has_gate
-            and _is_gpt_oss_gate(self)):
+    bf16 = (hidden_states.dtype == up.dtype == down.dtype == torch.bfloat16
+            and (not autocast or torch.get_autocast_dtype(device) == torch.bfloat16))
+    if (bf16 and compiles(hidden_states) and not torch.compiler.is_compiling() and _FN.get("experts") is not False
+            and self.has_gate and _is_gpt_oss_gate(self)):
         with torch.autocast(device_type=device, enabled=False):
             out = _compiled_experts(hidden_states, top_k_index, top_k_weights, up, down, up_bias, down_bias,
                                     self.num_experts, self.is_transposed, float(self.alpha), float(self.limit))
@@ -264,10 +259,9 @@ def _compiled_experts(hidden_states, top_k_index, top_k_weights, *rest):
     try:
         return _FN["experts"](hidden_states, top_k_index, top_k_weights, *rest)
     except Exception as error:  # noqa: BLE001 - a compiler failure: the same computation runs op by op
-        if not compilefail.is_compiler_failure(error):
+        if not compilefail.report(error, "MoE: gpt-oss's experts",
+                                  "running them op by op with the gate compiled alone"):
             raise
-        print(f"[trainbox] MoE: gpt-oss's experts did not compile ({errors.brief(error)}); running them op by op "
-              "with the gate compiled alone", file=sys.stderr, flush=True)
         _FN["experts"] = False
         return None
 
