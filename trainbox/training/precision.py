@@ -10,11 +10,16 @@ Why not the alternatives:
   weight, applies the update there with the optimizer the Trainer would have used (fused AdamW by default), and
   writes the rounded result back. The master copies are part of the optimizer's state, so a resumed run continues
   from the exact float32 weights.
-- Gradients are summed in float32: a hook on each weight adds its bf16 gradient into the master's float32 .grad as
-  soon as autograd has it and frees the bf16 one, so gradient accumulation over N micro-batches rounds once per
+- Gradients are summed in float32: a hook on each weight takes its bf16 gradient as soon as autograd has it (the
+  weight's own .grad stays empty). A step of one micro-batch uses it as it is (exact); from the second micro-batch
+  on they are added into the master's float32 .grad, so gradient accumulation over N micro-batches rounds once per
   micro-batch, never the running sum (summing in the bf16 .grad had a 2-7e-3 relative error after 4-64 of them).
-  The Trainer's clipping and logged grad_norm read those float32 sums (attach()). Memory: bf16 weights (2 bytes
-  per parameter) + float32 masters (4) + float32 gradients (4) + AdamW (8) = 18, with no copy at the step.
+  The Trainer's clipping and logged grad_norm read those gradients (attach()); the clipping factor is applied in
+  the step. Memory: bf16 weights (2 bytes per parameter) + float32 masters (4) + gradients (2, or 4 when summed)
+  + AdamW (8) = 16-18.
+- The step: with torch's fused AdamW (the Trainer's default) on a GPU, one kernel reads each gradient, clips it,
+  updates the master and both moments and writes the bf16 weight (masterstep.py). Any other optimizer runs as
+  itself on the float32 masters, and the rounded result is copied back.
 FSDP2 does the same on its own (float32 shards, bf16 all-gathered compute: speed.tune_fsdp), so this is for one
 process per model copy.
 """
@@ -24,6 +29,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from trainbox.training import masterstep
 
 
 class MasterWeights(torch.optim.Optimizer):
@@ -37,43 +44,105 @@ class MasterWeights(torch.optim.Optimizer):
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": m}
                   for g, m in zip(self.param_groups, self.masters)]
         self.inner = inner(groups, **kwargs)
+        self.pending: dict[int, torch.Tensor] = {}  # id(master): a micro-batch's gradient, as autograd made it
+        self.scale: torch.Tensor | None = None  # the clipping factor the next step applies
         for p, m in self._pairs():
             if p.requires_grad:
-                p.register_post_accumulate_grad_hook(functools.partial(_accumulate, m))
+                p.register_post_accumulate_grad_hook(functools.partial(self._take, m))
 
     def _pairs(self):
         for group, masters in zip(self.param_groups, self.masters):
             yield from zip(group["params"], masters)
 
-    def _fold(self) -> None:
-        """Gradients set by hand (not through autograd, so no hook ran) join the float32 sums too."""
+    @torch.no_grad()
+    def _take(self, master: torch.Tensor, p: torch.Tensor) -> None:
+        """p's gradient of this backward: kept as it is if it is the step's first, else summed in master.grad
+        (float32); p's own .grad is emptied."""
+        if p.grad is None:
+            return
+        first = self.pending.pop(id(master), None)
+        if master.grad is None and first is None:
+            self.pending[id(master)] = p.grad
+        else:
+            if master.grad is None:
+                master.grad = first.to(torch.float32, copy=True)
+            master.grad.add_(p.grad)
+        p.grad = None
+
+    def _grads(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(weight, gradient, master) for each parameter that has one: gradients set by hand (not through
+        autograd, so no hook ran) are taken first."""
+        out = []
         for p, m in self._pairs():
             if p.grad is not None:
-                _accumulate(m, p)
+                self._take(m, p)
+            g = m.grad if m.grad is not None else self.pending.get(id(m))
+            if g is not None:
+                out.append((p, g, m))
+        return out
 
     @torch.no_grad()
     def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """torch's clip_grad_norm_ on the float32 gradient sums; returns the norm before clipping."""
-        self._fold()
-        grads = [m for _, m in self._pairs() if m.grad is not None]
+        """torch's clip_grad_norm_ over the step's gradients (norms in float32); returns the norm before clipping.
+        The factor is applied by the step (no pass over the gradients here)."""
+        grads = [g for _, g, _ in self._grads()]
         if not grads:
             return torch.zeros(())
-        return torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type)
+        norms = torch._foreach_norm(grads, norm_type, dtype=torch.float32)
+        total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        if max_norm != float("inf"):
+            factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            self.scale = factor if self.scale is None else self.scale * factor
+        return total
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
-        self._fold()
         for group, igroup in zip(self.param_groups, self.inner.param_groups):
             # The LR scheduler (and anything else) changes this wrapper's groups: pass the values on.
             igroup.update({k: v for k, v in group.items() if k != "params"} | {"params": igroup["params"]})
-        self.inner.step()
-        pairs = [(p, m) for p, m in self._pairs() if m.grad is not None]
-        if pairs:
-            torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
-        for _, m in pairs:
+        triples = self._grads()
+        left = self._one_pass(triples) if masterstep.usable(self.inner) else triples
+        if left:
+            redo = {id(m) for _, _, m in left}
+            self._op_by_op(left, skip=[t for t in triples if id(t[2]) not in redo])
+        self.pending.clear()
+        self.scale = None
+        for _, _, m in triples:
             m.grad = None
         return loss
+
+    def _one_pass(self, triples):
+        """masterstep's kernel, group by group; returns the triples it did not update."""
+        if not triples or not masterstep.tensors_ok(*map(list, zip(*triples))):
+            return triples
+        by_master = {id(m): (p, g, m) for p, g, m in triples}
+        left = []
+        for igroup in self.inner.param_groups:
+            mine = [by_master[id(m)] for m in igroup["params"] if id(m) in by_master]
+            if left or (mine and not masterstep.step(self.inner, igroup, *map(list, zip(*mine)), scale=self.scale)):
+                left += mine
+        return left
+
+    def _op_by_op(self, triples, skip) -> None:
+        """The inner optimizer on the float32 masters of `triples`, the rounded result copied into the weights;
+        `skip`: already updated (their float32 sums, if any, are dropped so that the inner step passes them by)."""
+        for _, _, m in skip:
+            m.grad = None
+        for _, g, m in triples:
+            if m.grad is None:
+                m.grad = g.to(torch.float32, copy=True)
+        if self.scale is not None:
+            torch._foreach_mul_([m.grad for _, _, m in triples], self.scale)
+        self.inner.step()
+        torch._foreach_copy_([p for p, _, _ in triples], [m for _, _, m in triples])
+
+    def zero_grad(self, set_to_none: bool = True):
+        super().zero_grad(set_to_none)
+        self.pending.clear()
+        self.scale = None
+        for _, m in self._pairs():
+            m.grad = None
 
     def state_dict(self):
         # The masters as they are (torch's optimizers don't copy their state either): saved before the next step.
@@ -88,18 +157,6 @@ class MasterWeights(torch.optim.Optimizer):
                 p.data.copy_(m)
         for group, saved in zip(self.param_groups, state["groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})
-
-
-@torch.no_grad()
-def _accumulate(master: torch.Tensor, p: torch.Tensor) -> None:
-    """p's gradient of this backward into master.grad (float32), then p's own is freed."""
-    if p.grad is None:
-        return
-    if master.grad is None:
-        master.grad = p.grad.to(torch.float32, copy=True)
-    else:
-        master.grad.add_(p.grad)
-    p.grad = None
 
 
 def attach(trainer) -> None:
