@@ -165,3 +165,41 @@ def test_a_real_trainer_clips_and_logs_the_float32_norm(tiny_model, tmp_path):
     assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
 
 # The memory plan (speed.choose_memory, trainbox/training/memplan.py) is tested in tests/test_memplan.py.
+
+
+def test_one_micro_batch_keeps_its_gradient_as_autograd_made_it():
+    """A step of one micro-batch allocates no float32 gradient: the bf16 one is kept until the step reads it."""
+    p = torch.nn.Parameter(torch.randn(64).to(torch.bfloat16))
+    opt = MasterWeights([p], inner=torch.optim.AdamW, lr=1e-3)
+    accumulate_through_autograd(p, [torch.randn(64).to(torch.bfloat16)])
+    master = opt.masters[0][0]
+    assert p.grad is None and master.grad is None
+    kept = opt.pending[id(master)]
+    assert kept.dtype == torch.bfloat16
+    before = master.clone()
+    opt.step()
+    assert not opt.pending and not torch.equal(master, before)
+
+
+def test_a_group_the_kernel_left_runs_op_by_op_and_the_others_are_not_stepped_twice(monkeypatch):
+    """masterstep updates group by group; should one fail (a kernel that does not compile), that group and the
+    following ones take the inner optimizer, and the groups it already updated are passed by."""
+    from trainbox.training import masterstep
+
+    a, b = bf16_param(1.0), bf16_param(2.0)
+    opt = MasterWeights([{"params": [a]}, {"params": [b]}], inner=torch.optim.AdamW, lr=1e-2, weight_decay=0.0)
+    calls = []
+
+    def fake_step(inner, group, weights, grads, masters, scale):
+        calls.append(masters[0])
+        return len(calls) == 1  # the first group "updated" (left as it was), the second refused
+
+    monkeypatch.setattr(masterstep, "usable", lambda inner: True)
+    monkeypatch.setattr(masterstep, "tensors_ok", lambda *lists: True)
+    monkeypatch.setattr(masterstep, "step", fake_step)
+    a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
+    opt.step()
+    assert len(calls) == 2
+    assert torch.equal(opt.masters[0][0], torch.full((4,), 1.0))  # not stepped again by the inner optimizer
+    assert opt.masters[0][0] not in opt.inner.state
+    assert (opt.masters[1][0] < 2.0).all() and torch.equal(b, opt.masters[1][0].to(torch.bfloat16))
