@@ -71,6 +71,27 @@ def test_same_outputs_and_gradients_as_trl(kw, uneven, monkeypatch):
     assert gw.abs().max() > 0 and gh.abs().max() > 0
 
 
+def test_a_loss_known_uniform_skips_the_weights_check(monkeypatch):
+    """uniform(known=True) (sftloss.py's own NLL): the backward takes the first token's factor for all without
+    reading the weights on the host; its result for SFT's weights is the checked path's. Nested marks stay known."""
+    import torch
+
+    monkeypatch.setattr(losshead, "TILE_TOKENS", 128)
+    h, w, targets = _inputs()
+    sft = torch.full((len(targets),), -1.0 / len(targets))
+    checked = _run(_ours, h, w, targets, sft)
+    with losshead.uniform(known=True), losshead.uniform():
+        assert losshead._uniform == "known"
+        known = _run(_ours, h, w, targets, sft)
+        uneven = torch.linspace(-1, 1, len(targets))
+        skipped = _run(_ours, h, w, targets, uneven)
+    assert losshead._uniform is False
+    for a, b in zip(known[3:], checked[3:]):
+        assert torch.equal(a, b)
+    first = _run(_ours, h, w, targets, torch.full_like(uneven, float(uneven[0])))
+    assert torch.equal(skipped[4], first[4])  # the weights were taken as uniform: the check did not run
+
+
 def test_top1_is_the_first_maximum():
     import torch
 

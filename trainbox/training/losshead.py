@@ -37,15 +37,18 @@ TILE_BYTES = 2**30  # one (tokens x vocabulary) tile of logits, overwritten by t
 TILE_TOKENS = 4096  # at most: fewer tiles means fewer passes over the float32 LM head gradient they add into
 OUTPUTS = ("log_probs", "entropy", "is_top1")  # what TRL's SFTTrainer asks its fused head for (this path gives these)
 
-_uniform = False  # inside uniform(): the caller's loss weighs every token's log-probability alike
+_uniform: bool | str = False  # inside uniform(): the caller's loss weighs every token alike ("known": by construction)
 _FN: dict = {}  # "trl": TRL's function (install), "fn": OnePassLogProbs (built on first use), "check": self_check()
 
 
 @contextlib.contextmanager
-def uniform():
-    """Marks a loss that is a uniformly weighted sum of the fused head's log-probabilities (SFT's NLL)."""
+def uniform(known: bool = False):
+    """Marks a loss that is a uniformly weighted sum of the fused head's log-probabilities (SFT's NLL). `known`: the
+    caller wrote that loss itself (sftloss.py), so the backward skips its check of the weights, a host sync that
+    waited for the head's GEMMs before the rest of the backward could be launched."""
     global _uniform
-    before, _uniform = _uniform, True
+    before = _uniform
+    _uniform = "known" if known or before == "known" else True
     try:
         yield
     finally:
@@ -239,7 +242,7 @@ def _function():
             entropy = log_z - x_sum_exp / sum_exp
             top1 = (target_logit >= running_max) & (target_logit > before_target)
             ctx.save_for_backward(hidden, weight, targets, log_z, grad_hidden, grad_weight)
-            ctx.consts = consts
+            ctx.consts, ctx.known = consts, _uniform == "known"
             ctx.mark_non_differentiable(top1)
             return (log_probs, entropy if "entropy" in outputs else None, None, None,
                     top1 if "is_top1" in outputs else None)
@@ -258,7 +261,7 @@ def _function():
             dh = None if grad_hidden is None else torch.mul(grad_hidden, g.unsqueeze(-1), out=torch.empty_like(hidden))
             dw = None
             if grad_weight is not None:
-                if g.numel() == 0 or bool((g == g[0]).all()):  # SFT's loss: one factor for every token
+                if ctx.known or g.numel() == 0 or bool((g == g[0]).all()):  # SFT's loss: one factor for every token
                     dw = torch.mul(grad_weight, g[0] if g.numel() else 0.0, out=torch.empty_like(weight))
                 else:
                     dw = _weighted_weight_grad(hidden, weight, targets, log_z, g, ctx.consts).to(weight.dtype)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from trainbox.run import outputs, preemption, ranks, resume
-from trainbox.training import attention, data, leanmlp, losshead, speed, throughput
+from trainbox.training import attention, data, leanmlp, losshead, sftloss, speed, throughput
 from trainbox.training import config as cfg
 
 
@@ -128,6 +128,7 @@ def finish_tuning(trainer, facts, qlora: bool = False) -> None:
         line = leanmlp.choose(trainer.model, checkpointing=bool(trainer.args.gradient_checkpointing))
         if line and outputs.is_main_process():
             print(f"[trainbox] {line}", flush=True)
+    sftloss.install(trainer)  # before losshead, which runs the loss it finds inside its uniform() marker
     line = losshead.install(trainer, on_gpu=trainer.args.device.type == "cuda")
     if line and outputs.is_main_process():
         print(f"[trainbox] {line}", flush=True)

@@ -240,6 +240,11 @@ def apply(args, model_args, choice, f: ModelFacts, *, shards: int, checkpointing
                      + (" (set by you)" if "gradient_checkpointing" in cfg.explicit(args) else " (qlora default)"))
     if "include_num_input_tokens_seen" not in cfg.explicit(args):
         args.include_num_input_tokens_seen = "non_padding"  # the summary's tokens/s counts real tokens only
+    if on_gpu and "logging_nan_inf_filter" not in cfg.explicit(args):
+        # HF's filter reads every micro-batch's loss on the host: a sync at each backward's end that drains the GPU's
+        # queue before the optimizer step can be launched. Off, a nan/inf loss is logged as it is instead of as the
+        # running mean (the weights take the step either way).
+        args.logging_nan_inf_filter = False
     if on_gpu and "dataloader_num_workers" not in cfg.explicit(args):
         args.dataloader_num_workers = min(2, os.cpu_count() or 1)
     if on_gpu and args.dataloader_pin_memory and "accelerator_config" not in cfg.explicit(args):

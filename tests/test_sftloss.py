@@ -1,0 +1,94 @@
+"""SFT's training loss without host syncs (trainbox/training/sftloss.py) against TRL's own compute_loss on the same
+batches: the same loss, gradients and logged metrics, dense and MoE (the balancing loss), padded and padding-free,
+and a real training run logs numbers, not tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainbox.training import sftloss
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    from zoo import make_zoo_model
+
+    return make_zoo_model(tmp_path_factory.mktemp("mixtral"), "mixtral")
+
+
+def _trainer(model_dir, tmp_path, **kw):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rows = Dataset.from_list([{"messages": [{"role": "user", "content": f"count to {i}"},
+                                            {"role": "assistant", "content": " ".join(["one two"] * (i + 1))}]}
+                              for i in range(8)])
+    args = SFTConfig(str(tmp_path), per_device_train_batch_size=4, max_steps=2, report_to="none", use_cpu=True,
+                     save_strategy="no", logging_steps=1, disable_tqdm=True, **kw)
+    torch.manual_seed(0)
+    return SFTTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), args=args, train_dataset=rows,
+                      processing_class=tok)
+
+
+def _loss_grads_metrics(trainer, batch, num_items):
+    trainer.model.train()
+    trainer.model.zero_grad(set_to_none=True)
+    trainer._metrics["train"].clear()
+    trainer._total_train_tokens = 0
+    loss = trainer.compute_loss(trainer.model, dict(batch), num_items_in_batch=num_items)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    sftloss.settle(trainer)  # a no-op on TRL's numbers
+    return loss.detach(), grads, {k: list(v) for k, v in trainer._metrics["train"].items()}
+
+
+@pytest.mark.parametrize("model", ["tiny", "mixtral"])
+@pytest.mark.parametrize("padding_free", [False, True])
+@pytest.mark.parametrize("given", [False, True], ids=["count-here", "num_items_in_batch"])
+def test_same_loss_gradients_and_metrics_as_trl(model, padding_free, given, tiny_model, mixtral, tmp_path):
+    trainer = _trainer(tiny_model if model == "tiny" else mixtral, tmp_path, padding_free=padding_free,
+                       packing=padding_free)
+    assert trainer.aux_loss_enabled == (model == "mixtral")
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    assert ("attention_mask" in batch) != padding_free and ("position_ids" in batch) >= padding_free
+    num_items = (batch["labels"][:, 1:] != -100).sum() if given else None
+    trainer.current_gradient_accumulation_steps = 2  # what the Trainer's loop sets: divides the balancing loss
+    theirs = _loss_grads_metrics(trainer, batch, num_items)
+    assert sftloss.install(trainer)
+    ours = _loss_grads_metrics(trainer, batch, num_items)
+    torch.testing.assert_close(ours[0], theirs[0], rtol=0, atol=0)
+    assert ours[1].keys() == theirs[1].keys()
+    for name in theirs[1]:
+        torch.testing.assert_close(ours[1][name], theirs[1][name], rtol=0, atol=0)
+    assert ours[2].keys() == theirs[2].keys() and {"entropy", "mean_token_accuracy", "num_tokens"} <= ours[2].keys()
+    assert ("aux_loss" in ours[2]) == (model == "mixtral")
+    for key, values in theirs[2].items():
+        assert all(type(v) is type(w) for v, w in zip(ours[2][key], values)), key  # numbers, as TRL's
+        assert ours[2][key] == pytest.approx(values, rel=1e-6), key
+
+
+def test_a_training_run_logs_numbers(tiny_model, tmp_path):
+    trainer = _trainer(tiny_model, tmp_path)
+    assert sftloss.install(trainer)
+    trainer.train()
+    logged = [e for e in trainer.state.log_history if "entropy" in e]
+    assert len(logged) == 2  # logging_steps=1, max_steps=2
+    for entry in logged:
+        for key in ("loss", "entropy", "mean_token_accuracy", "num_tokens"):
+            assert isinstance(entry[key], (int, float)) and entry[key] == entry[key], (key, entry)
+    assert logged[1]["num_tokens"] > logged[0]["num_tokens"] > 0
+
+
+@pytest.mark.parametrize("kw", [dict(loss_type="dft"), dict(compute_loss_func=lambda *a, **k: 0)])
+def test_other_losses_keep_trls(kw, tiny_model, tmp_path):
+    if "loss_type" in kw:
+        trainer = _trainer(tiny_model, tmp_path, **kw)
+    else:
+        trainer = _trainer(tiny_model, tmp_path)
+        trainer.compute_loss_func = kw["compute_loss_func"]
+    before = trainer.compute_loss
+    assert not sftloss.install(trainer)
+    assert trainer.compute_loss == before
