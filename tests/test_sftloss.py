@@ -92,3 +92,18 @@ def test_other_losses_keep_trls(kw, tiny_model, tmp_path):
     before = trainer.compute_loss
     assert not sftloss.install(trainer)
     assert trainer.compute_loss == before
+
+
+@pytest.mark.parametrize("set_by_you", [False, True])
+def test_nan_filter_off_on_gpus_unless_set(set_by_you, tmp_path):
+    """HF's nan/inf loss filter syncs at every backward's end: off by default on a GPU, yours when you set it."""
+    from trl import SFTConfig
+
+    from trainbox.training import config as cfg
+    from trainbox.training import speed
+
+    for on_gpu in (False, True):
+        args = SFTConfig(str(tmp_path), report_to="none", use_cpu=True)  # HF's default: on
+        cfg.set_explicit(args, ["logging_nan_inf_filter"] if set_by_you else [])
+        speed.host_defaults(args, on_gpu)
+        assert args.logging_nan_inf_filter is (set_by_you or not on_gpu)

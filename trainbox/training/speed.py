@@ -240,20 +240,29 @@ def apply(args, model_args, choice, f: ModelFacts, *, shards: int, checkpointing
                      + (" (set by you)" if "gradient_checkpointing" in cfg.explicit(args) else " (qlora default)"))
     if "include_num_input_tokens_seen" not in cfg.explicit(args):
         args.include_num_input_tokens_seen = "non_padding"  # the summary's tokens/s counts real tokens only
-    if on_gpu and "logging_nan_inf_filter" not in cfg.explicit(args):
+    host_defaults(args, on_gpu)
+    lines.append(choose_precision(args, model_args, on_gpu, shards, masters_off))
+    return lines
+
+
+def host_defaults(args, on_gpu: bool) -> None:
+    """On a GPU, defaults that keep the host ahead of the GPU (unless you set them): no sync inside a step, batches
+    made by workers and copied without waiting."""
+    if not on_gpu:
+        return
+    explicit = cfg.explicit(args)
+    if "logging_nan_inf_filter" not in explicit:
         # HF's filter reads every micro-batch's loss on the host: a sync at each backward's end that drains the GPU's
         # queue before the optimizer step can be launched. Off, a nan/inf loss is logged as it is instead of as the
         # running mean (the weights take the step either way).
         args.logging_nan_inf_filter = False
-    if on_gpu and "dataloader_num_workers" not in cfg.explicit(args):
+    if "dataloader_num_workers" not in explicit:
         args.dataloader_num_workers = min(2, os.cpu_count() or 1)
-    if on_gpu and args.dataloader_pin_memory and "accelerator_config" not in cfg.explicit(args):
+    if args.dataloader_pin_memory and "accelerator_config" not in explicit:
         # Batches from pinned memory copied without waiting: a blocking copy syncs the host with the GPU at each
         # step's start, so the next forward could only be launched once the last optimizer step had finished
         # (with throughput.TokenCount: -28 ms of a 288 ms gpt-oss-2b step, benchmarks/profile_step.py --gaps)
         args.accelerator_config.non_blocking = True
-    lines.append(choose_precision(args, model_args, on_gpu, shards, masters_off))
-    return lines
 
 
 MASTER_WEIGHT_OPTIMS = ("adamw_torch", "adamw_torch_fused")
