@@ -27,7 +27,8 @@ trainer it builds (and to count real tokens per micro-batch on the GPU, no host 
 
 Steps 1..--warm run unprofiled (a fresh GPU's first steps are slow; steps --skip+1..--warm-1 give the unprofiled
 rate; step --warm is the profiler's warm-up), steps --warm+1 .. --warm+--active run under the profiler (CPU + CUDA
-activities), then one more step. Reported:
+activities), then one more step; on a GPU the host waits for it before and after them (trainbox's steps have no
+sync inside, so the host runs ahead and an undrained window held parts of the neighbouring steps). Reported:
 wall per step (CUDA events, GPU timeline) profiled and unprofiled, GPU busy time (the union of kernel, memcpy and
 memset intervals) vs wall (idle = launch/CPU/sync gaps), kernel time by category (share of kernel time and of the
 step), the top 15 kernels, and MFU over the profiled steps (train_throughput's flops_per_token x real tokens /
@@ -40,6 +41,7 @@ Several kinds or variants: each runs in its own process (one after another), the
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import os
@@ -153,14 +155,22 @@ def frontend_ops(events) -> list:
 def launched(events) -> tuple[list[tuple[str, float, object]], float]:
     """The CUDA activities (kernels, memcpy, memset) of a profile: (name, us, the CPU op that launched it or None),
     and busy time. A device event names its launching CPU op by linked_correlation_id; a torch whose events lack it
-    gets the same list from the CPU ops' own kernel lists (activities launched outside any op are then left out)."""
+    gets the same list from the CPU ops' own kernel lists, plus, with no launching op, the activities no op lists (a
+    Triton kernel launched from Python outside any aten op: masterstep's): by name, those beyond the ops' count."""
     gpu = device_activities(events)
     busy = union_us([(e.time_range.start, e.time_range.end) for e in gpu])
     frontend = frontend_ops(events)
     if gpu and hasattr(gpu[0], "linked_correlation_id"):
         ops = {e.id: e for e in frontend}
         return [(e.name, e.time_range.end - e.time_range.start, ops.get(e.linked_correlation_id)) for e in gpu], busy
-    return [(k.name, k.duration, e) for e in frontend for k in e.kernels], busy
+    attached = [(k.name, k.duration, e) for e in frontend for k in e.kernels]
+    listed = collections.Counter(name for name, _, _ in attached)
+    for e in gpu:
+        if listed[e.name] > 0:
+            listed[e.name] -= 1
+        else:
+            attached.append((e.name, e.time_range.end - e.time_range.start, None))
+    return attached, busy
 
 
 def device_kernels(events) -> tuple[list[tuple[str, float, str | None]], float]:
@@ -257,6 +267,10 @@ class Profile:
 
         step = state.global_step
         self.marks[step] = self.mark()
+        if self.cuda and self.prof is not None and step in (self.warm, self.warm + self.active):
+            # The host runs ahead of the GPU (no sync inside a step): drained at both ends, the recorded window
+            # holds the profiled steps' kernels only, not the next step's launches or the last one's tail.
+            torch.cuda.synchronize()
         if self.syncs is not None and step in (self.skip - 1, self.skip):
             self.watch_syncs(step == self.skip - 1)
         if step == self.warm - 1:
