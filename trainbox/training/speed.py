@@ -297,7 +297,9 @@ def choose_precision(args, model_args, on_gpu: bool, shards: int, masters_off: s
         return f"precision: float32 weights under bf16 autocast (TRL's; {masters_off})"
     model_args.dtype = "bfloat16"
     args.trainbox_master_weights = True
-    return f"precision: bf16 weights, float32 master weights in the optimizer ({_optim_name(args)}); no autocast casts"
+    step = "; the step in one kernel, masterstep.py" if _optim_name(args) == "adamw_torch_fused" else ""
+    return (f"precision: bf16 weights, float32 master weights in the optimizer ({_optim_name(args)}{step}); "
+            "no autocast casts")
 
 
 def reshards_after_forward(memory_first: bool) -> bool:
