@@ -106,11 +106,12 @@ def _launch(lists, coefs, scale, *, lr, beta1, beta2, eps, lr_wd, wdt, gdt) -> N
     kernel = _kernel()
     # Whole blocks without a mask (a mask on a size the compiler cannot see stops it vectorising the loads), then
     # each tensor's last partial block with one.
-    for tensors, offsets, masked in _programs(tuple(t.numel() for t in lists[0]), BLOCK, device):
-        if tensors.numel():
-            kernel[(tensors.numel(),)](table, tensors, offsets, coefs, scale, n, lr, beta1, beta2, eps, lr_wd,
-                                       W=getattr(tl, _TL[wdt]), G=getattr(tl, _TL[gdt]), BLOCK=BLOCK,
-                                       MASKED=masked, num_warps=WARPS)
+    with torch.cuda.device(device):  # Triton launches on the current device
+        for tensors, offsets, masked in _programs(tuple(t.numel() for t in lists[0]), BLOCK, device):
+            if tensors.numel():
+                kernel[(tensors.numel(),)](table, tensors, offsets, coefs, scale, n, lr, beta1, beta2, eps, lr_wd,
+                                           W=getattr(tl, _TL[wdt]), G=getattr(tl, _TL[gdt]), BLOCK=BLOCK,
+                                           MASKED=masked, num_warps=WARPS)
 
 
 @functools.lru_cache(maxsize=16)
