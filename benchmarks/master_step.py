@@ -91,8 +91,8 @@ def _master(opt, p):
     raise KeyError("not a parameter of this optimizer")
 
 
-def shape_params(shape: str) -> list[tuple[tuple[int, ...], str]]:
-    """(shape, name) of every parameter of a train_throughput shape, from its config on the meta device."""
+def shape_params(shape: str) -> list[tuple[int, ...]]:
+    """The shape of every parameter of a train_throughput shape, from its config on the meta device."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
@@ -100,7 +100,7 @@ def shape_params(shape: str) -> list[tuple[tuple[int, ...], str]]:
     conf = getattr(transformers, tt.CONFIG_CLASS.get(shape, "LlamaConfig"))(**tt.SHAPES[shape])
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(conf)
-    return [(tuple(p.shape), n) for n, p in model.named_parameters()]
+    return [tuple(p.shape) for p in model.parameters()]
 
 
 def timed(opt, params, grads, reps: int, events: list) -> None:
@@ -142,12 +142,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if ok else 1
 
     shapes = shape_params(opts.shape)
-    n = sum(torch.Size(s).numel() for s, _ in shapes)
+    n = sum(torch.Size(s).numel() for s in shapes)
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s, device="cuda", dtype=torch.bfloat16) * 0.02) for s, _ in shapes]
-    grads = [torch.randn(s, device="cuda", dtype=torch.bfloat16) * 1e-3 for s, _ in shapes]
-    decay = [p for p, (_, name) in zip(params, shapes) if p.ndim > 1]
-    rest = [p for p, (_, name) in zip(params, shapes) if p.ndim <= 1]
+    params = [torch.nn.Parameter(torch.randn(s, device="cuda", dtype=torch.bfloat16) * 0.02) for s in shapes]
+    grads = [torch.randn(s, device="cuda", dtype=torch.bfloat16) * 1e-3 for s in shapes]
+    decay = [p for p in params if p.ndim > 1]  # the Trainer's groups: no decay on biases and norms
+    rest = [p for p in params if p.ndim <= 1]
     opt = MasterWeights([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}],
                         inner=torch.optim.AdamW, lr=1e-5, fused=True)
     runs = {"one-pass": [], "op-by-op": []}

@@ -118,7 +118,7 @@ def _launch(lists, coefs, scale, *, lr, beta1, beta2, eps, lr_wd, wdt, gdt) -> N
 def _programs(numels: tuple[int, ...], block: int, device: torch.device):
     """Per program, its tensor, first element and (for the masked launch) the tensor's size: whole blocks, then
     tails. The sizes never change in a run, so this is built once."""
-    whole_t, whole_o, tail_t, tail_o = [], [], [], []
+    whole_t, whole_o, tail_t, tail_o, tail_n = [], [], [], [], []
     for i, k in enumerate(numels):
         full = k // block
         whole_t += [i] * full
@@ -126,12 +126,11 @@ def _programs(numels: tuple[int, ...], block: int, device: torch.device):
         if k % block:
             tail_t.append(i)
             tail_o.append(full * block)
-    sizes = torch.tensor(numels, dtype=torch.int64, device=device)
+            tail_n.append(k)
     return [(torch.tensor(whole_t, dtype=torch.int32, device=device),
              torch.tensor(whole_o, dtype=torch.int64, device=device), False),
             (torch.tensor(tail_t, dtype=torch.int32, device=device),
-             torch.stack([torch.tensor(tail_o, dtype=torch.int64, device=device),
-                          sizes[torch.tensor(tail_t, dtype=torch.int64, device=device)]]).contiguous(), True)]
+             torch.tensor(tail_o + tail_n, dtype=torch.int64, device=device), True)]
 
 
 _TL = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}  # Triton's names
