@@ -3,7 +3,7 @@
 On the device (one H100; about 2-4 minutes):
 
     python benchmarks/flex_configs.py --head-dim 256 --heads 8 --kv-heads 4 --softcap 50 --window 1024   # Gemma 2
-    python benchmarks/flex_configs.py --head-dim 64 --heads 32 --kv-heads 8 --window 128                 # gpt-oss
+    python benchmarks/flex_configs.py --head-dim 64 --heads 32 --kv-heads 8 --window 128 --lse           # gpt-oss
 
 The row is what trainbox sft feeds the kernel: examples of the chat-length mix (train_throughput.lengths) packed into
 --tokens positions, documents from position_ids, the same score_mod and block mask as trainbox_flex (flexattn.py),
@@ -54,9 +54,15 @@ def main() -> int:
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--softcap", type=float, default=None)
     ap.add_argument("--window", type=int, default=None, help="also time the windowed layers (every other layer)")
+    ap.add_argument("--lse", action="store_true", help="return the log-sum-exp and backpropagate into it (gpt-oss's "
+                    "sinks, as trainbox_flex runs them)")
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--no-autotune", action="store_true")
+    ap.add_argument("--options", action="append", type=json.loads, default=[], metavar="JSON",
+                    help='also time these kernel_options, e.g. \'{"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 128, '
+                         '"fwd_num_stages": 3}\' (fwd_/bwd_ prefixes: torch >= 2.9); repeatable')
+    ap.add_argument("--no-sweep", dest="sweep", action="store_false", help="only the default, --options and autotune")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args()
 
@@ -73,11 +79,23 @@ def main() -> int:
     q = torch.randn(1, a.heads, n, a.head_dim, device=dev, dtype=torch.bfloat16, generator=g)
     k, v = (torch.randn(1, a.kv_heads, n, a.head_dim, device=dev, dtype=torch.bfloat16, generator=g) for _ in "kv")
     grad = torch.randn_like(q)
+    lse_grad = torch.randn(q.shape[:3], device=dev, generator=g)
     mod = flexattn.score_mod(a.head_dim ** -0.5, a.softcap, dev)
     windows = [None] + ([a.window] if a.window else [])
     masks = {w: flexattn.block_mask(docs, w) for w in windows}
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}: head dim {a.head_dim}, {a.heads}/{a.kv_heads} "
           f"heads, {len(lens)} examples in {a.tokens} tokens, softcap {a.softcap}, windows {windows}", flush=True)
+
+    def step(fn, qq, kk, vv, w, opts):
+        kw = dict(score_mod=mod, block_mask=masks[w], scale=1.0, enable_gqa=a.heads != a.kv_heads)
+        if opts:
+            kw["kernel_options"] = opts
+        if not a.lse:
+            fn(qq, kk, vv, **kw).backward(grad)
+            return
+        # gpt-oss: the sinks read the log-sum-exp, so it comes back and its gradient flows in (as in training)
+        out, aux = fn(qq, kk, vv, return_aux=fa.AuxRequest(lse=True), **kw)
+        torch.autograd.backward([out, aux.lse], [grad, lse_grad])
 
     def bench(label, fn, opts):
         qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
@@ -86,18 +104,14 @@ def main() -> int:
             t0 = time.perf_counter()
             for w in windows:
                 for _ in range(3):
-                    out = fn(qq, kk, vv, score_mod=mod, block_mask=masks[w], scale=1.0,
-                             enable_gqa=a.heads != a.kv_heads, **({"kernel_options": opts} if opts else {}))
-                    out.backward(grad)
+                    step(fn, qq, kk, vv, w, opts)
             torch.cuda.synchronize()
             first = time.perf_counter() - t0
             for w in windows:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 for _ in range(a.iters):
-                    out = fn(qq, kk, vv, score_mod=mod, block_mask=masks[w], scale=1.0,
-                             enable_gqa=a.heads != a.kv_heads, **({"kernel_options": opts} if opts else {}))
-                    out.backward(grad)
+                    step(fn, qq, kk, vv, w, opts)
                 end.record()
                 torch.cuda.synchronize()
                 ms[str(w)] = start.elapsed_time(end) / a.iters
@@ -114,6 +128,7 @@ def main() -> int:
     runs = [("default", None)] + [(f"bwd {c[:4]} w{c[4]} s{c[5]}", dict(BLOCK_M1=c[0], BLOCK_N1=c[1], BLOCK_M2=c[2],
                                                                          BLOCK_N2=c[3], num_warps=c[4],
                                                                          num_stages=c[5])) for c in CONFIGS]
+    runs = (runs if a.sweep else runs[:1]) + [(json.dumps(o, separators=(",", ":")), o) for o in a.options]
     for label, opts in runs:
         torch._dynamo.reset()
         r = bench(label, torch.compile(fa.flex_attention, fullgraph=True), opts)

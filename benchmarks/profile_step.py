@@ -5,11 +5,11 @@ On the device (one H100, no network; about 1 to 1.5 minutes per run, 2 runs here
     python benchmarks/profile_step.py --kinds uniform mix --json /tmp/profile.json
 
 Before/after in the same call: one run per kind and variant, each variant extra `trainbox sft` options (the last
-occurrence of an option wins), e.g. without the per-step host syncs of logging every step and counting input tokens
-(the benchmark logs every step; 4 runs, about 5 to 6 minutes):
+occurrence of an option wins), e.g. the cost of logging every step (the runs log at trainbox's default, every 10
+steps; 4 runs, about 5 to 6 minutes):
 
     python benchmarks/profile_step.py --kinds uniform mix --variant base= \\
-        --variant fewer-syncs="--logging_steps 10 --include_num_input_tokens_seen no" --json /tmp/profile.json
+        --variant every-step="--logging_steps 1" --json /tmp/profile.json
 
 Where the GPU waits for the host (idle gaps, by the kernel that ended them) and where one step syncs host and GPU
 (torch's sync debug mode over step --skip, before the timed ones):

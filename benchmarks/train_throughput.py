@@ -284,10 +284,11 @@ def show(res: dict, fpt: float, peak: float) -> dict:
 
 
 def sft_common(model: Path, max_length: int = 2048, batch: int = 8) -> list[str]:
-    """The options both sft runs share (trl sft and trainbox sft; profile_step.py runs ours with them too)."""
+    """The options both sft runs share (trl sft and trainbox sft; profile_step.py runs ours with them too). Logging
+    is each tool's default (every 10 steps on both): a log line reads the loss, the gradient norm and the metrics
+    from the GPU, and logging every step would time those reads instead of what users run."""
     return ["--model_name_or_path", str(model), "--max_length", str(max_length), "--per_device_train_batch_size",
-            str(batch), "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none", "--seed", "0",
-            "--disable_tqdm", "true"]  # fmt: skip
+            str(batch), "--save_strategy", "no", "--report_to", "none", "--seed", "0", "--disable_tqdm", "true"]
 
 
 def sft(a) -> None:
@@ -319,11 +320,13 @@ def sft(a) -> None:
         fpt = flops_per_token(model, lens)
         print(f"# sft {shape} {kind}: {len(lens)} rows, median {sorted(lens)[len(lens) // 2]} tokens, "
               f"{100 * sum(n > 1500 for n in lens) / len(lens):.1f} % over 1,500; {fpt / 1e9:.2f} GFLOP/token", flush=True)
-        if a.loss_only:
-            results["mix-trl-0"] = show(run("mix-trl-0", trl(data, work / "o-lt", a.steps), work, log), fpt, peak)
+        if a.loss_only:  # every step's loss, on both sides
+            every = ["--logging_steps", "1"]
+            results["mix-trl-0"] = show(run("mix-trl-0", trl(data, work / "o-lt", a.steps) + every, work, log), fpt,
+                                        peak)
             label = "mix-ours-nopacking"
-            results[label] = show(run(label, ours(data, work / f"o-{label}", a.steps, "--packing", "false"), work,
-                                      log), fpt, peak)
+            results[label] = show(run(label, ours(data, work / f"o-{label}", a.steps, "--packing", "false", *every),
+                                      work, log), fpt, peak)
             break
         if not results and a.warmup:  # warm-up process on a fresh GPU: not reported
             run("warmup", ours(data, work / "o-warm", 8), work, log)
@@ -371,7 +374,9 @@ def summarize_sft(results: dict) -> None:
     if ref and mine:
         pairs = [(a[1], b[1]) for a, b in zip(ref[:20], mine[:20])]
         worst = max(abs(x - y) / abs(x) for x, y in pairs)
-        print(f"SUMMARY sft loss, first {len(pairs)} steps, same batches: max relative difference {100 * worst:.2f} % "
+        at = ",".join(str(a[0]) for a in ref[:len(pairs)])
+        print(f"SUMMARY sft loss logged at steps {at} (each the mean since the last), same batches: max relative "
+              f"difference {100 * worst:.2f} % "
               f"(trl {pairs[0][0]:.4f}->{pairs[-1][0]:.4f}, ours {pairs[0][1]:.4f}->{pairs[-1][1]:.4f})", flush=True)
 
 

@@ -323,13 +323,15 @@ def test_the_gpu_default_has_an_off_switch(monkeypatch):
 
 
 def test_kernel_options_only_where_measured(monkeypatch):
-    """Block sizes (flexattn.KERNEL_OPTIONS) for head size 256 on sm90 only; inductor's default elsewhere."""
+    """Block sizes (flexattn.KERNEL_OPTIONS) for head sizes above 128 and up to 64 on sm90 only; inductor's default
+    elsewhere."""
     import torch
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     cuda = torch.device("cuda", 0)
     assert flexattn.kernel_options(256, cuda)["BLOCK_M1"] == 32
-    assert flexattn.kernel_options(128, cuda) is None and flexattn.kernel_options(64, cuda) is None
+    assert flexattn.kernel_options(64, cuda)["BLOCK_N"] == 128 and flexattn.kernel_options(32, cuda)["BLOCK_M"] == 64
+    assert flexattn.kernel_options(128, cuda) is None and flexattn.kernel_options(96, cuda) is None
     assert flexattn.kernel_options(256, torch.device("cpu")) is None
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
     assert flexattn.kernel_options(256, cuda) is None

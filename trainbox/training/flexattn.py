@@ -41,11 +41,17 @@ _compiled: dict = {}  # torch.compile backend -> compiled flex_attention (one pe
 _score_mods: dict = {}  # (scale, softcap, device) -> score_mod: one function and its tensors, reused by every call
 _sinks: dict = {}  # "fn" -> the compiled sinks (False once it failed to compile)
 _masks: list = []  # (key tensors, window, length) -> BlockMask, for the layers of the current forward
-# Block sizes where inductor's default is slow, by (GPU capability, head size above): head size 256 (Gemma 2) on sm90,
-# benchmarks/flex_configs.py on an H200 (2026-11-26): forward+backward of one packed 16k-token row 2.76 / 2.64 ms
-# (full / 1,024-token window) against the default's 3.59 / 3.30 ms; inductor's own max-autotune found 2.93 / 2.77 ms
-# after 134 s of compiling.
-KERNEL_OPTIONS = {((9, 0), 128): dict(BLOCK_M1=32, BLOCK_N1=32, BLOCK_M2=32, BLOCK_N2=32, num_warps=4, num_stages=2)}
+# Block sizes where inductor's default is slow, by (GPU capability, head sizes lo < d <= hi); measured with
+# benchmarks/flex_configs.py on an H200 (fwd+bwd of one packed 16k-token row, full / windowed layer):
+# - head size 256 (Gemma 2, 1,024-token window), 2026-11-26: 2.76 / 2.64 ms against the default's 3.59 / 3.30 ms;
+#   inductor's own max-autotune found 2.93 / 2.77 ms after 134 s of compiling.
+# - head size 64 (gpt-oss: 32/8 heads, 128-token window, the log-sum-exp's gradient), 2026-11-28: 1.73 / 1.08 ms
+#   against 2.28 / 1.35 ms, mostly the forward's 64x128 tiles; max-autotune picked the same tiles.
+KERNEL_OPTIONS = {
+    ((9, 0), (128, 1 << 30)): dict(BLOCK_M1=32, BLOCK_N1=32, BLOCK_M2=32, BLOCK_N2=32, num_warps=4, num_stages=2),
+    ((9, 0), (0, 64)): dict(BLOCK_M=64, BLOCK_N=128, BLOCK_M1=64, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=64, num_warps=4,
+                            num_stages=3),
+}
 
 
 def flex_fn():
@@ -295,7 +301,7 @@ def kernel_options(head_dim: int, device) -> dict | None:
     import torch
 
     cc = torch.cuda.get_device_capability(device)
-    return next((o for (c, above), o in KERNEL_OPTIONS.items() if c == cc and head_dim > above), None)
+    return next((o for (c, (lo, hi)), o in KERNEL_OPTIONS.items() if c == cc and lo < head_dim <= hi), None)
 
 
 def uses_fused(query, key, dropout: float) -> bool:
