@@ -31,6 +31,17 @@ CONFIGS = [(m1, n1, m2, n2, w, s) for (m1, n1, m2, n2) in [(64, 64, 64, 64), (32
            for w in (4, 8) for s in (1, 2)]
 
 
+def options(text: str) -> dict:
+    """--options: a JSON object of FlexAttention kernel_options."""
+    try:
+        got = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({e})") from None
+    if not isinstance(got, dict):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a JSON object, e.g. '{{\"BLOCK_M\": 64}}'")
+    return got
+
+
 def row(tokens: int, device):
     import torch
     import train_throughput as tt
@@ -59,7 +70,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--no-autotune", action="store_true")
-    ap.add_argument("--options", action="append", type=json.loads, default=[], metavar="JSON",
+    ap.add_argument("--options", action="append", type=options, default=[], metavar="JSON",
                     help='also time these kernel_options, e.g. \'{"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 128, '
                          '"fwd_num_stages": 3}\' (fwd_/bwd_ prefixes: torch >= 2.9); repeatable')
     ap.add_argument("--no-sweep", dest="sweep", action="store_false", help="only the default, --options and autotune")
