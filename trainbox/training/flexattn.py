@@ -48,7 +48,7 @@ _masks: list = []  # (key tensors, window, length) -> BlockMask, for the layers 
 # - head size 64 (gpt-oss: 32/8 heads, 128-token window, the log-sum-exp's gradient), 2026-11-28: 1.73 / 1.08 ms
 #   against 2.28 / 1.35 ms, mostly the forward's 64x128 tiles; max-autotune picked the same tiles.
 KERNEL_OPTIONS = {
-    ((9, 0), (128, 1 << 30)): dict(BLOCK_M1=32, BLOCK_N1=32, BLOCK_M2=32, BLOCK_N2=32, num_warps=4, num_stages=2),
+    ((9, 0), (128, math.inf)): dict(BLOCK_M1=32, BLOCK_N1=32, BLOCK_M2=32, BLOCK_N2=32, num_warps=4, num_stages=2),
     ((9, 0), (0, 64)): dict(BLOCK_M=64, BLOCK_N=128, BLOCK_M1=64, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=64, num_warps=4,
                             num_stages=3),
 }
