@@ -7,10 +7,11 @@ On the device (one H100; about 2-4 minutes):
 
 The row is what trainbox sft feeds the kernel: examples of the chat-length mix (train_throughput.lengths) packed into
 --tokens positions, documents from position_ids, the same score_mod and block mask as trainbox_flex (flexattn.py),
-bf16. Each configuration is compiled afresh (torch._dynamo.reset), run 3 times, then timed over --iters calls with
-CUDA events; "default" is inductor's own choice (no kernel_options), "autotune" is `mode=max-autotune-no-cudagraphs`
-(inductor benchmarks its candidates; its compile time is printed too). A configuration that does not fit (shared
-memory) prints its error and is skipped.
+bf16; query, key and value keep --tokens positions as in training (a length that is no multiple of 128, e.g. 16369,
+times the kernel's bounds-checked variant). Each configuration is compiled afresh (torch._dynamo.reset), run 3
+times, then timed over --iters calls with CUDA events; "default" is inductor's own choice (no kernel_options),
+"autotune" is `mode=max-autotune-no-cudagraphs` (inductor benchmarks its candidates; its compile time is printed
+too). A configuration that does not fit (shared memory) prints its error and is skipped.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def main() -> int:
     dev = torch.device("cuda")
     pos, lens = row(a.tokens, dev)
     docs = flexattn.padded_documents(pos, None, 1, a.tokens, dev)
-    n = docs.shape[1]
+    n = a.tokens
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(1, a.heads, n, a.head_dim, device=dev, dtype=torch.bfloat16, generator=g)
     k, v = (torch.randn(1, a.kv_heads, n, a.head_dim, device=dev, dtype=torch.bfloat16, generator=g) for _ in "kv")
@@ -93,7 +94,7 @@ def main() -> int:
     lse_grad = torch.randn(q.shape[:3], device=dev, generator=g)
     mod = flexattn.score_mod(a.head_dim ** -0.5, a.softcap, dev)
     windows = [None] + ([a.window] if a.window else [])
-    masks = {w: flexattn.block_mask(docs, w) for w in windows}
+    masks = {w: flexattn.block_mask(docs, w, n) for w in windows}
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}: head dim {a.head_dim}, {a.heads}/{a.kv_heads} "
           f"heads, {len(lens)} examples in {a.tokens} tokens, softcap {a.softcap}, windows {windows}", flush=True)
 

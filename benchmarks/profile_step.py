@@ -251,6 +251,19 @@ class Profile:
         # Real tokens so far: counted on the host where the shape says it (padding-free), summed on the device where
         # a mask does (read at the end). Never a host<->device copy: a blocking one would sync every step.
         self.tokens_host, self.tokens_dev = 0, None
+        # Python's garbage collections by the step they ran in (ms, host time): a full one stalls the launches
+        self.gc_ms: dict[int, float] = {}
+        self._gc_start = 0.0
+        import gc
+
+        gc.callbacks.append(self.on_gc)
+
+    def on_gc(self, phase, info) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+            return
+        step = self.trainer.state.global_step + 1
+        self.gc_ms[step] = self.gc_ms.get(step, 0.0) + 1e3 * (time.perf_counter() - self._gc_start)
 
     def mark(self):
         import torch
@@ -419,6 +432,8 @@ def run_one(opts, kind: str, label: str, extra: list[str]) -> dict:
     res.update(kind=kind, variant=label, extra=extra, device=opts.device, profiled_steps=[a + 1, b],
                unprofiled_wall_ms_per_step=1e3 * p.seconds(start, end) / (end - start),
                unprofiled_steps=[start + 1, end], real_tokens_per_step=tokens / opts.active,
+               step_ms={i: round(1e3 * p.seconds(i - 1, i), 1) for i in sorted(p.marks) if i - 1 in p.marks},
+               gc_ms={i: round(ms, 1) for i, ms in sorted(p.gc_ms.items()) if ms >= 1},
                flops_per_token=fpt, attn=str(getattr(trainer.model.config, "_attn_implementation", "?")),
                gradient_checkpointing=bool(trainer.args.gradient_checkpointing),
                packing=bool(getattr(trainer.args, "packing", False)),

@@ -365,7 +365,7 @@ def test_block_tiles_are_create_block_masks_without_the_dense_mask():
     visited without the mask (full), and block_mask's BlockMask says the same."""
     import random
 
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
     for seed in range(60):
         r = random.Random(seed)
@@ -394,7 +394,21 @@ def test_block_tiles_are_create_block_masks_without_the_dense_mask():
         assert torch.equal(full, ref_full), case
         assert torch.equal(partial | full, ref.to_dense().bool()) and not (partial & full).any(), case
         flexattn._masks.clear()
-        assert torch.equal(flexattn.block_mask(docs, window).to_dense().bool(), partial | full), case
+        bm = flexattn.block_mask(docs, window)
+        assert torch.equal(bm.to_dense().bool(), partial | full), case
+        # the backward's lists (per key block), made from the tiles: what torch derives from the forward's lists
+        ref = BlockMask.from_kv_blocks(bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
+                                       BLOCK_SIZE=flexattn.BLOCK, seq_lengths=bm.seq_lengths)
+        lists = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
+                 "full_q_num_blocks", "full_q_indices")
+        assert all(getattr(bm, name).is_contiguous() for name in lists), case  # the kernels read them so
+        for name in ("q_num_blocks", "full_q_num_blocks"):
+            assert torch.equal(getattr(bm, name), getattr(ref, name)), (case, name)
+        for name, count in (("q_indices", "q_num_blocks"), ("full_q_indices", "full_q_num_blocks")):
+            for b in range(batch):
+                for kv in range(blocks):
+                    k = int(getattr(ref, count)[b, 0, kv])
+                    assert torch.equal(getattr(bm, name)[b, 0, kv, :k], getattr(ref, name)[b, 0, kv, :k]), (case, name)
     flexattn._masks.clear()
     flexattn._docs_cache.clear()
 

@@ -209,3 +209,24 @@ def test_a_trl_whose_kernels_changed_keeps_its_own_head(monkeypatch):
     monkeypatch.delitem(losshead._FN, "check")
     t, _ = _trainer()
     assert losshead.install(t, on_gpu=True) == f"loss head: TRL's ({why})"
+
+
+def test_given_rows_are_picked_and_put_back(monkeypatch):
+    """uniform(rows=...): the head scores the labelled rows only and returns every row (zeros where unlabelled);
+    rows that are not the ones TRL scored (another size) go to TRL's function, right for any weighting."""
+    import torch
+    from trl.kernels import ChunkedLogProbFunction
+
+    monkeypatch.setitem(losshead._FN, "trl", ChunkedLogProbFunction)
+    h, w, targets = _inputs(n=40, vocab=60)
+    rows = torch.arange(40) % 3 != 0
+    with losshead.uniform(known=True, rows=rows):
+        lp, ent, _, _, top1 = losshead.LogProbs.apply(h, w, None, targets, 1.0, 16)
+    ref = ChunkedLogProbFunction.apply(h[rows], w, None, targets[rows], 1.0, 16, None, 1.0, losshead.OUTPUTS)
+    assert lp.shape == (40,) and torch.equal(lp[rows], ref[0]) and torch.equal(ent[rows], ref[1])
+    assert torch.equal(top1[rows], ref[4]) and not lp[~rows].any() and not top1[~rows].any()
+    seen = []
+    monkeypatch.setitem(losshead._FN, "trl", types.SimpleNamespace(apply=lambda *a: seen.append(a[0].shape) or ()))
+    with losshead.uniform(known=True, rows=rows[:39]):
+        losshead.LogProbs.apply(h, w, None, targets, 1.0, 16)
+    assert seen == [h.shape]  # all 40 rows, to TRL's own function

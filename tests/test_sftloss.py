@@ -107,3 +107,51 @@ def test_nan_filter_off_on_gpus_unless_set(set_by_you, tmp_path):
         cfg.set_explicit(args, ["logging_nan_inf_filter"] if set_by_you else [])
         speed.host_defaults(args, on_gpu)
         assert args.logging_nan_inf_filter is (set_by_you or not on_gpu)
+
+
+def _graph(tensor) -> set[str]:
+    """The names of the autograd nodes behind `tensor`."""
+    seen, todo = set(), [tensor.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is not None and fn not in seen:
+            seen.add(fn)
+            todo += [nxt for nxt, _ in fn.next_functions]
+    return {type(fn).__name__ for fn in seen}
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_the_loss_heads_backward_reads_no_count_on_the_host(padding_free, tiny_model, tmp_path, monkeypatch):
+    """On a GPU TRL's fused forward keeps the labelled rows (`hidden[mask]`) and scatters the results back: backward
+    ops that read the mask's count on the host (IndexBackward0, MaskedScatterBackward0), where the backward waited
+    for the head's GEMMs. With trainbox's head and loss the rows are picked in the forward: neither node is in the
+    graph, and the loss and gradients are TRL's compacting path's (the one-pass head runs on the CPU here)."""
+    import trl.trainer.utils as trl_utils
+
+    from trainbox.training import losshead
+
+    for name in ("_use_triton", "_ChunkedLogProbFunction"):
+        monkeypatch.setattr(trl_utils, name, getattr(trl_utils, name))
+    monkeypatch.setattr(trl_utils, "_use_triton", lambda device: True)  # TRL's GPU path: compact rows
+    trainer = _trainer(tiny_model, tmp_path, padding_free=padding_free, packing=padding_free)
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    batch["labels"][:, :5] = -100  # some rows without a label, as a prompt's
+
+    def run():
+        trainer.model.zero_grad(set_to_none=True)
+        loss = trainer.compute_loss(trainer.model, dict(batch))
+        nodes = _graph(loss)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in trainer.model.named_parameters()}, nodes
+
+    trainer.model.train()
+    theirs = run()
+    assert {"IndexBackward0", "MaskedScatterBackward0"} <= theirs[2]
+    monkeypatch.setattr(losshead, "applies", lambda hidden, weight, bias, outputs: bool(losshead._uniform))
+    assert losshead.install(trainer, on_gpu=True) and sftloss.install(trainer)
+    ours = run()
+    assert not {"IndexBackward0", "MaskedScatterBackward0"} & ours[2] and "IndexSelectBackward0" in ours[2]
+    torch.testing.assert_close(ours[0], theirs[0], rtol=1e-5, atol=1e-6)
+    for name, grad in theirs[1].items():
+        torch.testing.assert_close(ours[1][name], grad, rtol=1e-4, atol=1e-6 * float(grad.abs().max()) + 1e-7)
+    assert trl_utils._use_triton(batch["labels"].device) is True  # outside the loss: TRL's own answer

@@ -237,7 +237,7 @@ def kernel_table() -> list[dict]:
                 if mode == "fused":
                     tm = time.time()
                     docs = flexattn.padded_documents(pos, None, 1, length, DEV)
-                    flexattn.block_mask(docs, window)
+                    flexattn.block_mask(docs, window, length)
                     sync()
                     mask_s = time.time() - tm
                     o, lse = flexattn.fused(qq, kk, vv, docs, scale, window, cap, fn=None if DEV == "cuda" else fa)

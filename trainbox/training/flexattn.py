@@ -8,10 +8,12 @@ kernel: the block mask keeps each query to its own example (document ids from th
 log-sum-exp: eager's softmax over [scores, sink] gives each real key exp(s) / (Z + exp(sink)) with Z = exp(lse), so
 out_with_sinks = out * Z / (Z + exp(sink)) = out * sigmoid(lse - sink), exactly, per head.
 
-The fused kernel runs on CUDA, compiled once per shape family: rows are padded up to a multiple of 128 (the block
-size; padding gets a document of its own) and torch.compile's automatic dynamic shapes turn the sequence length
-symbolic after the first change, so a new packed length does not recompile; the block mask (a cheap index structure)
-is built per batch, outside the compiled function, and shared by the layers of one forward. Every number the kernel
+The fused kernel runs on CUDA, compiled once per shape family: torch.compile's automatic dynamic shapes turn the
+sequence length symbolic after the first change, so a new packed length does not recompile. The block mask (a cheap
+index structure) is built per batch, outside the compiled function, and shared by the layers of one forward; its
+document ids are padded up to a multiple of 128 (the block size; that padding is a document of its own), while
+query, key and value keep their length (the kernel bounds-checks a last, partial block: padding them was ~150
+launches and 3 ms of copies a gpt-oss step). Every number the kernel
 reads besides the shapes (scale, softcap, window, document ids) is a tensor captured by the mask/score modifiers,
 never a Python float: Dynamo guards a captured float's value, and a second value (the choice trial's softcap, then
 the model's) turns it symbolic, breaks the graph and sends the call to the unfused eager operator, whose backward
@@ -30,8 +32,8 @@ from common import errors
 from trainbox.training import compilefail, config
 
 FLEX = "trainbox_flex"
-BLOCK = 128  # FlexAttention's default block size: packed lengths are padded up to a multiple of it (2 at least:
-# Dynamo specializes a size of 1, so one-block rows would compile graphs of their own)
+BLOCK = 128  # FlexAttention's default block size: the block mask's document ids are padded up to a multiple of it
+# (2 blocks at least: Dynamo specializes a size of 1, so one-block rows would compile graphs of their own)
 RECOMPILE_LIMIT = 32
 NO_WINDOW = 1 << 30
 PAD_DOC = -1  # document id of padding (attention mask 0); internal bucket padding gets PAD_DOC - 1
@@ -170,21 +172,24 @@ def dense(query, key, value, docs, scale: float, window: int | None, softcap: fl
     return torch.matmul(probs, value), lse
 
 
-def block_mask(docs, window: int | None):
-    """The BlockMask for `docs` (already padded to a multiple of BLOCK), reused while the same tensors come back
-    (every layer of one forward, and its recomputation under checkpointing)."""
+def block_mask(docs, window: int | None, length: int | None = None):
+    """The BlockMask for `docs` (already padded to a multiple of BLOCK) over rows of `length` tokens (default: docs'
+    padded length), reused while the same tensors come back (every layer of one forward, and its recomputation under
+    checkpointing)."""
     import torch
     from torch.nn.attention.flex_attention import BlockMask
 
-    for key_docs, key_window, bm in _masks:
-        if key_docs is docs and key_window == window:
+    n = docs.shape[1] if length is None else length
+    for key_docs, key_window, key_n, bm in _masks:
+        if key_docs is docs and key_window == window and key_n == n:
             return bm
-    n = docs.shape[1]
     w = torch.full((), window or NO_WINDOW, device=docs.device)  # a fill kernel: torch.tensor() would sync
-    (num, idx), (full_num, full_idx) = (_ordered(t) for t in tiles(docs, window))
-    bm = BlockMask.from_kv_blocks(num, idx, full_num, full_idx, BLOCK_SIZE=BLOCK, mask_mod=mask_mod(docs, w),
-                                  seq_lengths=(n, n))
-    _masks.insert(0, (docs, window, bm))
+    partial, full = tiles(docs, window)
+    # The backward's (per key block) lists straight from the tiles: from_kv_blocks would rebuild the tiles from the
+    # forward's lists first (an index_put_ and ~10 more launches per list, on the host's path in a host-bound step)
+    bm = BlockMask((n, n), *_ordered(partial), *_ordered(full), *_ordered(partial.transpose(-2, -1)),
+                   *_ordered(full.transpose(-2, -1)), BLOCK_SIZE=(BLOCK, BLOCK), mask_mod=mask_mod(docs, w))
+    _masks.insert(0, (docs, window, n, bm))
     del _masks[4:]
     return bm
 
@@ -227,10 +232,12 @@ def tiles(docs, window: int | None):
 
 
 def _ordered(tiles):
-    """(per query block, how many key blocks; their indices first, ascending): BlockMask's layout, int32 (torch's
-    own conversion, _dense_to_ordered, is private; from_kv_blocks is the public entry)."""
+    """(per query block, how many key blocks; their indices first, ascending): BlockMask's layout, int32, contiguous
+    (the kernels index these lists as contiguous: a transposed view's strides gave wrong key/value gradients on an
+    H200; torch's own conversion, _dense_to_ordered, is private)."""
     import torch
 
+    tiles = tiles.contiguous()
     num = tiles.sum(-1, dtype=torch.int32)
     idx = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
     return num, idx
@@ -258,10 +265,9 @@ def padded_documents(position_ids, attention_mask, batch: int, length: int, devi
 
 def fused(query, key, value, docs, scale: float, window: int | None, softcap: float | None, fn=None,
           lse: bool = True):
-    """FlexAttention on rows padded to docs' length: (out (b, h, s, d), lse (b, h, s) or None when not `lse`).
-    `fn`: the flex_attention to call (default: the compiled one)."""
+    """FlexAttention over rows of s tokens, `docs` their document ids padded to a multiple of BLOCK: (out (b, h, s,
+    d), lse (b, h, s) or None when not `lse`). `fn`: the flex_attention to call (default: the compiled one)."""
     import torch
-    import torch.nn.functional as F
     from torch.nn.attention import flex_attention as fa
 
     # One dtype, autocast's where it is on: float32 weights under bf16 autocast (TRL's GRPO default) leave q and k
@@ -271,12 +277,8 @@ def fused(query, key, value, docs, scale: float, window: int | None, softcap: fl
     device = query.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
     query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
-    s, n = query.shape[2], docs.shape[1]
-    if n != s:  # padded in the models' layout ((batch, seq, heads, dim) seen transposed): one set of strides
-        query, key, value = (F.pad(t.transpose(1, 2), (0, 0, 0, 0, 0, n - s)).transpose(1, 2)
-                             for t in (query, key, value))
-    kw = dict(score_mod=score_mod(scale, softcap, query.device), block_mask=block_mask(docs, window), scale=1.0,
-              enable_gqa=key.shape[1] != query.shape[1])
+    kw = dict(score_mod=score_mod(scale, softcap, query.device), block_mask=block_mask(docs, window, query.shape[2]),
+              scale=1.0, enable_gqa=key.shape[1] != query.shape[1])
     opts = kernel_options(query.shape[-1], query.device)
     if opts:
         kw["kernel_options"] = opts
@@ -285,13 +287,11 @@ def fused(query, key, value, docs, scale: float, window: int | None, softcap: fl
     # its backward then fails on real tensors (seen on an H100, torch 2.11).
     with torch.autocast(device_type=device, enabled=False):
         if not lse:  # (compiled FlexAttention on CPU returns no log-sum-exp)
-            return fn(query, key, value, **kw)[:, :, :s], None
+            return fn(query, key, value, **kw), None
         if hasattr(fa, "AuxRequest"):
             out, aux = fn(query, key, value, return_aux=fa.AuxRequest(lse=True), **kw)
-            got = aux.lse
-        else:  # torch < 2.9
-            out, got = fn(query, key, value, return_lse=True, **kw)
-    return out[:, :, :s], got[:, :, :s]
+            return out, aux.lse
+        return fn(query, key, value, return_lse=True, **kw)  # torch < 2.9
 
 
 def kernel_options(head_dim: int, device) -> dict | None:

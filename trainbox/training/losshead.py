@@ -18,6 +18,12 @@ are TRL's private functions) fails. There the path is taken for bf16/fp16 weight
 enabled. Everything else runs TRL's own function, unchanged: GRPO's weighted losses, evaluation, float32 weights
 under autocast, FSDP2 (its gathered head is float32). Should a caller inside `uniform()` still weigh the tokens
 unevenly, the backward sees it and computes the LM head's gradient again from the tiles (slower, exact).
+Scored rows: TRL's fused forward keeps the labelled rows with `hidden[mask]` and puts the results back with
+`masked_scatter`, whose backward ops (masked_select, a boolean index_put_) read the mask's count on the host: the
+backward's first op waited there for the head's ~35 ms of GEMMs, and the rest of a MoE backward was then launched at
+the host's pace. Where the caller passes the rows (`uniform(known=True, rows=...)`, sftloss.py) TRL's forward is
+told not to compact and the head picks the rows itself (index_select / index_copy: one read of the count in the
+forward, where the GPU is barely behind, none in the backward).
 Memory: one tile (<= TILE_BYTES), the hidden states' gradient and the float32 LM head gradient, from the loss head's
 forward to its backward; TRL holds the same gradients and a smaller tile in its backward (memplan counts the tile).
 Measured on one H100 (benchmarks/results/loss_head-2026-11-27.txt): the head 58.3 -> 46.1 ms at 16k tokens x 128k
@@ -38,21 +44,24 @@ TILE_TOKENS = 4096  # at most: fewer tiles means fewer passes over the float32 L
 OUTPUTS = ("log_probs", "entropy", "is_top1")  # what TRL's SFTTrainer asks its fused head for (this path gives these)
 
 _uniform: bool | str = False  # inside uniform(): the caller's loss weighs every token alike ("known": by construction)
+_rows = None  # inside uniform(rows=...): which of TRL's rows carry a label (a bool tensor: TRL's `mask`)
 _FN: dict = {}  # "trl": TRL's function (install), "fn": OnePassLogProbs (built on first use), "check": self_check()
 
 
 @contextlib.contextmanager
-def uniform(known: bool = False):
+def uniform(known: bool = False, rows=None):
     """Marks a loss that is a uniformly weighted sum of the fused head's log-probabilities (SFT's NLL). `known`: the
     caller wrote that loss itself (sftloss.py), so the backward skips its check of the weights, a host sync that
-    waited for the head's GEMMs before the rest of the backward could be launched."""
-    global _uniform
-    before = _uniform
-    _uniform = "known" if known or before == "known" else True
+    waited for the head's GEMMs before the rest of the backward could be launched. `rows`: TRL's label mask for the
+    call (`labels[:, 1:] != -100`), so the rows are picked here without host syncs in the backward (module doc)."""
+    global _uniform, _rows
+    before = _uniform, _rows
+    _uniform = "known" if known or before[0] == "known" else True
+    _rows = rows
     try:
         yield
     finally:
-        _uniform = before
+        _uniform, _rows = before
 
 
 def install(trainer, on_gpu: bool) -> str | None:
@@ -76,6 +85,10 @@ def install(trainer, on_gpu: bool) -> str | None:
     if current is not LogProbs:
         _FN["trl"] = current
         trl_utils._ChunkedLogProbFunction = LogProbs
+    if hasattr(trl_utils, "_use_triton") and trl_utils._use_triton is not _compact:
+        # TRL's fused forward asks it whether to compact the rows (`hidden[mask]`): not where the rows are given
+        _FN["compact"] = trl_utils._use_triton
+        trl_utils._use_triton = _compact
     compute_loss = trainer.compute_loss
 
     def compute_loss_uniform(*a, **kw):
@@ -103,13 +116,36 @@ def applies(hidden, weight, bias, outputs) -> bool:
     return type(weight) in (torch.Tensor, torch.nn.Parameter)
 
 
+def _compact(device) -> bool:
+    """Stands where TRL's fused forward finds `_use_triton` (its choice to score only the labelled rows): False
+    while uniform(rows=...) gives the rows, which LogProbs then picks itself; TRL's answer otherwise."""
+    return False if _rows is not None else _FN["compact"](device)
+
+
 class LogProbs:
     """Stands where TRL's add_fused_lm_head finds ChunkedLogProbFunction, with its `apply` signature: ours where
-    `applies`, TRL's own otherwise."""
+    `applies`, TRL's own otherwise; with the rows given (uniform(rows=...)), on those rows only."""
 
     @staticmethod
     def apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None, logit_scale=1.0,
               outputs=OUTPUTS):
+        rows = _rows
+        if rows is None:
+            return LogProbs._scored(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping,
+                                    logit_scale, outputs)
+        if hidden.dim() != 2 or rows.numel() != hidden.shape[0]:
+            # not the rows this TRL scored: its own function, right for any weighting of them
+            return _FN["trl"].apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping,
+                                    logit_scale, outputs)
+        # TRL scored every row (its targets there: labels.clamp(min=0)) and zeroes the unlabelled ones after us
+        pick = rows.reshape(-1).nonzero().squeeze(1)  # the count is read here, in the forward
+        got = LogProbs._scored(hidden.index_select(0, pick), weight, bias, targets.index_select(0, pick),
+                               temperature, chunk_size, final_logit_softcapping, logit_scale, outputs)
+        return tuple(None if x is None else x.new_zeros(rows.numel()).index_copy(0, pick, x) for x in got)
+
+    @staticmethod
+    def _scored(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale,
+                outputs):
         if applies(hidden, weight, bias, outputs):
             return one_pass().apply(hidden, weight, targets, float(temperature), final_logit_softcapping,
                                     float(logit_scale), tuple(outputs))

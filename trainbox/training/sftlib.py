@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from trainbox.run import outputs, preemption, ranks, resume
-from trainbox.training import attention, data, leanmlp, losshead, sftloss, speed, throughput
+from trainbox.training import attention, data, hostgc, leanmlp, losshead, sftloss, speed, throughput
 from trainbox.training import config as cfg
 
 
@@ -106,14 +106,16 @@ def tune(model_args, training_args, shards: int, checkpointing: bool = True):
 
 
 def build_trainer(model, training_args, train_ds, tokenizer, **extra):
-    """TRL's SFTTrainer with our callbacks (preemption, steady-state throughput); `extra`: peft_config, optimizer."""
+    """TRL's SFTTrainer with our callbacks (preemption, steady-state throughput, the collector off the step's path);
+    `extra`: peft_config, optimizer."""
     from trl import SFTTrainer
 
     # TRL tokenizes and packs inside the constructor, on every rank at once, into one datasets cache (shared by
     # the nodes of a job on shared storage): the first process fills it, the others then read it.
     with training_args.main_process_first(local=False, desc="tokenize and pack"):
         return SFTTrainer(model=model, args=training_args, train_dataset=train_ds, processing_class=tokenizer,
-                          callbacks=[preemption.PreemptionCallback(), throughput.Throughput()], **extra)
+                          callbacks=[preemption.PreemptionCallback(), throughput.Throughput(), hostgc.FrozenHeap()],
+                          **extra)
 
 
 def finish_tuning(trainer, facts, qlora: bool = False) -> None:

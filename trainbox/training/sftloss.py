@@ -56,7 +56,11 @@ def train_loss(trainer, model, inputs, num_items_in_batch):
     inputs["use_cache"] = False
     if trainer.aux_loss_enabled:
         inputs["output_router_logits"] = True
-    with losshead.uniform(known=True):  # the loss below weighs every token alike
+    labels = inputs.get("shift_labels")
+    if labels is None and inputs.get("labels") is not None:
+        labels = inputs["labels"][:, 1:]  # what TRL's fused forward scores (shift_labels as they come)
+    # the loss below weighs every token alike; the head picks the labelled rows itself (no host sync in the backward)
+    with losshead.uniform(known=True, rows=None if labels is None else labels != -100):
         outputs = model(**inputs, fused_lm_head=True)
     num_tokens = outputs.label_mask.sum() if num_items_in_batch is None else num_items_in_batch
     loss = -outputs.log_probs.sum() / torch.as_tensor(num_tokens).clamp(min=1)

@@ -1,0 +1,59 @@
+"""hostgc.FrozenHeap: the objects alive before training and after steps 1 and 3 are frozen out of the collector's
+full passes; TRAINBOX_GC_FREEZE=0 leaves the collector alone. A real trainbox sft run carries the callback."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from trainbox.training import hostgc, sftlib
+
+
+@pytest.fixture(autouse=True)
+def _thawed():
+    gc.unfreeze()
+    yield
+    gc.unfreeze()
+
+
+def _steps(cb, n):
+    """The frozen count after each of n steps, each making 1,000 objects that stay alive."""
+    frozen, alive = [], []
+    for _ in range(n):
+        alive.append([[i] for i in range(1000)])
+        cb.on_step_end(None, None, None)
+        frozen.append(gc.get_freeze_count())
+    return frozen
+
+
+def test_frozen_before_training_and_after_steps_1_and_3():
+    cb = hostgc.FrozenHeap()
+    cb.on_train_begin(None, None, None)
+    begun = gc.get_freeze_count()
+    assert begun > 0
+    frozen = _steps(cb, 5)
+    assert begun < frozen[0] == frozen[1] < frozen[2] == frozen[3] == frozen[4]  # after steps 1 and 3 only
+    assert gc.isenabled()  # collections still run, over what the steps make
+
+
+def test_off_switch(monkeypatch):
+    monkeypatch.setenv(hostgc.ENV, "0")
+    cb = hostgc.FrozenHeap()
+    cb.on_train_begin(None, None, None)
+    assert _steps(cb, 4) == [0, 0, 0, 0] and gc.get_freeze_count() == 0
+
+
+def test_sft_trainers_carry_it(tiny_model, tmp_path):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig
+
+    rows = Dataset.from_list([{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+                              for _ in range(4)])
+    args = SFTConfig(str(tmp_path), max_steps=1, report_to="none", use_cpu=True, save_strategy="no")
+    trainer = sftlib.build_trainer(AutoModelForCausalLM.from_pretrained(tiny_model), args, rows,
+                                   AutoTokenizer.from_pretrained(tiny_model))
+    assert any(isinstance(cb, hostgc.FrozenHeap) for cb in trainer.callback_handler.callbacks)
+    trainer.train()
+    assert gc.get_freeze_count() > 0
