@@ -11,16 +11,16 @@ out_with_sinks = out * Z / (Z + exp(sink)) = out * sigmoid(lse - sink), exactly,
 The fused kernel runs on CUDA, compiled once per shape family: torch.compile's automatic dynamic shapes turn the
 sequence length symbolic after the first change, so a new packed length does not recompile. The block mask (a cheap
 index structure) is built per batch, outside the compiled function, and shared by the layers of one forward; its
-document ids are padded up to a multiple of 128 (the block size; that padding is a document of its own), while
-query, key and value keep their length (the kernel bounds-checks a last, partial block: padding them was ~150
-launches and 3 ms of copies a gpt-oss step). Every number the kernel
-reads besides the shapes (scale, softcap, window, document ids) is a tensor captured by the mask/score modifiers,
-never a Python float: Dynamo guards a captured float's value, and a second value (the choice trial's softcap, then
-the model's) turns it symbolic, breaks the graph and sends the call to the unfused eager operator, whose backward
-then failed inside the models (reproduced on CPU: tests/test_flex_attention.py). fullgraph=True makes any such break,
-or the recompile limit, an error at the first call instead of that silent fall-back. Elsewhere the same masks and modifiers run as dense math
-(`dense`): on CPU (torch has no FlexAttention backward there), when a KV cache makes queries and keys differ in
-length (generation), and for dropout.
+document ids are padded up to a multiple of 128 (the block size; that padding is a document of its own), while query,
+key and value keep their length (the kernel bounds-checks a last, partial block: padding them was ~150 launches and 3
+ms of copies a gpt-oss step). Every number the kernel reads besides the shapes (scale, softcap, window, document ids)
+is a tensor captured by the mask/score modifiers, never a Python float: Dynamo guards a captured float's value, and a
+second value (the choice trial's softcap, then the model's) turns it symbolic, breaks the graph and sends the call to
+the unfused eager operator, whose backward then failed inside the models (reproduced on CPU:
+tests/test_flex_attention.py). fullgraph=True makes any such break, or the recompile limit, an error at the first
+call instead of that silent fall-back. Elsewhere the same masks and modifiers run as dense math (`dense`): on CPU
+(torch has no FlexAttention backward there), when a KV cache makes queries and keys differ in length (generation),
+and for dropout.
 """
 
 from __future__ import annotations
