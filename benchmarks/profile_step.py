@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import gc
 import json
 import os
 import re
@@ -254,8 +255,6 @@ class Profile:
         # Python's garbage collections by the step they ran in (ms, host time): a full one stalls the launches
         self.gc_ms: dict[int, float] = {}
         self._gc_start = 0.0
-        import gc
-
         gc.callbacks.append(self.on_gc)
 
     def on_gc(self, phase, info) -> None:
