@@ -1,5 +1,5 @@
 """hostgc.FrozenHeap: the objects alive before training and after steps 1 and 3 are frozen out of the collector's
-full passes; TRAINBOX_GC_FREEZE=0 leaves the collector alone. A real trainbox sft run carries the callback."""
+full passes; TRAINBOX_GC_FREEZE=0 leaves the collector alone. Real sft and grpo trainers carry the callback."""
 
 from __future__ import annotations
 
@@ -57,3 +57,20 @@ def test_sft_trainers_carry_it(tiny_model, tmp_path):
     assert any(isinstance(cb, hostgc.FrozenHeap) for cb in trainer.callback_handler.callbacks)
     trainer.train()
     assert gc.get_freeze_count() > 0
+
+
+def test_grpo_trainers_carry_it(tiny_model, tmp_path):
+    import datasets
+
+    from trainbox.cli import grpo
+    from trainbox.run import preemption
+    from trainbox.training import grpo_options, grpo_trainer
+
+    _, _, raw, model_args = grpo.parse(["--model_name_or_path", str(tiny_model), "--output_dir", str(tmp_path),
+                                        "--num_generations", "2", "--per_device_train_batch_size", "2",
+                                        "--use_cpu", "true", "--report_to", "none"])
+    trainer = grpo_trainer.build_trainer(grpo_options.finalize(raw, 1), model_args, "full",
+                                         [lambda completions, **kw: [0.0] * len(completions)],
+                                         datasets.Dataset.from_list([{"prompt": "a b"}] * 2),
+                                         preemption.PreemptionCallback())
+    assert any(isinstance(cb, hostgc.FrozenHeap) for cb in trainer.callback_handler.callbacks)
