@@ -68,9 +68,12 @@ def test_grpo_trainers_carry_it(tiny_model, tmp_path):
 
     _, _, raw, model_args = grpo.parse(["--model_name_or_path", str(tiny_model), "--output_dir", str(tmp_path),
                                         "--num_generations", "2", "--per_device_train_batch_size", "2",
-                                        "--use_cpu", "true", "--report_to", "none"])
+                                        "--max_completion_length", "4", "--max_steps", "1", "--use_cpu", "true",
+                                        "--report_to", "none", "--save_strategy", "no"])
     trainer = grpo_trainer.build_trainer(grpo_options.finalize(raw, 1), model_args, "full",
                                          [lambda completions, **kw: [0.0] * len(completions)],
                                          datasets.Dataset.from_list([{"prompt": "a b"}] * 2),
                                          preemption.PreemptionCallback())
     assert any(isinstance(cb, hostgc.FrozenHeap) for cb in trainer.callback_handler.callbacks)
+    trainer.train()
+    assert gc.get_freeze_count() > 0
