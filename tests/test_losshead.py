@@ -230,3 +230,34 @@ def test_given_rows_are_picked_and_put_back(monkeypatch):
     with losshead.uniform(known=True, rows=rows[:39]):
         losshead.LogProbs.apply(h, w, None, targets, 1.0, 16)
     assert seen == [h.shape]  # all 40 rows, to TRL's own function
+
+
+def test_inside_the_users_torch_compile(monkeypatch):
+    """--torch_compile: Dynamo traces the model around the head. The head runs eagerly behind a graph break (on a GPU
+    Dynamo crashed tracing its float32-output GEMMs), and the zeros the compiled graph hands back for the entropy it
+    passed on unused are no entropy gradient under sftloss's known-uniform loss: the same values and gradients."""
+    import torch
+    import trl.trainer.utils as trl_utils
+
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", trl_utils._ChunkedLogProbFunction)
+    monkeypatch.setattr(losshead, "applies", lambda *a: True)  # the GPU path's condition, here on the CPU
+    assert losshead.install(_trainer()[0], on_gpu=True)  # makes the eager wrapper, outside any trace
+    eager, calls = losshead._FN["eager"], []
+    monkeypatch.setitem(losshead._FN, "eager", torch.compiler.disable(lambda *a: calls.append(1) or eager(*a)))
+
+    def head(h, w, t):
+        lp, ent, _, _, top1 = losshead.LogProbs.apply(h, w, None, t, 1.0, 16)
+        return lp * 1.0, ent * 1.0  # the model's compiled code after the head takes both on
+
+    h, w, t = _inputs(n=40, vocab=60)
+    torch._dynamo.reset()
+    got = []
+    for fn in (head, torch.compile(head, backend="aot_eager")):
+        hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        with losshead.uniform(known=True):
+            lp, ent = fn(hh, ww, t)
+            (-lp.sum() / len(t)).backward()
+        got.append((lp.detach(), ent.detach(), hh.grad, ww.grad))
+    for a, b in zip(*got):
+        assert torch.equal(a, b)
+    assert got[1][3].abs().max() > 0 and calls == [1]  # the compiled call ran the head eagerly, untraced

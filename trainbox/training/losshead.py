@@ -45,7 +45,7 @@ OUTPUTS = ("log_probs", "entropy", "is_top1")  # what TRL's SFTTrainer asks its 
 
 _uniform: bool | str = False  # inside uniform(): the caller's loss weighs every token alike ("known": by construction)
 _rows = None  # inside uniform(rows=...): which of TRL's rows carry a label (a bool tensor: TRL's `mask`)
-_FN: dict = {}  # "trl": TRL's function (install), "fn": OnePassLogProbs (built on first use), "check": self_check()
+_FN: dict = {}  # "trl": TRL's function, "eager": ours behind a graph break (install); "fn": OnePassLogProbs; "check"
 
 
 @contextlib.contextmanager
@@ -81,6 +81,9 @@ def install(trainer, on_gpu: bool) -> str | None:
         _FN["check"] = self_check()
     if _FN["check"]:
         return f"loss head: TRL's ({_FN['check']})"
+    import torch
+
+    _FN["eager"] = torch.compiler.disable(LogProbs._rows_given)
     current = trl_utils._ChunkedLogProbFunction
     if current is not LogProbs:
         _FN["trl"] = current
@@ -129,6 +132,20 @@ class LogProbs:
     @staticmethod
     def apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None, logit_scale=1.0,
               outputs=OUTPUTS):
+        import torch
+
+        if torch.compiler.is_compiling():
+            # inside the user's own torch.compile (--torch_compile): the head runs eagerly at a graph break (install
+            # made the wrapper, outside any trace); Dynamo can't trace its float32-output GEMMs (`out_dtype` with
+            # `out=`) and crashed there
+            return _FN["eager"](hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping,
+                                logit_scale, outputs)
+        return LogProbs._rows_given(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping,
+                                    logit_scale, outputs)
+
+    @staticmethod
+    def _rows_given(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale,
+                    outputs):
         rows = _rows
         if rows is None:
             return LogProbs._scored(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping,
@@ -285,7 +302,9 @@ def _function():
 
         @staticmethod
         def backward(ctx, grad_log_probs, grad_entropy, *_):
-            if grad_entropy is not None:
+            # (a compiled graph around the head, the user's --torch_compile, hands zeros for the outputs it doesn't
+            # use: a loss our sftloss wrote reads only the log-probabilities by construction)
+            if grad_entropy is not None and not ctx.known:
                 raise RuntimeError("trainbox's one-pass loss head has no entropy gradient: the loss reads only the "
                                    "log-probabilities (losshead.uniform() around a loss that needs it?)")
             hidden, weight, targets, log_z, grad_hidden, grad_weight = ctx.saved_tensors

@@ -192,6 +192,10 @@ def choose_liger(args, f: ModelFacts) -> str:
     if "use_liger_kernel" in cfg.explicit(args):
         return f"Liger kernels {'on' if args.use_liger_kernel else 'off'} (set by you)"
     why = liger_reason(f.model_type)
+    if why is None and getattr(args, "torch_compile", False):
+        # measured on an H200 (torch 2.11, Liger 0.8.5): inductor's backward compile of a Llama with Liger's kernels
+        # inside failed (an AssertionError decomposing their Triton calls); the compile fuses those ops itself
+        why = "--torch_compile traces the model, and inductor fails on Liger's Triton kernels inside it"
     args.trainbox_liger = why is None
     return "Liger kernels on (RMSNorm, RoPE, SwiGLU)" if why is None else f"Liger kernels off: {why}"
 
