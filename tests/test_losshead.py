@@ -125,10 +125,12 @@ def test_no_tokens():
     assert lp.shape == (0,) and gh.shape == h.shape and torch.count_nonzero(gw) == 0
 
 
-def test_an_entropy_gradient_is_refused():
+@pytest.mark.parametrize("known", [False, True])
+def test_an_entropy_gradient_is_refused(known):
     h, w, targets = _inputs(n=8, vocab=50)
     h.requires_grad_(True)
-    lp, ent, *_ = _ours(h, w, targets)
+    with losshead.uniform(known=known):  # known or not: outside a compiled graph an entropy gradient is a mistake
+        lp, ent, *_ = _ours(h, w, targets)
     with pytest.raises(RuntimeError, match="no entropy gradient"):
         (lp.sum() + ent.sum()).backward()
 
@@ -232,10 +234,12 @@ def test_given_rows_are_picked_and_put_back(monkeypatch):
     assert seen == [h.shape]  # all 40 rows, to TRL's own function
 
 
-def test_inside_the_users_torch_compile(monkeypatch):
+@pytest.mark.parametrize("known", [True, False])
+def test_inside_the_users_torch_compile(monkeypatch, known):
     """--torch_compile: Dynamo traces the model around the head. The head runs eagerly behind a graph break (on a GPU
     Dynamo crashed tracing its float32-output GEMMs), and the zeros the compiled graph hands back for the entropy it
-    passed on unused are no entropy gradient under sftloss's known-uniform loss: the same values and gradients."""
+    passed on unused are no entropy gradient (sftloss's known-uniform loss, or TRL's under uniform()): the same values
+    and gradients; a real entropy gradient from a compiled graph is still refused."""
     import torch
     import trl.trainer.utils as trl_utils
 
@@ -254,10 +258,14 @@ def test_inside_the_users_torch_compile(monkeypatch):
     got = []
     for fn in (head, torch.compile(head, backend="aot_eager")):
         hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
-        with losshead.uniform(known=True):
+        with losshead.uniform(known=known):
             lp, ent = fn(hh, ww, t)
             (-lp.sum() / len(t)).backward()
         got.append((lp.detach(), ent.detach(), hh.grad, ww.grad))
     for a, b in zip(*got):
         assert torch.equal(a, b)
     assert got[1][3].abs().max() > 0 and calls == [1]  # the compiled call ran the head eagerly, untraced
+    if not known:
+        lp, ent = torch.compile(head, backend="aot_eager")(h.clone().requires_grad_(True), w, t)
+        with pytest.raises(RuntimeError, match="no entropy gradient"):
+            (lp.sum() + ent.sum()).backward()

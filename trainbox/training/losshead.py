@@ -45,6 +45,7 @@ OUTPUTS = ("log_probs", "entropy", "is_top1")  # what TRL's SFTTrainer asks its 
 
 _uniform: bool | str = False  # inside uniform(): the caller's loss weighs every token alike ("known": by construction)
 _rows = None  # inside uniform(rows=...): which of TRL's rows carry a label (a bool tensor: TRL's `mask`)
+_in_compiled = False  # the head was called from the user's compiled graph (--torch_compile), behind a graph break
 _FN: dict = {}  # "trl": TRL's function, "eager": ours behind a graph break (install); "fn": OnePassLogProbs; "check"
 
 
@@ -83,7 +84,7 @@ def install(trainer, on_gpu: bool) -> str | None:
         return f"loss head: TRL's ({_FN['check']})"
     import torch
 
-    _FN["eager"] = torch.compiler.disable(LogProbs._rows_given)
+    _FN["eager"] = torch.compiler.disable(_from_compiled)
     current = trl_utils._ChunkedLogProbFunction
     if current is not LogProbs:
         _FN["trl"] = current
@@ -123,6 +124,16 @@ def _compact(device) -> bool:
     """Stands where TRL's fused forward finds `_use_triton` (its choice to score only the labelled rows): False
     while uniform(rows=...) gives the rows, which LogProbs then picks itself; TRL's answer otherwise."""
     return False if _rows is not None else _FN["compact"](device)
+
+
+def _from_compiled(*args):
+    """LogProbs._rows_given, marked as called from the user's compiled graph (install wraps it in a graph break)."""
+    global _in_compiled
+    _in_compiled = True
+    try:
+        return LogProbs._rows_given(*args)
+    finally:
+        _in_compiled = False
 
 
 class LogProbs:
@@ -295,16 +306,17 @@ def _function():
             entropy = log_z - x_sum_exp / sum_exp
             top1 = (target_logit >= running_max) & (target_logit > before_target)
             ctx.save_for_backward(hidden, weight, targets, log_z, grad_hidden, grad_weight)
-            ctx.consts, ctx.known = consts, _uniform == "known"
+            ctx.consts, ctx.known, ctx.in_compiled = consts, _uniform == "known", _in_compiled
             ctx.mark_non_differentiable(top1)
             return (log_probs, entropy if "entropy" in outputs else None, None, None,
                     top1 if "is_top1" in outputs else None)
 
         @staticmethod
         def backward(ctx, grad_log_probs, grad_entropy, *_):
-            # (a compiled graph around the head, the user's --torch_compile, hands zeros for the outputs it doesn't
-            # use: a loss our sftloss wrote reads only the log-probabilities by construction)
-            if grad_entropy is not None and not ctx.known:
+            # A compiled graph around the head (the user's --torch_compile) hands zeros for the outputs it doesn't
+            # use: taken as none where our sftloss wrote the loss (it reads only the log-probabilities); elsewhere
+            # they are checked (a host sync, on that path only)
+            if grad_entropy is not None and not (ctx.in_compiled and (ctx.known or not grad_entropy.any())):
                 raise RuntimeError("trainbox's one-pass loss head has no entropy gradient: the loss reads only the "
                                    "log-probabilities (losshead.uniform() around a loss that needs it?)")
             hidden, weight, targets, log_z, grad_hidden, grad_weight = ctx.saved_tensors
