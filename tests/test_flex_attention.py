@@ -217,6 +217,38 @@ def test_compiled_path_trains_after_the_choice_trial_and_reuses_its_graphs(zoo, 
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gpt-oss"])
+def test_inside_the_users_torch_compile_the_fused_path_runs_behind_a_graph_break(zoo, eager_refs, monkeypatch,
+                                                                                 name):
+    """--torch_compile: the Trainer compiles the whole model. Traced into that graph, the fused path's block mask
+    (a symbolic block count) failed inductor's codegen on an H200 (CantSplit, gpt-oss). It runs behind a graph break
+    instead, exactly as outside a compile: the model compiled whole (aot_eager here) trains on packed rows of several
+    lengths with float32 eager's logits and gradients, and no document ids are built inside the trace."""
+    from torch.nn.attention import flex_attention as fa
+
+    monkeypatch.setattr(fa, "_validate_device", lambda *a: None)
+    monkeypatch.setattr(flexattn, "uses_fused", lambda q, k, dropout: q.shape[2] == k.shape[2])
+    real = flexattn.compiled
+    monkeypatch.setattr(flexattn, "compiled", lambda backend="aot_eager": real(backend))
+    traced = []
+    docs = flexattn.padded_documents
+    monkeypatch.setattr(flexattn, "padded_documents",
+                        lambda *a: traced.append(torch.compiler.is_compiling()) or docs(*a))
+    torch._dynamo.reset()
+    try:
+        rows, weights, ref = eager_refs[name]
+        model = load(zoo[name], attention.FLEX)
+        model.compile(backend="aot_eager")
+        logit, grad = worst(run(model, "packed", rows, weights), ref)
+        for n in ((100, 100, 100), (300, 250)):  # other lengths: the user's graph goes dynamic
+            pos = torch.cat([torch.arange(k) for k in n])[None]
+            model(torch.randint(10, 300, (1, sum(n))), position_ids=pos, use_cache=False).logits.mean().backward()
+    finally:
+        torch._dynamo.reset()
+    assert logit < 1e-4 and grad < 1e-4, (logit, grad)
+    assert traced and not any(traced), f"{sum(traced)} of {len(traced)} block masks were built inside the trace"
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gpt-oss"])
 def test_generation_with_a_cache_and_left_padding_matches_eager(zoo, name):
     """Decoding (queries fewer than keys: the dense path) from a left-padded batch: eager's tokens and scores."""
     ids = torch.tensor([[0, 0, 0, *range(20, 40)], [*range(50, 73)]])

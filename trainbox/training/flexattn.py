@@ -43,6 +43,7 @@ _compiled: dict = {}  # torch.compile backend -> compiled flex_attention (one pe
 _score_mods: dict = {}  # (scale, softcap, device) -> score_mod: one function and its tensors, reused by every call
 _sinks: dict = {}  # "fn" -> the compiled sinks (False once it failed to compile)
 _masks: list = []  # (key tensors, window, length) -> BlockMask, for the layers of the current forward
+_outside: dict = {}  # "fn" -> fused_forward behind a graph break (made in register(), outside any trace)
 # Block sizes where inductor's default is slow, by (GPU capability, head sizes lo < d <= hi); measured with
 # benchmarks/flex_configs.py on an H200 (fwd+bwd of one packed 16k-token row, full / windowed layer):
 # - head size 256 (Gemma 2, 1,024-token window), 2026-11-26: 2.76 / 2.64 ms against the default's 3.59 / 3.30 ms;
@@ -327,16 +328,29 @@ def flex_attention_forward(module, query, key, value, attention_mask, dropout: f
     training = bool(getattr(module, "training", False))
     p = dropout if training else 0.0
     if uses_fused(query, key, p):
-        docs = padded_documents(pos, attention_mask, b, s, query.device)
-        out, lse = fused(query, key, value, docs, scale, sliding_window, softcap, lse=s_aux is not None)
-        if s_aux is not None:  # (generation's shapes, on the dense path, stay op by op: no graphs for them)
-            return sinks_to_layout(out, lse, s_aux), None
-    else:
-        docs = documents(pos if s == kv else None, attention_mask, b, kv, query.device)
-        out, lse = dense(query, key, value, docs, scale, sliding_window, softcap, p, training)
+        import torch
+
+        # Inside the user's own torch.compile (--torch_compile) the fused path runs behind a graph break, as it runs
+        # outside one (its kernels compiled here, the block mask built eagerly): traced into the user's graph, the
+        # block mask's symbolic block count failed inductor's codegen (CantSplit on gpt-oss, an H200, torch 2.11).
+        fn = _outside["fn"] if torch.compiler.is_compiling() and "fn" in _outside else fused_forward
+        return fn(query, key, value, pos, attention_mask, scale, sliding_window, softcap, s_aux), None
+    docs = documents(pos if s == kv else None, attention_mask, b, kv, query.device)
+    out, lse = dense(query, key, value, docs, scale, sliding_window, softcap, p, training)
     if s_aux is not None:
         out = with_sinks(out, lse, s_aux)
     return out.transpose(1, 2).contiguous(), None
+
+
+def fused_forward(query, key, value, position_ids, attention_mask, scale: float, window: int | None,
+                  softcap: float | None, sinks):
+    """The fused path of flex_attention_forward: (batch, seq, heads, dim)."""
+    b, _, s, _ = query.shape
+    docs = padded_documents(position_ids, attention_mask, b, s, query.device)
+    out, lse = fused(query, key, value, docs, scale, window, softcap, lse=sinks is not None)
+    if sinks is not None:  # (generation's shapes, on the dense path, stay op by op: no graphs for them)
+        return sinks_to_layout(out, lse, sinks)
+    return out.transpose(1, 2).contiguous()
 
 
 def _sinks_to_layout(out, lse, sinks):
@@ -348,7 +362,7 @@ def sinks_to_layout(out, lse, sinks):
     are about ten kernels forward and backward over the attention output (float32 casts, the gate, its product and
     sum): ~7 ms of the gpt-oss-2b benchmark step's 12 layers on an H200 (benchmarks/results/moe_compiled-*). The
     sequence length is symbolic from the first call. A compiler failure falls back to the same ops, once, with a
-    line; inside the user's own torch.compile (--torch_compile) that compile traces them."""
+    line; called inside a trace, that trace takes the same ops."""
     import torch
 
     if torch.compiler.is_compiling() or _sinks.get("fn") is False:
@@ -371,6 +385,10 @@ def register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
+    import torch
+
+    if "fn" not in _outside:
+        _outside["fn"] = torch.compiler.disable(fused_forward)
     AttentionInterface.register(FLEX, flex_attention_forward)
     AttentionMaskInterface.register(FLEX, flash_attention_mask)
 

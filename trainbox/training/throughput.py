@@ -1,5 +1,8 @@
 """Steady-state throughput for the summary line: from the end of the first optimizer step to the end of the last,
-so loading, data preparation, the first step's compilation/warm-up and the final save are not in it.
+so loading, data preparation, the first step's compilation/warm-up and the final save are not in it. A later step
+during which torch.compile compiled graphs is left out too (Dynamo's graph count moved): under --torch_compile the
+second shape's dynamic recompile took 21-29 s of a 10-step run on an H200, and the line read 2.1 % MFU for a run
+that trains at 36 % (benchmarks/results/torch_compile-2026-11-28.txt).
 
 Tokens are the Trainer's count of non-padding input tokens (summed over ranks), kept on the GPU between reads
 (TokenCount). MFU = model FLOPs per second over
@@ -133,12 +136,31 @@ class TokenCount:
         return self._save(*args, **kwargs)
 
 
+def graphs_compiled() -> int:
+    """How many graphs torch.compile (Dynamo) has compiled in this process so far."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:  # pragma: no cover - a torch without Dynamo
+        return 0
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _span(a: tuple, b: tuple) -> tuple[int, int, float]:
+    """(steps, real tokens, seconds) from mark `a` to mark `b` (GPU time where both carry a CUDA event)."""
+    seconds = b[2] - a[2]
+    if a[3] is not None and b[3] is not None:
+        seconds = a[3].elapsed_time(b[3]) / 1000.0
+    return b[0] - a[0], TokenCount.total(b[1]) - TokenCount.total(a[1]), seconds
+
+
 class Throughput(_callback_base()):
     def __init__(self, flops_per_token: float | None = None):
         super().__init__()
         self.flops_per_token = flops_per_token
         self.first: tuple | None = None  # (step, tokens: TokenCount.snapshot's pair, wall time, cuda event)
         self.last: tuple | None = None
+        self.graphs: int | None = None  # Dynamo's compiled-graph count at the last step end
+        self.compiled: list = []  # (mark before, mark after) of the steady steps that compiled: left out
         self.count: TokenCount | None = None  # set by sftlib where the count stays on the GPU
 
     def _mark(self, state):
@@ -157,10 +179,14 @@ class Throughput(_callback_base()):
 
     def on_step_end(self, args, state, control, **kwargs):
         mark = self._mark(state)
+        graphs = graphs_compiled()
         if self.first is None:
             self.first = mark
         else:
+            if graphs != self.graphs:
+                self.compiled.append((self.last or self.first, mark))
             self.last = mark
+        self.graphs = graphs
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -172,17 +198,20 @@ class Throughput(_callback_base()):
         """steps/s, tokens/s, TFLOP/s per GPU and MFU over the steady steps, or None before two steps ended."""
         if self.first is None or self.last is None:
             return None
-        s0, t0, w0, e0 = self.first
-        s1, t1, w1, e1 = self.last
-        t0, t1 = TokenCount.total(t0), TokenCount.total(t1)
-        seconds = w1 - w0
-        if e0 is not None and e1 is not None:
-            e1.synchronize()
-            seconds = e0.elapsed_time(e1) / 1000.0
+        if self.last[3] is not None:
+            self.last[3].synchronize()  # every earlier event has completed too
+        steps, tokens, seconds = _span(self.first, self.last)
+        left_out = [_span(a, b) for a, b in self.compiled]
+        if steps - sum(n for n, _, _ in left_out) > 0:  # else every steady step compiled: they stay in
+            steps -= sum(n for n, _, _ in left_out)
+            tokens -= sum(t for _, t, _ in left_out)
+            seconds -= sum(w for _, _, w in left_out)
+        else:
+            left_out = []
         seconds = max(seconds, 1e-9)
-        out = {"steps": s1 - s0, "seconds": seconds, "steps_per_s": (s1 - s0) / seconds,
-               "tokens_per_s": (t1 - t0) / seconds}
-        if self.flops_per_token and t1 > t0:
+        out = {"steps": steps, "seconds": seconds, "steps_per_s": steps / seconds, "tokens_per_s": tokens / seconds,
+               "compile_steps": len(left_out)}
+        if self.flops_per_token and tokens > 0:
             tflops = self.flops_per_token * out["tokens_per_s"] / ranks.world_size() / 1e12
             out["tflops_per_gpu"] = tflops
             try:
@@ -200,7 +229,8 @@ class Throughput(_callback_base()):
         f = self.figures()
         if f is None:
             return None
-        s = (f"steady {f['steps']} steps in {f['seconds']:.1f}s: {f['steps_per_s']:.3f} steps/s, "
+        left = f" ({f['compile_steps']} that compiled left out)" if f["compile_steps"] else ""
+        s = (f"steady {f['steps']} steps{left} in {f['seconds']:.1f}s: {f['steps_per_s']:.3f} steps/s, "
              f"{f['tokens_per_s']:,.0f} real tokens/s")
         if "tflops_per_gpu" in f:
             s += f", {f['tflops_per_gpu']:.0f} TFLOP/s per GPU"
