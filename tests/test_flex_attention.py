@@ -46,6 +46,22 @@ def unfused_flex(monkeypatch):
     monkeypatch.setattr(flexattn, "compiled", lambda: fa.flex_attention)
 
 
+@pytest.fixture
+def aot_eager_flex(monkeypatch):
+    """Route trainbox_flex through the compiled path on CPU, compiled with aot_eager (Dynamo's capture and
+    FlexAttention's autograd, no inductor: it has no FlexAttention backward on CPU), gradients included; Dynamo's
+    caches reset before and after, so this process's other compiles don't count against the recompile limit here."""
+    from torch.nn.attention import flex_attention as fa
+
+    monkeypatch.setattr(fa, "_validate_device", lambda *a: None)  # torch refuses CPU gradients at its entry only
+    monkeypatch.setattr(flexattn, "uses_fused", lambda q, k, dropout: q.shape[2] == k.shape[2])
+    real = flexattn.compiled
+    monkeypatch.setattr(flexattn, "compiled", lambda backend="aot_eager": real(backend))
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def rows_and_weights(vocab):
     g = torch.Generator().manual_seed(0)
     rows = [torch.randint(10, 300, (n,), generator=g) for n in LENGTHS]
@@ -168,7 +184,8 @@ def test_compiled_kernel_forward_on_cpu_compiles_once_per_shape_family(zoo, eage
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gpt-oss"])
-def test_compiled_path_trains_after_the_choice_trial_and_reuses_its_graphs(zoo, eager_refs, monkeypatch, capsys, name):
+def test_compiled_path_trains_after_the_choice_trial_and_reuses_its_graphs(zoo, eager_refs, aot_eager_flex, capsys,
+                                                                           name):
     """The GPU failure's sequence, on CPU: the choice trial (flexattn.trial: softcap 20, window 48, sinks) compiles
     flex_attention first, then the model (Gemma 2: softcap 50, window 16; gpt-oss: no softcap, sinks) trains through
     the same compiled function, fullgraph: packed rows forward and backward (backend aot_eager: Dynamo's capture and
@@ -177,34 +194,25 @@ def test_compiled_path_trains_after_the_choice_trial_and_reuses_its_graphs(zoo, 
     softcap was a captured Python float, the model's first call broke the graph on the trial's value and its backward
     failed in FlexAttention's unfused operator (on an H100: "all unwrapped values must be FakeTensor, int, or SymInt")."""
     from torch._dynamo.utils import counters
-    from torch.nn.attention import flex_attention as fa
 
-    monkeypatch.setattr(fa, "_validate_device", lambda *a: None)  # torch refuses CPU gradients at its entry only
-    monkeypatch.setattr(flexattn, "uses_fused", lambda q, k, dropout: q.shape[2] == k.shape[2])
-    real = flexattn.compiled
-    monkeypatch.setattr(flexattn, "compiled", lambda backend="aot_eager": real(backend))
-    torch._dynamo.reset()  # this process's other compiles don't count against the recompile limit here
     graphs = counters["stats"]["unique_graphs"]
-    try:
-        t = time.time()
-        assert flexattn.trial("cpu", 16) is None
-        trial_s = time.time() - t
-        rows, weights, ref = eager_refs[name]
-        model = load(zoo[name], attention.FLEX)
-        t = time.time()
-        logit, grad = worst(run(model, "packed", rows, weights), ref)
-        first_s = time.time() - t
-        t = time.time()
-        for n in ((100, 100, 100), (300, 250), (50,) * 9):  # 384, 640, 512 tokens: other 128-token buckets
-            pos = torch.cat([torch.arange(k) for k in n])[None]
-            ids = torch.randint(10, 300, (1, sum(n)))
-            model(ids, position_ids=pos, use_cache=False).logits.square().mean().backward()
-            with torch.no_grad():  # evaluation, and checkpointing's first forward
-                model(ids, position_ids=pos, use_cache=False)
-        rest_s = time.time() - t
-        compiled = counters["stats"]["unique_graphs"] - graphs
-    finally:
-        torch._dynamo.reset()
+    t = time.time()
+    assert flexattn.trial("cpu", 16) is None
+    trial_s = time.time() - t
+    rows, weights, ref = eager_refs[name]
+    model = load(zoo[name], attention.FLEX)
+    t = time.time()
+    logit, grad = worst(run(model, "packed", rows, weights), ref)
+    first_s = time.time() - t
+    t = time.time()
+    for n in ((100, 100, 100), (300, 250), (50,) * 9):  # 384, 640, 512 tokens: other 128-token buckets
+        pos = torch.cat([torch.arange(k) for k in n])[None]
+        ids = torch.randint(10, 300, (1, sum(n)))
+        model(ids, position_ids=pos, use_cache=False).logits.square().mean().backward()
+        with torch.no_grad():  # evaluation, and checkpointing's first forward
+            model(ids, position_ids=pos, use_cache=False)
+    rest_s = time.time() - t
+    compiled = counters["stats"]["unique_graphs"] - graphs
     with capsys.disabled():
         print(f"\n[flex] {name}: compiled path (aot_eager) trial {trial_s:.1f} s, first packed step {first_s:.1f} s, "
               f"3 more steps + 3 no-grad forwards {rest_s:.1f} s; {compiled} graph(s); max |logit diff| {logit:.1e}, "
@@ -217,33 +225,23 @@ def test_compiled_path_trains_after_the_choice_trial_and_reuses_its_graphs(zoo, 
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gpt-oss"])
-def test_inside_the_users_torch_compile_the_fused_path_runs_behind_a_graph_break(zoo, eager_refs, monkeypatch,
-                                                                                 name):
+def test_inside_the_users_torch_compile_the_fused_path_runs_behind_a_graph_break(zoo, eager_refs, aot_eager_flex,
+                                                                                 monkeypatch, name):
     """--torch_compile: the Trainer compiles the whole model. Traced into that graph, the fused path's block mask
     (a symbolic block count) failed inductor's codegen on an H200 (CantSplit, gpt-oss). It runs behind a graph break
     instead, exactly as outside a compile: the model compiled whole (aot_eager here) trains on packed rows of several
     lengths with float32 eager's logits and gradients, and no document ids are built inside the trace."""
-    from torch.nn.attention import flex_attention as fa
-
-    monkeypatch.setattr(fa, "_validate_device", lambda *a: None)
-    monkeypatch.setattr(flexattn, "uses_fused", lambda q, k, dropout: q.shape[2] == k.shape[2])
-    real = flexattn.compiled
-    monkeypatch.setattr(flexattn, "compiled", lambda backend="aot_eager": real(backend))
     traced = []
     docs = flexattn.padded_documents
     monkeypatch.setattr(flexattn, "padded_documents",
                         lambda *a: traced.append(torch.compiler.is_compiling()) or docs(*a))
-    torch._dynamo.reset()
-    try:
-        rows, weights, ref = eager_refs[name]
-        model = load(zoo[name], attention.FLEX)
-        model.compile(backend="aot_eager")
-        logit, grad = worst(run(model, "packed", rows, weights), ref)
-        for n in ((100, 100, 100), (300, 250)):  # other lengths: the user's graph goes dynamic
-            pos = torch.cat([torch.arange(k) for k in n])[None]
-            model(torch.randint(10, 300, (1, sum(n))), position_ids=pos, use_cache=False).logits.mean().backward()
-    finally:
-        torch._dynamo.reset()
+    rows, weights, ref = eager_refs[name]
+    model = load(zoo[name], attention.FLEX)
+    model.compile(backend="aot_eager")
+    logit, grad = worst(run(model, "packed", rows, weights), ref)
+    for n in ((100, 100, 100), (300, 250)):  # other lengths: the user's graph goes dynamic
+        pos = torch.cat([torch.arange(k) for k in n])[None]
+        model(torch.randint(10, 300, (1, sum(n))), position_ids=pos, use_cache=False).logits.mean().backward()
     assert logit < 1e-4 and grad < 1e-4, (logit, grad)
     assert traced and not any(traced), f"{sum(traced)} of {len(traced)} block masks were built inside the trace"
 
