@@ -262,17 +262,28 @@ def test_generation_with_a_cache_and_left_padding_matches_eager(zoo, name):
     assert float((got["eager"][1] - got[attention.FLEX][1]).abs().max()) < 1e-4
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gpt-oss"])
-def test_choice_names_flex_and_packs(zoo, name):
-    """Where no FlashAttention honours the model (sm90 without FA3, any GPU for gpt-oss's sinks) the choice is the
-    fused FlexAttention kernel and training packs; where it can't run, eager with the reason; on CPU its dense math."""
+@pytest.mark.parametrize("name,kernel", [("gemma2", attention.FLEX), ("gpt-oss", attention.VARLEN)])
+def test_choice_names_a_fused_kernel_and_packs(zoo, name, kernel):
+    """Where no FlashAttention honours the model (sm90 without FA3 for Gemma 2's softcap; FA3 and FA2 for gpt-oss's
+    sinks) the choice is a fused kernel and training packs: FlexAttention for the softcap, torch's varlen FlashAttention
+    for the sinks (varlen_sinks.py), FlexAttention where that can't run; where neither can, eager with the reason; on
+    CPU FlexAttention's dense math."""
     needs = speed.model_facts(str(zoo[name])).attention
     hopper = {"attention_backend": "fa3"}
     c = attention.decide(hopper, (9, 0), lambda n: None if n in ("varlen", "flex") else "not installed", model=needs)
-    assert c.impl == attention.FLEX and c.packed
-    assert c.line().startswith("attention: PyTorch FlexAttention (trainbox_flex): the first that runs here and "
-                               "honours this model's attention")
-    assert "PyTorch varlen flash attention: would drop" in c.line()
+    assert c.impl == kernel and c.packed
+    flex = attention.decide(hopper, (9, 0), lambda n: None if n == "flex" else "not installed", model=needs)
+    assert flex.impl == attention.FLEX and flex.packed
+    if kernel == attention.VARLEN:
+        assert c.line().startswith("attention: PyTorch varlen flash attention (trainbox_varlen): the first that runs "
+                                   "here and honours this model's attention")
+        assert "compile" not in c.line()
+        assert "PyTorch varlen flash attention: not installed" in flex.line()
+        c = flex
+    else:
+        assert c.line().startswith("attention: PyTorch FlexAttention (trainbox_flex): the first that runs here and "
+                                   "honours this model's attention")
+        assert "PyTorch varlen flash attention: would drop" in c.line()
     assert c.line().endswith("its kernels compile during the first steps (kept under TORCHINDUCTOR_CACHE_DIR for "
                              "later runs)")  # a cold compile is minutes: the long first step is announced
     cpu = attention.decide(hopper, None, lambda n: None, model=needs)
@@ -287,7 +298,7 @@ def test_choice_names_flex_and_packs(zoo, name):
     finally:
         cfg.explicit = orig
     down = attention.decide(hopper, (9, 0), lambda n: "test op failed (boom)" if n == "flex" else "not installed",
-                            model=needs)
+                            model=needs)  # (varlen "not installed")
     assert down.impl == "eager" and not down.packed and "PyTorch FlexAttention: test op failed (boom)" in down.line()
     cpu = attention.decide(None, None, lambda n: None, model=needs)
     assert cpu.impl == attention.FLEX and cpu.packed and cpu.reason == attention.CPU_FLEX
@@ -469,9 +480,9 @@ def test_sinks_compile_into_the_models_layout_once_for_every_length(monkeypatch,
     def broken(*a):
         raise RuntimeError("inductor: no kernel for this")
 
-    monkeypatch.setattr(flexattn, "_sinks", {"fn": broken})
+    monkeypatch.setattr(flexattn._sinks["fn"], "compiled", broken)
     assert torch.equal(flexattn.sinks_to_layout(out, lse, sinks), ref)
-    assert flexattn.sinks_to_layout(out, lse, sinks).shape == ref.shape and flexattn._sinks["fn"] is False
+    assert flexattn.sinks_to_layout(out, lse, sinks).shape == ref.shape and flexattn._sinks["fn"].compiled is False
     err = capsys.readouterr().err
     assert err.count("sinks did not compile (RuntimeError: inductor") == 1, err
     torch._dynamo.reset()

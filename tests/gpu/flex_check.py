@@ -1,6 +1,11 @@
 """trainbox_flex (FlexAttention, fused and compiled) on a GPU against float32 eager: a correctness table.
 
-Usage: python tests/gpu/flex_check.py [--seq 512] [--json FILE]      (torch with CUDA, transformers; no trl)
+Usage: python tests/gpu/flex_check.py [--seq 512] [--impl trainbox_varlen] [--json FILE]   (torch with CUDA,
+transformers; no trl)
+
+--impl trainbox_varlen: the same model table for torch's varlen FlashAttention with gpt-oss's sinks (varlen_sinks.py)
+on the models it takes (not Gemma 2's softcap); its trial is attention.runtime_usable("varlen"); no kernel table (the
+kernel against dense math: benchmarks/sink_kernels.py).
 
 1. Models: Gemma 2 (window + softcap), gpt-oss (window + sinks, MoE) and the Llama control from tests/zoo.py, plus
    Gemma 2 / gpt-oss with their real head sizes (256 / 64; windows of 128). For each, rows of --seq, 3/4 and 1/2 of
@@ -138,17 +143,19 @@ def train_steps(model, seq: int) -> int:
     return counters["stats"]["unique_graphs"] - graphs
 
 
-def model_table(seq: int) -> list[dict]:
+def model_table(seq: int, impl: str) -> list[dict]:
     import torch
     from torch._dynamo.utils import counters
     from transformers import AutoModelForCausalLM
 
-    from trainbox.training import attention, flexattn
+    from trainbox.training import attention, flexattn, speed
 
-    attention.register(attention.FLEX)
+    attention.register(impl)
     base = Path(tempfile.mkdtemp(prefix="flexcheck-"))
     out = []
     for name in MODELS:
+        if impl != attention.FLEX and name.startswith("gemma2"):
+            continue  # a softcap: only FlexAttention (and eager) apply it
         path = build(base, name)
 
         def load(impl, dtype):  # eval(): no dropout; gradients still flow
@@ -164,11 +171,14 @@ def model_table(seq: int) -> list[dict]:
         bound = {k: diffs(run(eager16, k, rows, weights), ref) for k in ("single", "padded")}
         bound["packed"] = bound["single"]
         del eager16
-        flex = load(attention.FLEX, torch.bfloat16)
+        flex = load(impl, torch.bfloat16)
         torch._dynamo.reset()  # one model per process in training: its own recompile budget
         graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
         t = time.time()
-        why = flexattn.trial(DEV, flex.config.head_dim, torch.bfloat16 if DEV == "cuda" else torch.float32)
+        if impl == attention.FLEX:
+            why = flexattn.trial(DEV, flex.config.head_dim, torch.bfloat16 if DEV == "cuda" else torch.float32)
+        else:
+            why = attention.runtime_usable("varlen", speed.model_facts(str(path)).attention)
         trial_s = time.time() - t
         for kind in ("single", "padded", "packed", "train"):
             t = time.time()
@@ -264,6 +274,8 @@ def kernel_table() -> list[dict]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seq", type=int, default=512, help="tokens in the longest row")
+    ap.add_argument("--impl", default="trainbox_flex", choices=["trainbox_flex", "trainbox_varlen"],
+                    help="the kernel under test (default trainbox_flex)")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -287,13 +299,14 @@ def main() -> int:
     print(f"GPU {torch.cuda.get_device_name() if DEV == 'cuda' else 'none (smoke run)'} sm{cc[0]}{cc[1]}, "
           f"torch {torch.__version__}, transformers {transformers.__version__}", flush=True)
     t = time.time()
-    why = attention.runtime_usable("flex")
-    print(f"runtime_usable('flex'): {why or 'ok'} ({time.time() - t:.1f} s, its compile included)", flush=True)
+    name = "flex" if a.impl == attention.FLEX else "varlen"
+    why = attention.runtime_usable(name)
+    print(f"runtime_usable({name!r}): {why or 'ok'} ({time.time() - t:.1f} s, its compile included)", flush=True)
 
-    models = model_table(a.seq)
+    models = model_table(a.seq, a.impl)
     print(f"\n1. models vs float32 eager (each row alone); rows of {a.seq}, {a.seq * 3 // 4}, {a.seq // 2} tokens; "
           "grad diff relative to each parameter's largest gradient")
-    print(f"{'model':14s} {'rows':7s} | {'flex bf16 logit':>15s} {'grad':>8s} | {'eager bf16 logit':>16s} "
+    print(f"{'model':14s} {'rows':7s} | {name + ' bf16 logit':>15s} {'grad':>8s} | {'eager bf16 logit':>16s} "
           f"{'grad':>8s} | {'s':>6s} {'graphs':>6s} {'breaks':>6s} | ok")
     for r in models:
         print(f"{r['model']:14s} {r['kind']:7s} | {r['flex_logit']:15.4f} {r['flex_grad']:8.4f} | "
@@ -303,7 +316,7 @@ def main() -> int:
               + (f"  {r['late_graphs']} graph(s) in the last 2 steps" if r.get("late_graphs") else ""))
     print("trial (compile included): " + ", ".join(f"{r['model']} {r['trial_s']:.1f} s" for r in models
                                                    if r["kind"] == "single"))
-    kernels = kernel_table()
+    kernels = kernel_table() if a.impl == attention.FLEX else []
     print("\n2. kernel: bf16 fused vs float32 dense math, one packed row of 16 examples, window 256, softcap 50, "
           "sinks; diffs relative to the largest reference value")
     print(f"{'head_dim':>8s} {'length':>6s} | {'out':>7s} {'dq':>7s} {'dk':>7s} {'dv':>7s} {'dsinks':>7s} | "

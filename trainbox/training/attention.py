@@ -10,18 +10,22 @@ run). Order by image record:
 
 "PyTorch varlen flash" is torch's own FlashAttention kernel behind `torch.nn.attention.varlen.varlen_attn` (torch >=
 2.10, sm80+), registered here as the transformers attention `trainbox_varlen`: like the flash-attn packages it takes
-the cumulative sequence lengths of a packed batch, so padding-free training needs no flash-attn wheel.
+the cumulative sequence lengths of a packed batch, so padding-free training needs no flash-attn wheel. It also
+takes learned sinks (gpt-oss): applied from its log-sum-exp, with its own backward called so that it includes them,
+exactly (varlen_sinks.py).
 "FlexAttention" is torch's compiled FlexAttention kernel (flexattn.py, registered as `trainbox_flex`): packed rows
-with windows, softcaps and sinks, so the models the other kernels would change (Gemma 2 without FA3, gpt-oss
-everywhere) train packed instead of padded on eager. Without a GPU it runs the same masks as dense math, packed too.
+with windows, softcaps and sinks, so the models the other kernels would change (Gemma 2 without FA3, gpt-oss where
+the varlen kernel does not run) train packed instead of padded on eager. Without a GPU it runs the same masks as
+dense math, packed too.
 Every kernel but SDPA is tried on a tiny forward+backward before it is chosen: a wheel built for another torch or GPU
 falls through to the next one with the reason printed. `--attn_implementation` always wins.
 
 The choice sees the model (`Needs`): a kernel that would drop a sliding window, an attention-logit softcap or
 attention sinks is skipped with the reason printed, never used. Each kernel honours what its table entry says: the
 flash-attn packages take windows and softcaps (transformers passes them), torch's varlen kernel a window (torch >=
-2.12, checked against SDPA on a tiny batch before it is trusted), SDPA a window through transformers' mask, and
-eager (the model's own code) everything. transformers' SDPA silently ignores softcaps and sinks.
+2.12, checked against SDPA on a tiny batch before it is trusted) and sinks (with any window, checked forward and
+backward against dense math before they are trusted), SDPA a window through transformers' mask, and eager (the
+model's own code) everything. transformers' SDPA silently ignores softcaps and sinks.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from importlib import metadata
 from typing import Callable
 
 from common import errors
+from trainbox.training import flexattn, varlen_sinks
 
 VARLEN = "trainbox_varlen"
 FLEX = "trainbox_flex"  # flexattn.FLEX
@@ -55,7 +60,7 @@ KERNELS = {
     # FA4 takes windows, but its CuTe backward for them is new: trusted for plain causal attention only.
     "fa4": Kernel("flash_attention_4", "FlashAttention 4 (CuTe)", (9, 0), (12, 9)),
     "fa2": Kernel("flash_attention_2", "FlashAttention 2", (8, 0), (9, 9), honours=frozenset({WINDOW, SOFTCAP})),
-    "varlen": Kernel(VARLEN, "PyTorch varlen flash attention", (8, 0), None, honours=frozenset({WINDOW})),
+    "varlen": Kernel(VARLEN, "PyTorch varlen flash attention", (8, 0), None, honours=frozenset({WINDOW, SINKS})),
     "flex": Kernel(FLEX, "PyTorch FlexAttention", (8, 0), None,
                    honours=frozenset({WINDOW, SOFTCAP, SINKS}), compiled=True),
     "sdpa": Kernel("sdpa", "PyTorch SDPA", None, None, packed=False, honours=frozenset({WINDOW})),
@@ -253,13 +258,13 @@ def runtime_usable(name: str, model: Needs = Needs()) -> str | None:
         fn = _varlen_fn()
         if fn is None:
             return "this torch has no torch.nn.attention.varlen"
+        if model.sinks:  # every layer passes its sinks: all of it runs through varlen_sinks (the aten ops, windows too)
+            return _sinks_check(model.window or 8)
         if model.window and "window_size" not in inspect.signature(fn).parameters:
             return "this torch's varlen_attn takes no window (torch < 2.12)"
         why = _try_kernel(lambda q, k, v: _varlen_call(fn, q, k, v, _cu(), _cu(), 156, 156, None))
         return why or (_window_check(fn) if model.window else None)
     if name == "flex":
-        from trainbox.training import flexattn
-
         return flexattn.usable(model.head_dim or 64)
     return f"unknown kernel {name}"
 
@@ -283,6 +288,35 @@ def _window_check(fn, window: int = 8) -> str | None:
         ref = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask).transpose(0, 1)
         worst = max(worst, float((out[a:b] - ref).abs().max()))
     return None if worst < 3e-2 else f"its sliding window disagrees with SDPA's (max diff {worst:.3f})"
+
+
+def _sinks_check(window: int) -> str | None:
+    """varlen_sinks forward and backward against the same softmax with the sinks as float32 dense math
+    (flexattn.dense), on two packed rows with `window` and without: the sinks' backward is ours, and a wrong one would
+    change every layer's gradients."""
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q = torch.randn(256, 4, 64, device="cuda", generator=g)
+    k, v = (torch.randn(256, 2, 64, device="cuda", generator=g) for _ in "kv")
+    sinks, grad = torch.randn(4, device="cuda", generator=g), torch.randn(256, 4, 64, device="cuda", generator=g)
+    pos = torch.cat([torch.arange(100), torch.arange(156)]).to("cuda")[None]
+    docs = flexattn.documents(pos, None, 1, 256, q.device)
+    worst = 0.0
+    try:
+        for w in (None, window):
+            ours = [t.bfloat16().requires_grad_(True) for t in (q, k, v, sinks)]
+            out = varlen_sinks.attention(*ours, _cu(), _cu(), 156, 156, None, w)
+            out.float().backward(grad)
+            ref = [t.detach().clone().requires_grad_(True) for t in (q, k, v, sinks)]
+            o, lse = flexattn.dense(*(t.transpose(0, 1)[None] for t in ref[:3]), docs, 64 ** -0.5, w, None)
+            want = flexattn.with_sinks(o, lse, ref[3])[0].transpose(0, 1)
+            want.backward(grad)
+            for a, b in zip([out] + [t.grad for t in ours], [want] + [t.grad for t in ref]):
+                worst = max(worst, float((a.detach().float() - b.detach()).abs().max() / b.abs().max()))
+    except Exception as e:  # noqa: BLE001 - any failure means "use the next kernel"
+        return f"its test op with sinks failed ({errors.brief(e)})"
+    return None if worst < 3e-2 else f"its sinks disagree with dense math (max relative diff {worst:.3f})"
 
 
 def _first(r):
@@ -355,8 +389,6 @@ def register(impl: str) -> None:
     if impl == VARLEN:
         register_varlen()
     elif impl == FLEX:
-        from trainbox.training import flexattn
-
         flexattn.register()
 
 
@@ -402,13 +434,17 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
     Packed rows (TRL's padding-free collator passes cu_seq_lens_*/max_length_*, or position_ids restart at 0) go
     through the varlen kernel, so no example attends to another; unpacked rows without padding use SDPA's causal
     kernel; a padded batch (2-D mask, e.g. evaluation) uses SDPA with that mask. A layer's `sliding_window` applies on
-    every path. Softcaps and sinks are not applied: `decide` never picks this kernel for a model that has them.
+    every path. Learned sinks (gpt-oss's s_aux) go through varlen_sinks (a single row as one example); rows the varlen
+    kernel does not take (a padded batch, a KV cache, several rows) get the same softmax with the sinks as dense math
+    (flexattn.dense, FlexAttention's CPU path). Softcaps are not applied: `decide` never picks this kernel for a
+    model that has them.
     """
     import torch
     import torch.nn.functional as F
 
     b, h, s, d = query.shape
     window = kwargs.get("sliding_window")
+    sinks = kwargs.get("s_aux")
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
     pos = kwargs.get("position_ids")
@@ -424,11 +460,23 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
     dtype = query.dtype
     if dtype not in (torch.float16, torch.bfloat16):  # fp32 activations outside autocast: the kernel wants 16 bits
         dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else torch.bfloat16
+    if sinks is not None and cu_q is None and attention_mask is None and b == 1 and s == key.shape[2] and query.is_cuda:
+        cu_q, max_q, max_k = torch.tensor([0, s], device=query.device, dtype=torch.int32), s, s  # one example
     if cu_q is not None and b == 1 and attention_mask is None:
         q, k, v = (t.transpose(1, 2)[0].to(dtype) for t in (query, key, value))
-        out = _varlen_call(_varlen_fn(), q, k, v, cu_q.to(torch.int32), (cu_k if cu_k is not None else cu_q).to(torch.int32),
-                           max_q, max_k if max_k is not None else max_q, scaling, window=window)
+        cu_q, cu_k = cu_q.to(torch.int32), (cu_k if cu_k is not None else cu_q).to(torch.int32)
+        max_k = max_k if max_k is not None else max_q
+        if sinks is not None:
+            out = varlen_sinks.attention(q, k, v, sinks, cu_q, cu_k, max_q, max_k, scaling, window)
+        else:
+            out = _varlen_call(_varlen_fn(), q, k, v, cu_q, cu_k, max_q, max_k, scaling, window=window)
         return out.unsqueeze(0).to(query.dtype), None
+    if sinks is not None:  # a padded batch, a KV cache, several rows: the same softmax with the sinks as dense math
+        docs = flexattn.documents(pos if s == key.shape[2] else None, attention_mask, b, key.shape[2], query.device)
+        scale = scaling if scaling is not None else d**-0.5
+        training = bool(getattr(module, "training", False))
+        out, lse = flexattn.dense(query, key, value, docs, scale, window, None, dropout if training else 0.0, training)
+        return flexattn.with_sinks(out, lse, sinks).transpose(1, 2).contiguous(), None
     causal = module.is_causal if is_causal is None else is_causal
     kv = key.shape[2]
     mask = None
@@ -458,5 +506,6 @@ def register_varlen() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
+    varlen_sinks.prepare()  # now, not inside a trace of the model
     AttentionInterface.register(VARLEN, varlen_attention_forward)
     AttentionMaskInterface.register(VARLEN, flash_attention_mask)

@@ -1,5 +1,6 @@
-"""What the compiled fast paths (moe.py's experts and gate, flexattn.py's sinks) share: they fall back to the same
-ops, once, when the compiler fails, and must tell that failure from an exception that belongs to the step."""
+"""What the compiled fast paths (moe.py's experts and gate, the sinks of flexattn.py and varlen_sinks.py) share: they
+fall back to the same ops, once, when the compiler fails, and must tell that failure from an exception that belongs
+to the step."""
 
 from __future__ import annotations
 
@@ -27,3 +28,30 @@ def report(error: BaseException, what: str, instead: str) -> bool:
         return False
     print(f"[trainbox] {what} did not compile ({errors.brief(error)}); {instead}", file=sys.stderr, flush=True)
     return True
+
+
+class Fallback:
+    """`fn` compiled whole (fullgraph) at its first call, with `dynamic` [(argument index, dim)] symbolic from the
+    start; after a compiler failure (one line, `what` and `instead` as `report` says them) `fn` runs op by op for good.
+    Called inside a trace (the user's torch.compile), `fn` itself, for that trace to take."""
+
+    def __init__(self, fn, what: str, instead: str, dynamic: tuple[tuple[int, int], ...] = ()):
+        self.fn, self.what, self.instead, self.dynamic = fn, what, instead, dynamic
+        self.compiled = None  # None: not yet; False: it failed
+
+    def __call__(self, *args):
+        import torch
+
+        if self.compiled is False or torch.compiler.is_compiling():
+            return self.fn(*args)
+        if self.compiled is None:
+            self.compiled = torch.compile(self.fn, fullgraph=True)
+        for i, dim in self.dynamic:
+            torch._dynamo.maybe_mark_dynamic(args[i], dim)
+        try:
+            return self.compiled(*args)
+        except Exception as error:  # noqa: BLE001 - a compiler failure: the same ops run one by one
+            if not report(error, self.what, self.instead):
+                raise
+            self.compiled = False
+            return self.fn(*args)

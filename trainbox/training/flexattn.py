@@ -1,5 +1,7 @@
 """PyTorch FlexAttention as a transformers attention function (`trainbox_flex`): packed rows for the models whose
-attention is special (Gemma 2's tanh softcap, gpt-oss's learned sinks, sliding windows on both).
+attention is special (Gemma 2's tanh softcap, gpt-oss's learned sinks, sliding windows on both). gpt-oss gets torch's
+varlen FlashAttention with the sinks (varlen_sinks.py, twice as fast on its head size) where that runs; this kernel
+is its fallback.
 
 One packed row (padding-free, position_ids restarting at 0 per example) or a padded batch goes through one fused
 kernel: the block mask keeps each query to its own example (document ids from the position_ids resets), before it
@@ -41,7 +43,7 @@ PAD_DOC = -1  # document id of padding (attention mask 0); internal bucket paddi
 GPU_ENV = "TRAINBOX_FLEX_GPU"  # "0": never offer the fused kernel on GPUs (it is offered by default: see usable)
 _compiled: dict = {}  # torch.compile backend -> compiled flex_attention (one per process)
 _score_mods: dict = {}  # (scale, softcap, device) -> score_mod: one function and its tensors, reused by every call
-_sinks: dict = {}  # "fn" -> the compiled sinks (False once it failed to compile)
+_sinks: dict = {}  # "fn" -> the compiled sinks (compilefail.Fallback)
 _masks: list = []  # (key tensors, window, length) -> BlockMask, for the layers of the current forward
 _outside: dict = {}  # "fn" -> fused_forward behind a graph break (made in register(), outside any trace)
 # Block sizes where inductor's default is slow, by (GPU capability, head sizes lo < d <= hi); measured with
@@ -363,21 +365,10 @@ def sinks_to_layout(out, lse, sinks):
     sum): ~7 ms of the gpt-oss-2b benchmark step's 12 layers on an H200 (benchmarks/results/moe_compiled-*). The
     sequence length is symbolic from the first call. A compiler failure falls back to the same ops, once, with a
     line; called inside a trace, that trace takes the same ops."""
-    import torch
-
-    if torch.compiler.is_compiling() or _sinks.get("fn") is False:
-        return _sinks_to_layout(out, lse, sinks)
     if "fn" not in _sinks:
-        _sinks["fn"] = torch.compile(_sinks_to_layout, fullgraph=True)
-    torch._dynamo.maybe_mark_dynamic(out, 2)
-    torch._dynamo.maybe_mark_dynamic(lse, 2)
-    try:
-        return _sinks["fn"](out, lse, sinks)
-    except Exception as error:  # noqa: BLE001 - a compiler failure: the same ops run one by one
-        if not compilefail.report(error, "attention: the sinks", "applying them op by op"):
-            raise
-        _sinks["fn"] = False
-        return _sinks_to_layout(out, lse, sinks)
+        _sinks["fn"] = compilefail.Fallback(_sinks_to_layout, "attention: the sinks", "applying them op by op",
+                                            ((0, 2), (1, 2)))
+    return _sinks["fn"](out, lse, sinks)
 
 
 def register() -> None:
