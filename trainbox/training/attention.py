@@ -434,10 +434,10 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
     Packed rows (TRL's padding-free collator passes cu_seq_lens_*/max_length_*, or position_ids restart at 0) go
     through the varlen kernel, so no example attends to another; unpacked rows without padding use SDPA's causal
     kernel; a padded batch (2-D mask, e.g. evaluation) uses SDPA with that mask. A layer's `sliding_window` applies on
-    every path. Learned sinks (gpt-oss's s_aux) go through varlen_sinks (a single row as one example); rows the varlen
-    kernel does not take (a padded batch, a KV cache, several rows) get the same softmax with the sinks as dense math
-    (flexattn.dense, FlexAttention's CPU path). Softcaps are not applied: `decide` never picks this kernel for a
-    model that has them.
+    every path. Learned sinks (gpt-oss's s_aux) go through varlen_sinks: a single row as one example, a padded batch
+    unpadded into one packed row; rows the varlen kernel does not take (a KV cache, several rows without a mask) get
+    the same softmax with the sinks as dense math (flexattn.dense, FlexAttention's CPU path). Softcaps are not
+    applied: `decide` never picks this kernel for a model that has them.
     """
     import torch
     import torch.nn.functional as F
@@ -471,7 +471,15 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
         else:
             out = _varlen_call(_varlen_fn(), q, k, v, cu_q, cu_k, max_q, max_k, scaling, window=window)
         return out.unsqueeze(0).to(query.dtype), None
-    if sinks is not None:  # a padded batch, a KV cache, several rows: the same softmax with the sinks as dense math
+    if sinks is not None and attention_mask is not None and attention_mask.dim() == 2 and s == key.shape[2] \
+            and query.is_cuda:  # a padded batch (GRPO's loss forward): its rows unpadded into one packed row
+        indices, cu, longest = _unpadded(attention_mask)
+        q, k, v = (t.transpose(1, 2).reshape(b * s, t.shape[1], d).index_select(0, indices).to(dtype)
+                   for t in (query, key, value))
+        out = varlen_sinks.attention(q, k, v, sinks, cu, cu, longest, longest, scaling, window)
+        full = out.new_zeros(b * s, h, d).index_copy(0, indices, out)
+        return full.view(b, s, h, d).to(query.dtype), None
+    if sinks is not None:  # a KV cache, several unpadded rows: the same softmax with the sinks as dense math
         docs = flexattn.documents(pos if s == key.shape[2] else None, attention_mask, b, key.shape[2], query.device)
         scale = scaling if scaling is not None else d**-0.5
         training = bool(getattr(module, "training", False))
@@ -486,6 +494,23 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
                                          is_causal=bool(causal and mask is None and s > 1),
                                          enable_gqa=key.shape[1] != h)
     return out.transpose(1, 2).contiguous(), None
+
+
+_unpad_cache: list = []  # [(a 2-D mask, its unpadding)], the last two: the layers of one forward share their masks
+
+
+def _unpadded(attention_mask):
+    """(indices of the real tokens in the flattened batch, int32 cumulative lengths, the longest row) for a 2-D mask
+    of padding at the rows' ends (transformers' own unpadding, as its flash path does; one host read of the longest
+    row a mask, not a layer)."""
+    from transformers.modeling_flash_attention_utils import _get_unpad_data
+
+    for mask, got in _unpad_cache:
+        if mask is attention_mask:
+            return got
+    got = _get_unpad_data(attention_mask)
+    _unpad_cache[:] = [(attention_mask, got)] + _unpad_cache[:1]
+    return got
 
 
 def _dense_mask(attention_mask, s: int, kv: int, causal: bool, window: int | None, device):
