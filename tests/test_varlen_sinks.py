@@ -135,3 +135,23 @@ def test_a_compiled_helper_that_fails_to_compile_runs_op_by_op_with_one_line(cap
     err = capsys.readouterr().err
     assert err.count("did not compile") == 1 and "the test's helper did not compile" in err and "op by op" in err
     torch._dynamo.reset()
+
+
+def test_a_padded_batch_is_unpadded_once_a_mask_not_once_a_layer(monkeypatch):
+    """GPU path of a padded batch with sinks (GRPO's loss forward): the rows are unpadded into one packed row by
+    transformers' own unpadding, which reads the longest row on the host; the layers of a forward share the mask
+    tensor (sliding and full layers may have one each), so that read happens once a mask."""
+    from transformers import modeling_flash_attention_utils as fa_utils
+
+    calls = []
+    real = fa_utils._get_unpad_data
+    monkeypatch.setattr(fa_utils, "_get_unpad_data", lambda m: calls.append(m) or real(m))
+    monkeypatch.setattr(attention, "_unpad_cache", [])
+    full, sliding = torch.tensor([[0, 1, 1], [1, 1, 0]]), torch.tensor([[0, 1, 1], [1, 1, 0]])
+    for _ in range(3):  # three layer pairs of one forward
+        indices, cu, longest = attention._unpadded(full)
+        attention._unpadded(sliding)
+    assert len(calls) == 2
+    assert indices.tolist() == [1, 2, 3, 4] and cu.tolist() == [0, 2, 4] and longest == 2
+    attention._unpadded(full.clone())  # the next forward's mask
+    assert len(calls) == 3
