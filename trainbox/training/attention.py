@@ -480,11 +480,10 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
         full = out.new_zeros(b * s, h, d).index_copy(0, indices, out)
         return full.view(b, s, h, d).to(query.dtype), None
     if sinks is not None:  # a KV cache, several unpadded rows: the same softmax with the sinks as dense math
-        docs = flexattn.documents(pos if s == key.shape[2] else None, attention_mask, b, key.shape[2], query.device)
-        scale = scaling if scaling is not None else d**-0.5
         training = bool(getattr(module, "training", False))
-        out, lse = flexattn.dense(query, key, value, docs, scale, window, None, dropout if training else 0.0, training)
-        return flexattn.with_sinks(out, lse, sinks).transpose(1, 2).contiguous(), None
+        scale = scaling if scaling is not None else d**-0.5
+        return flexattn.dense_forward(query, key, value, pos, attention_mask, scale, window, None, sinks,
+                                      dropout if training else 0.0, training), None
     causal = module.is_causal if is_causal is None else is_causal
     kv = key.shape[2]
     mask = None

@@ -337,11 +337,21 @@ def flex_attention_forward(module, query, key, value, attention_mask, dropout: f
         # block mask's symbolic block count failed inductor's codegen (CantSplit on gpt-oss, an H200, torch 2.11).
         fn = _outside["fn"] if torch.compiler.is_compiling() and "fn" in _outside else fused_forward
         return fn(query, key, value, pos, attention_mask, scale, sliding_window, softcap, s_aux), None
-    docs = documents(pos if s == kv else None, attention_mask, b, kv, query.device)
-    out, lse = dense(query, key, value, docs, scale, sliding_window, softcap, p, training)
-    if s_aux is not None:
-        out = with_sinks(out, lse, s_aux)
-    return out.transpose(1, 2).contiguous(), None
+    return dense_forward(query, key, value, pos, attention_mask, scale, sliding_window, softcap, s_aux, p,
+                         training), None
+
+
+def dense_forward(query, key, value, position_ids, attention_mask, scale: float, window: int | None,
+                  softcap: float | None, sinks, dropout: float = 0.0, training: bool = False):
+    """The dense path of flex_attention_forward (and of trainbox_varlen's rows with sinks that its kernel does not
+    take): (batch, seq, heads, dim)."""
+    b, _, s, _ = query.shape
+    kv = key.shape[2]
+    docs = documents(position_ids if s == kv else None, attention_mask, b, kv, query.device)
+    out, lse = dense(query, key, value, docs, scale, window, softcap, dropout, training)
+    if sinks is not None:
+        out = with_sinks(out, lse, sinks)
+    return out.transpose(1, 2).contiguous()
 
 
 def fused_forward(query, key, value, position_ids, attention_mask, scale: float, window: int | None,

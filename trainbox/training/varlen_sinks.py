@@ -65,7 +65,7 @@ def _function():
             out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
                 q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale, window_size_left=left,
                 window_size_right=right)
-            y, w = (_FN["apply"] if out.is_cuda else apply_sinks)(out, lse, sinks)
+            y, w = _FN["apply"](out, lse, sinks)
             ctx.save_for_backward(q, k, v, y, lse, w, cu_q, cu_k, rng, unused)
             ctx.args = (max_q, max_k, scale, left, right, sinks.dtype)
             return y
@@ -74,7 +74,7 @@ def _function():
         def backward(ctx, dy):
             q, k, v, y, lse, w, cu_q, cu_k, rng, unused = ctx.saved_tensors
             max_q, max_k, scale, left, right, sinks_dtype = ctx.args
-            dout, dsinks = (_FN["grads"] if dy.is_cuda else sink_grads)(dy.contiguous(), y, w)
+            dout, dsinks = _FN["grads"](dy.contiguous(), y, w)
             dq, dk, dv = torch.ops.aten._flash_attention_backward(
                 dout, q, k, v, y, lse, cu_q, cu_k, max_q, max_k, 0.0, True, rng, unused, scale=scale,
                 window_size_left=left, window_size_right=right)
