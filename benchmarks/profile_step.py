@@ -31,8 +31,8 @@ activities), then one more step; on a GPU the host waits for it before and after
 sync inside, so the host runs ahead and an undrained window held parts of the neighbouring steps). Reported:
 wall per step (CUDA events, GPU timeline) profiled and unprofiled, GPU busy time (the union of kernel, memcpy and
 memset intervals) vs wall (idle = launch/CPU/sync gaps), kernel time by category (share of kernel time and of the
-step), the top 15 kernels, and MFU over the profiled steps (train_throughput's flops_per_token x real tokens /
-time / peak). A kernel's category: "loss" or "optimizer" when it was launched under TRL's fused LM head + log-prob
+step), the top kernels (--top, 15 by default), and MFU over the profiled steps (train_throughput's flops_per_token x
+real tokens / time / peak). A kernel's category: "loss" or "optimizer" when it was launched under TRL's fused LM head + log-prob
 (forward or backward) or the optimizer's step/zero_grad, else by its name (CATEGORIES, first match). So "loss" holds
 the LM head's GEMMs (useful work, in 6N) as well as the log-softmax; "matmul" is the decoder layers' GEMMs.
 Several kinds or variants: each runs in its own process (one after another), then a table compares them.
@@ -425,7 +425,7 @@ def run_one(opts, kind: str, label: str, extra: list[str]) -> dict:
     else:
         kernels, busy = cpu_ops(p.prof), None
     wall = p.seconds(a, b)
-    res = summarize(kernels, wall * 1e6, busy, opts.active)
+    res = summarize(kernels, wall * 1e6, busy, opts.active, opts.top)
     tokens = p.tokens_between(a, b)
     start, end = min(opts.skip, a - 2), a - 1  # unprofiled: steps start+1 .. end, before the profiler's warm-up
     res.update(kind=kind, variant=label, extra=extra, device=opts.device, profiled_steps=[a + 1, b],
@@ -527,6 +527,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--warm", type=int, default=8, help="unprofiled steps before the profiled ones (default 8)")
     ap.add_argument("--active", type=int, default=3, help="profiled steps (default 3)")
     ap.add_argument("--skip", type=int, default=3, help="steps before the unprofiled rate's start (default 3)")
+    ap.add_argument("--top", type=int, default=15, metavar="N", help="list the N costliest kernels (default 15)")
     ap.add_argument("--sources", type=int, default=0, metavar="N",
                     help=f"also list the N places ({OTHER}) kernels are launched from, by time (GPU only)")
     ap.add_argument("--gaps", type=int, default=0, metavar="N",
@@ -559,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
             argv = [sys.executable, __file__, "--kinds", k, "--variant", f"{lab}={shlex.join(extra)}", "--shape",
                     opts.shape, "--device",
                     opts.device, "--warm", str(opts.warm), "--active", str(opts.active), "--skip", str(opts.skip),
-                    "--work", opts.work, "--json", str(child), "--sources", str(opts.sources),
+                    "--work", opts.work, "--json", str(child), "--top", str(opts.top), "--sources", str(opts.sources),
                     "--gaps", str(opts.gaps), *(["--syncs"] if opts.syncs else []),
                     *(["--trace", opts.trace] if opts.trace else [])]
             r = subprocess.run(argv)

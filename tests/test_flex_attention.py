@@ -363,6 +363,33 @@ def test_the_gpu_default_has_an_off_switch(monkeypatch):
     assert flexattn.usable(128) == "trial on cuda at 128"
 
 
+def test_a_named_flex_kernel_is_warmed_up_by_its_trial(monkeypatch):
+    """--attn_implementation trainbox_flex on a GPU: no choice, but trial() runs first as a warm-up (its compile is what
+    makes the first batch's graph symbolic in every size: without it two later batches compiled again inside
+    training on an H200), and a failed check is a WARNING in the line, never another kernel. Any other named kernel,
+    or no GPU: no trial."""
+    calls = []
+
+    def trial(device, head_dim, dtype):
+        calls.append((device, head_dim, dtype))
+
+    monkeypatch.setattr(flexattn, "trial", trial)
+    monkeypatch.setattr(attention, "register", lambda impl: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    info = {"attention_backend": "fa3"}
+    c = attention.choose("trainbox_flex", info, attention.Needs(softcap=50.0, head_dim=256))
+    assert (c.impl, c.reason, calls) == (flexattn.FLEX, "set by --attn_implementation", [("cuda", 256, torch.bfloat16)])
+    attention.choose("sdpa", info, attention.Needs(head_dim=256))
+    assert len(calls) == 1
+    monkeypatch.setattr(flexattn, "trial", lambda *a: "test op failed (Boom)")
+    c = attention.choose("trainbox_flex", info, attention.Needs())
+    assert c.impl == flexattn.FLEX and c.reason.endswith("; WARNING: its check failed here: test op failed (Boom)")
+    monkeypatch.setattr(flexattn, "trial", trial)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert attention.choose("trainbox_flex", info, attention.Needs()).impl == flexattn.FLEX and len(calls) == 1
+
+
 def test_kernel_options_only_where_measured(monkeypatch):
     """Block sizes (flexattn.KERNEL_OPTIONS) for head sizes above 128 and up to 64 on sm90 only; inductor's default
     elsewhere."""

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import metadata
 from typing import Callable
 
@@ -334,6 +334,10 @@ def choose(requested: str | None = None, info: dict | None = None, model: Needs 
     cc = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
     if requested:  # the same option on every rank: no trials, nothing to agree on
         choice = decide(info, cc, lambda name: None, requested, model)
+        if choice.name == "flex" and cc is not None:
+            why = flexattn.warm_up(model.head_dim or 64)
+            if why:
+                choice = replace(choice, reason=f"{choice.reason}; WARNING: its check failed here: {why}")
     else:
         choice = agree(lambda usable: decide(info, cc, usable, requested, model),
                        lambda name: runtime_usable(name, model))
