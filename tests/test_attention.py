@@ -3,7 +3,7 @@ transformers registration of PyTorch's varlen kernel."""
 
 import pytest
 
-from trainbox.training import attention
+from trainbox.training import attention, varlenattn
 
 
 def record(backend):
@@ -77,8 +77,8 @@ def test_varlen_registers_with_transformers():
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-    attention.register_varlen()
-    assert AttentionInterface._global_mapping[attention.VARLEN] is attention.varlen_attention_forward
+    varlenattn.register()
+    assert AttentionInterface._global_mapping[attention.VARLEN] is varlenattn.attention_forward
     assert attention.VARLEN in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
 
 

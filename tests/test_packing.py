@@ -5,7 +5,7 @@ kernel's own check runs on a GPU (benchmarks/train_throughput.py --check)."""
 import pytest
 import torch
 
-from trainbox.training import attention
+from trainbox.training import attention, varlenattn
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def test_packing_without_position_ids_would_leak(model_and_examples):
 def test_varlen_adapter_unpacked_paths_match_sdpa(model_and_examples):
     """trainbox_varlen without packing (one row; a padded batch, as in evaluation) is plain SDPA: same logits."""
     path, examples = model_and_examples
-    attention.register_varlen()
+    varlenattn.register()
     ours, ref = load(path, attention.VARLEN), load(path, "sdpa")
     ids = torch.tensor([examples[0]])
     n = max(len(e) for e in examples)

@@ -6,7 +6,7 @@ benchmarks/sink_kernels.py run it against float32 eager / dense math on the devi
 import pytest
 import torch
 
-from trainbox.training import attention, flexattn, varlen_sinks
+from trainbox.training import attention, flexattn, varlen_sinks, varlenattn
 
 LENS = (5, 9, 3)  # one packed row of three examples
 
@@ -101,7 +101,7 @@ def test_sinks_are_tried_on_the_varlen_kernel_before_flex_attention():
 
 
 def test_rows_the_varlen_kernel_does_not_take_get_the_same_softmax_as_dense_math():
-    """A padded batch and a KV cache (on the CPU every row) with sinks: varlen_attention_forward's dense path equals
+    """A padded batch and a KV cache (on the CPU every row) with sinks: varlenattn.attention_forward's dense path equals
     FlexAttention's (which the flex tests hold to transformers' eager gpt-oss), padding rows included."""
     q, k, v, sinks, _ = packed(seed=3)
 
@@ -111,7 +111,7 @@ def test_rows_the_varlen_kernel_does_not_take_get_the_same_softmax_as_dense_math
     qb, kb, vb = (t[:12].reshape(2, 6, t.shape[1], -1).transpose(1, 2).float() for t in (q, k, v))
     mask = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]])
     for s, m in ((6, mask), (1, mask)):  # the whole rows; one decoding step over a cache of 6
-        got, _ = attention.varlen_attention_forward(Layer(), qb[:, :, -s:], kb, vb, m, scaling=0.3,
+        got, _ = varlenattn.attention_forward(Layer(), qb[:, :, -s:], kb, vb, m, scaling=0.3,
                                                     sliding_window=4, s_aux=sinks.float())
         want, _ = flexattn.flex_attention_forward(Layer(), qb[:, :, -s:], kb, vb, m, scaling=0.3,
                                                   sliding_window=4, s_aux=sinks.float())
@@ -146,12 +146,12 @@ def test_a_padded_batch_is_unpadded_once_a_mask_not_once_a_layer(monkeypatch):
     calls = []
     real = fa_utils._get_unpad_data
     monkeypatch.setattr(fa_utils, "_get_unpad_data", lambda m: calls.append(m) or real(m))
-    monkeypatch.setattr(attention, "_unpad_cache", [])
+    monkeypatch.setattr(varlenattn, "_unpad_cache", [])
     full, sliding = torch.tensor([[0, 1, 1], [1, 1, 0]]), torch.tensor([[0, 1, 1], [1, 1, 0]])
     for _ in range(3):  # three layer pairs of one forward
-        indices, cu, longest = attention._unpadded(full)
-        attention._unpadded(sliding)
+        indices, cu, longest = varlenattn.unpadded(full)
+        varlenattn.unpadded(sliding)
     assert len(calls) == 2
     assert indices.tolist() == [1, 2, 3, 4] and cu.tolist() == [0, 2, 4] and longest == 2
-    attention._unpadded(full.clone())  # the next forward's mask
+    varlenattn.unpadded(full.clone())  # the next forward's mask
     assert len(calls) == 3

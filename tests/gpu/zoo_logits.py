@@ -55,7 +55,7 @@ def main() -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trainbox.training import attention, speed
+    from trainbox.training import attention, speed, varlenattn
     from zoo import ZOO, make_zoo_model
 
     cc = torch.cuda.get_device_capability()
@@ -86,7 +86,7 @@ def main() -> int:
                 row["kernels"][k] = {"not_picked": why}
                 continue
             if k == "varlen":
-                attention.register_varlen()
+                varlenattn.register()
             row["kernels"][k] = {**logits_diffs(path, kern.impl, a.seq, ref), "packs": kern.packed}
         if not needs.features():
             floor_plain = max(floor_plain, row["kernels"].get("sdpa", {}).get("single", 0.0))

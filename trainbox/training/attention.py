@@ -8,11 +8,8 @@ run). Order by image record:
     sdpa (Blackwell, CPU)  FA4 -> PyTorch varlen flash -> FlexAttention -> SDPA -> eager
     no GPU                 SDPA -> FlexAttention's dense math -> eager
 
-"PyTorch varlen flash" is torch's own FlashAttention kernel behind `torch.nn.attention.varlen.varlen_attn` (torch >=
-2.10, sm80+), registered here as the transformers attention `trainbox_varlen`: like the flash-attn packages it takes
-the cumulative sequence lengths of a packed batch, so padding-free training needs no flash-attn wheel. It also
-takes learned sinks (gpt-oss): applied from its log-sum-exp, with its own backward called so that it includes them,
-exactly (varlen_sinks.py).
+"PyTorch varlen flash" is torch's own FlashAttention kernel (varlenattn.py, registered as `trainbox_varlen`): packed
+rows without a flash-attn wheel, windows, and learned sinks (gpt-oss) applied exactly (varlen_sinks.py).
 "FlexAttention" is torch's compiled FlexAttention kernel (flexattn.py, registered as `trainbox_flex`): packed rows
 with windows, softcaps and sinks, so the models the other kernels would change (Gemma 2 without FA3, gpt-oss where
 the varlen kernel does not run) train packed instead of padded on eager. Without a GPU it runs the same masks as
@@ -37,10 +34,10 @@ from importlib import metadata
 from typing import Callable
 
 from common import errors
-from trainbox.training import flexattn, varlen_sinks
+from trainbox.training import flexattn, varlen_sinks, varlenattn
 
-VARLEN = "trainbox_varlen"
-FLEX = "trainbox_flex"  # flexattn.FLEX
+VARLEN = varlenattn.VARLEN
+FLEX = flexattn.FLEX
 
 
 @dataclass(frozen=True)
@@ -255,14 +252,14 @@ def runtime_usable(name: str, model: Needs = Needs()) -> str | None:
 
         return _try_kernel(lambda q, k, v: _first(f(q, k, v, _cu(), _cu(), 156, 156, causal=True)))
     if name == "varlen":
-        fn = _varlen_fn()
+        fn = varlenattn.kernel()
         if fn is None:
             return "this torch has no torch.nn.attention.varlen"
         if model.sinks:  # every layer passes its sinks: all of it runs through varlen_sinks (the aten ops, windows too)
             return _sinks_check(model.window or 8)
         if model.window and "window_size" not in inspect.signature(fn).parameters:
             return "this torch's varlen_attn takes no window (torch < 2.12)"
-        why = _try_kernel(lambda q, k, v: _varlen_call(fn, q, k, v, _cu(), _cu(), 156, 156, None))
+        why = _try_kernel(lambda q, k, v: varlenattn.call(fn, q, k, v, _cu(), _cu(), 156, 156, None))
         return why or (_window_check(fn) if model.window else None)
     if name == "flex":
         return flexattn.usable(model.head_dim or 64)
@@ -278,13 +275,13 @@ def _window_check(fn, window: int = 8) -> str | None:
     g = torch.Generator(device="cuda").manual_seed(1)
     q, k, v = (torch.randn(256, 4, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
     try:
-        out = _varlen_call(fn, q, k, v, _cu(), _cu(), 156, 156, None, window=window).float()
+        out = varlenattn.call(fn, q, k, v, _cu(), _cu(), 156, 156, None, window=window).float()
     except Exception as e:  # noqa: BLE001 - any failure means "use the next kernel"
         return f"its windowed test op failed ({type(e).__name__})"
     worst = 0.0
     for a, b in ((0, 100), (100, 256)):
         qs, ks, vs = (t[a:b].float().transpose(0, 1) for t in (q, k, v))
-        mask = _dense_mask(None, b - a, b - a, True, window, q.device)[0]
+        mask = varlenattn.dense_mask(None, b - a, b - a, True, window, q.device)[0]
         ref = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask).transpose(0, 1)
         worst = max(worst, float((out[a:b] - ref).abs().max()))
     return None if worst < 3e-2 else f"its sliding window disagrees with SDPA's (max diff {worst:.3f})"
@@ -391,149 +388,6 @@ def agree(decide_fn: Callable[[Callable[[str], str | None]], Choice], usable: Ca
 def register(impl: str) -> None:
     """Make our attention `impl` (trainbox_varlen, trainbox_flex) known to transformers; others are its own."""
     if impl == VARLEN:
-        register_varlen()
+        varlenattn.register()
     elif impl == FLEX:
         flexattn.register()
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# torch's varlen FlashAttention as a transformers attention function
-# ---------------------------------------------------------------------------------------------------------------
-def _varlen_fn():
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn
-
-
-def _varlen_call(fn, q, k, v, cu_q, cu_k, max_q, max_k, scale, window: int | None = None):
-    """q/k/v (tokens, heads, dim). torch 2.10/2.11 say causal with `is_causal`, 2.12+ with a window; GQA likewise.
-    `window`: transformers' sliding_window, the tokens each query sees counting itself (flash's left bound + 1)."""
-    params = inspect.signature(fn).parameters
-    kw = {}
-    if "scale" in params:
-        kw["scale"] = scale
-    elif scale is not None and abs(scale - q.shape[-1] ** -0.5) > 1e-6:
-        raise ValueError(f"this torch's varlen_attn has no `scale` and the model scales by {scale}")
-    if "window_size" in params:
-        kw["window_size"] = (window - 1 if window else -1, 0)
-    elif window:
-        raise ValueError("this torch's varlen_attn takes no window (torch < 2.12)")
-    else:
-        kw["is_causal"] = True
-    if k.shape[1] != q.shape[1]:
-        if "enable_gqa" in params:
-            kw["enable_gqa"] = True
-        else:
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return fn(q, k, v, cu_q, cu_k, int(max_q), int(max_k), **kw)
-
-
-def varlen_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
-                             scaling: float | None = None, is_causal: bool | None = None, **kwargs):
-    """transformers attention interface: query/key/value (batch, heads, seq, dim) -> ((batch, seq, heads, dim), None).
-
-    Packed rows (TRL's padding-free collator passes cu_seq_lens_*/max_length_*, or position_ids restart at 0) go
-    through the varlen kernel, so no example attends to another; unpacked rows without padding use SDPA's causal
-    kernel; a padded batch (2-D mask, e.g. evaluation) uses SDPA with that mask. A layer's `sliding_window` applies on
-    every path. Learned sinks (gpt-oss's s_aux) go through varlen_sinks: a single row as one example, a padded batch
-    unpadded into one packed row; rows the varlen kernel does not take (a KV cache, several rows without a mask) get
-    the same softmax with the sinks as dense math (flexattn.dense, FlexAttention's CPU path). Softcaps are not
-    applied: `decide` never picks this kernel for a model that has them.
-    """
-    import torch
-    import torch.nn.functional as F
-
-    b, h, s, d = query.shape
-    window = kwargs.get("sliding_window")
-    sinks = kwargs.get("s_aux")
-    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
-    pos = kwargs.get("position_ids")
-    if cu_q is None and attention_mask is None and pos is not None and b == 1 and s > 1 and query.is_cuda:
-        # No boundaries given: packed only if the positions restart (a host sync, like transformers' flash path).
-        from transformers.modeling_flash_attention_utils import (
-            _is_packed_sequence,
-            prepare_fa_kwargs_from_position_ids,
-        )
-
-        if _is_packed_sequence(pos, b):
-            (cu_q, cu_k), (max_q, max_k) = prepare_fa_kwargs_from_position_ids(pos)
-    dtype = query.dtype
-    if dtype not in (torch.float16, torch.bfloat16):  # fp32 activations outside autocast: the kernel wants 16 bits
-        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else torch.bfloat16
-    if sinks is not None and cu_q is None and attention_mask is None and b == 1 and s == key.shape[2] and query.is_cuda:
-        cu_q, max_q, max_k = torch.tensor([0, s], device=query.device, dtype=torch.int32), s, s  # one example
-    if cu_q is not None and b == 1 and attention_mask is None:
-        q, k, v = (t.transpose(1, 2)[0].to(dtype) for t in (query, key, value))
-        cu_q, cu_k = cu_q.to(torch.int32), (cu_k if cu_k is not None else cu_q).to(torch.int32)
-        max_k = max_k if max_k is not None else max_q
-        if sinks is not None:
-            out = varlen_sinks.attention(q, k, v, sinks, cu_q, cu_k, max_q, max_k, scaling, window)
-        else:
-            out = _varlen_call(_varlen_fn(), q, k, v, cu_q, cu_k, max_q, max_k, scaling, window=window)
-        return out.unsqueeze(0).to(query.dtype), None
-    if sinks is not None and attention_mask is not None and attention_mask.dim() == 2 and s == key.shape[2] \
-            and query.is_cuda:  # a padded batch (GRPO's loss forward): its rows unpadded into one packed row
-        indices, cu, longest = _unpadded(attention_mask)
-        q, k, v = (t.transpose(1, 2).reshape(b * s, t.shape[1], d).index_select(0, indices).to(dtype)
-                   for t in (query, key, value))
-        out = varlen_sinks.attention(q, k, v, sinks, cu, cu, longest, longest, scaling, window)
-        full = out.new_zeros(b * s, h, d).index_copy(0, indices, out)
-        return full.view(b, s, h, d).to(query.dtype), None
-    if sinks is not None:  # a KV cache, several unpadded rows: the same softmax with the sinks as dense math
-        training = bool(getattr(module, "training", False))
-        scale = scaling if scaling is not None else d**-0.5
-        return flexattn.dense_forward(query, key, value, pos, attention_mask, scale, window, None, sinks,
-                                      dropout if training else 0.0, training), None
-    causal = module.is_causal if is_causal is None else is_causal
-    kv = key.shape[2]
-    mask = None
-    if attention_mask is not None or (window and kv > window):  # 2-D padding mask and/or a window that cuts
-        mask = _dense_mask(attention_mask, s, kv, causal, window, query.device)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
-                                         is_causal=bool(causal and mask is None and s > 1),
-                                         enable_gqa=key.shape[1] != h)
-    return out.transpose(1, 2).contiguous(), None
-
-
-_unpad_cache: list = []  # [(a 2-D mask, its unpadding)], the last two: the layers of one forward share their masks
-
-
-def _unpadded(attention_mask):
-    """(indices of the real tokens in the flattened batch, int32 cumulative lengths, the longest row) for a 2-D mask
-    of padding at the rows' ends (transformers' own unpadding, as its flash path does; one host read of the longest
-    row a mask, not a layer)."""
-    from transformers.modeling_flash_attention_utils import _get_unpad_data
-
-    for mask, got in _unpad_cache:
-        if mask is attention_mask:
-            return got
-    got = _get_unpad_data(attention_mask)
-    _unpad_cache[:] = [(attention_mask, got)] + _unpad_cache[:1]
-    return got
-
-
-def _dense_mask(attention_mask, s: int, kv: int, causal: bool, window: int | None, device):
-    """(batch or 1, 1, s, kv) bool: True where a query (the last s of kv positions) may attend."""
-    import torch
-
-    q_pos = torch.arange(kv - s, kv, device=device)[:, None]
-    k_pos = torch.arange(kv, device=device)[None, :]
-    mask = (k_pos <= q_pos) if causal else torch.ones(s, kv, dtype=torch.bool, device=device)
-    if window:
-        mask = mask & (k_pos > q_pos - window)
-    mask = mask[None, None]
-    return mask & attention_mask.bool()[:, None, None, :] if attention_mask is not None else mask
-
-
-def register_varlen() -> None:
-    """Make `attn_implementation="trainbox_varlen"` known to transformers (attention + its flash-style mask)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
-
-    varlen_sinks.prepare()  # now, not inside a trace of the model
-    AttentionInterface.register(VARLEN, varlen_attention_forward)
-    AttentionMaskInterface.register(VARLEN, flash_attention_mask)
