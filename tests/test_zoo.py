@@ -149,7 +149,9 @@ for job, argv in json.loads(sys.argv[1]):
 COMMON = ["--logging_steps", "1", "--disable_tqdm", "true", "--report_to", "none", "--dataloader_num_workers", "0"]
 
 
-def jobs(model: Path, data: dict, out: Path) -> list:
+def jobs(model: Path, data: dict, out: Path, gpu: bool = False) -> list:
+    """The DRIVER's jobs for one model. `gpu`: as trainbox runs there by default (tests/gpu/zoo_train.py), grpo in
+    bf16 too."""
     sft_args = ["--model_name_or_path", str(model), "--dataset", str(data["chat"]), "--output_dir", str(out / "sft"),
                 "--max_length", "64", "--per_device_train_batch_size", "2", "--save_steps", "2", *COMMON]
     return [
@@ -160,7 +162,8 @@ def jobs(model: Path, data: dict, out: Path) -> list:
                    "--merge", *COMMON]),
         ("grpo", ["--model_name_or_path", str(model), "--dataset", str(data["gsm8k"]), "--preset", "gsm8k",
                   "--output_dir", str(out / "grpo"), "--max_steps", "1", "--num_generations", "4",
-                  "--per_device_train_batch_size", "4", "--max_completion_length", "8", "--bf16", "false", *COMMON]),
+                  "--per_device_train_batch_size", "4", "--max_completion_length", "8",
+                  *([] if gpu else ["--bf16", "false"]), *COMMON]),
     ]
 
 
