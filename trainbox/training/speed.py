@@ -211,7 +211,37 @@ def apply_liger(model, model_type: str) -> None:
     wanted = dict(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
     params = inspect.signature(fn).parameters
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    try:  # Liger also swaps the experts class in the modeling module (models built later, e.g. qlora's merge, get it)
+        modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    except ImportError:
+        modeling = None
+    classes = {n: c for n, c in vars(modeling).items() if n.endswith("Experts")} if modeling else {}
     fn(model=base, **{k: v for k, v in wanted.items() if k in params})
+    for name, cls in classes.items():
+        setattr(modeling, name, cls)
+    unpatch_experts(base)
+
+
+def unpatch_experts(model, fused=None) -> int:
+    """Undo the fused MoE that Liger's SwiGLU patch binds to each experts module (Mixtral, Qwen3-MoE: LigerExperts'
+    forward, which reads the expert weights itself); the module's class forward (transformers' experts interface:
+    moe.py's trainbox_grouped_mm) runs again. Under PEFT's LoRA on the experts (qlora) a ParamWrapper stands where the
+    experts were, and Liger's forward bound to it failed ('ParamWrapper' object has no attribute 'hidden_dim':
+    tests/gpu/zoo_train.py, an H200); in full SFT ours is faster (benchmarks/moe_liger.py, Mixtral-like layer, 16k
+    tokens, an H200: 13.98 ms forward+backward against Liger's 19.83). `fused`: the function to undo (default
+    LigerExperts.forward). Returns how many modules were undone."""
+    if fused is None:
+        from liger_kernel.transformers.swiglu import LigerExperts
+
+        fused = LigerExperts.forward
+    undone = 0
+    for module in model.modules():
+        bound = module.__dict__.get("forward")
+        if getattr(bound, "__func__", None) is fused:
+            del module.__dict__["forward"]
+            module.__dict__.pop("_get_name", None)
+            undone += 1
+    return undone
 
 
 def choose_packing(args, packed_ok: bool) -> str:
