@@ -4,6 +4,7 @@
     python benchmarks/train_throughput.py sft --nproc 2 --kinds mix        # 8B shape on 2 GPUs, FSDP2 both sides
     python benchmarks/train_throughput.py sft --shape gemma2-1b --kinds mix # Gemma 2 (softcaps, window), 1.27 B
     python benchmarks/train_throughput.py sft --shape gpt-oss-2b --kinds mix # gpt-oss (sinks, window, MoE 8x top-2)
+    python benchmarks/train_throughput.py sft --shape mixtral-2b --kinds mix # Mixtral (MoE 8x top-2, SwiGLU experts)
     python benchmarks/train_throughput.py qlora [--steps 20]                # plain PEFT+bitsandbytes vs trainbox qlora (8B)
     python benchmarks/train_throughput.py grpo  [--steps 12] [--plain vllm|defaults]  # trl grpo vs trainbox grpo (1B)
     python benchmarks/train_throughput.py check                             # packed == alone with the GPU's kernel
@@ -61,8 +62,12 @@ SHAPES = {
                        num_key_value_heads=8, head_dim=64, num_local_experts=8, num_experts_per_tok=2,
                        vocab_size=128256, tie_word_embeddings=False, sliding_window=128,
                        layer_types=["sliding_attention", "full_attention"] * 6),
+    # Mixtral's layout (8 SwiGLU experts, top-2, no window, no biases) at 1.9 B parameters (0.6 B active).
+    "mixtral-2b": dict(hidden_size=2048, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
+                       num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
+                       tie_word_embeddings=False, sliding_window=None, max_position_embeddings=4096),
 }
-CONFIG_CLASS = {"gemma2-1b": "Gemma2Config", "gpt-oss-2b": "GptOssConfig"}  # else LlamaConfig
+CONFIG_CLASS = {"gemma2-1b": "Gemma2Config", "gpt-oss-2b": "GptOssConfig", "mixtral-2b": "MixtralConfig"}  # else Llama
 WORDS = 4000
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
             "{% if add_generation_prompt %}<|assistant|> {% endif %}")
