@@ -149,12 +149,12 @@ for job, argv in json.loads(sys.argv[1]):
 COMMON = ["--logging_steps", "1", "--disable_tqdm", "true", "--report_to", "none", "--dataloader_num_workers", "0"]
 
 
-def jobs(model: Path, data: dict, out: Path, gpu: bool = False) -> list:
+def jobs(model: Path, data: dict, out: Path, gpu: bool = False, extra: tuple = ()) -> list:
     """The DRIVER's jobs for one model. `gpu`: as trainbox runs there by default (tests/gpu/zoo_train.py), grpo in
-    bf16 too."""
+    bf16 too; `extra`: options added to every job."""
     sft_args = ["--model_name_or_path", str(model), "--dataset", str(data["chat"]), "--output_dir", str(out / "sft"),
                 "--max_length", "64", "--per_device_train_batch_size", "2", "--save_steps", "2", *COMMON]
-    return [
+    return [(job, [*argv, *extra]) for job, argv in [
         ("sft", [*sft_args, "--max_steps", "2"]),
         ("sft", [*sft_args, "--max_steps", "3"]),  # resumes from checkpoint-2
         ("qlora", ["--model_name_or_path", str(model), "--dataset", str(data["dolly"]), "--output_dir",
@@ -164,7 +164,7 @@ def jobs(model: Path, data: dict, out: Path, gpu: bool = False) -> list:
                   "--output_dir", str(out / "grpo"), "--max_steps", "1", "--num_generations", "4",
                   "--per_device_train_batch_size", "4", "--max_completion_length", "8",
                   *([] if gpu else ["--bf16", "false"]), *COMMON]),
-    ]
+    ]]
 
 
 def train_all(model: Path, data: dict, tmp_path: Path) -> subprocess.CompletedProcess:

@@ -5,7 +5,7 @@ FlexAttention's dense math, no compiled MoE, TRL's loss head); here each model g
 varlen kernel (with gpt-oss's sinks), FlexAttention (Gemma 2's softcap), the compiled MoE experts, the one-pass loss
 head, bitsandbytes' 4-bit base, the static decoder.
 
-Usage: python tests/gpu/zoo_train.py [NAME ...] [--json FILE]
+Usage: python tests/gpu/zoo_train.py [NAME ...] [--extra OPTIONS] [--json FILE]
 
 Per model: each job's exit code, the attention line and packing, the losses sft logged (finite, steps 1-3 after the
 resume), whether the three saved models (sft, qlora merged, grpo) load, wall seconds and the peak GPU memory sft
@@ -20,6 +20,7 @@ import json
 import math
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -31,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 
-def train(name: str, base: Path, data: dict) -> dict:
+def train(name: str, base: Path, data: dict, extra: list[str]) -> dict:
     import test_zoo
     from zoo import make_zoo_model
 
@@ -41,7 +42,7 @@ def train(name: str, base: Path, data: dict) -> dict:
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     start = time.time()
     r = subprocess.run([sys.executable, "-u", "-c", test_zoo.DRIVER,
-                        json.dumps(test_zoo.jobs(model, data, folder / "out", gpu=True))],
+                        json.dumps(test_zoo.jobs(model, data, folder / "out", gpu=True, extra=extra))],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     log = r.stdout + r.stderr
     (folder / "log.txt").write_text(log)
@@ -84,6 +85,8 @@ def main() -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("names", nargs="*", metavar="NAME", help=f"zoo models (default all: {', '.join(ZOO)})")
+    ap.add_argument("--extra", default="", metavar="OPTIONS",
+                    help='options added to every job, e.g. --extra "--torch_compile true"')
     ap.add_argument("--json", help="also write the results here")
     a = ap.parse_args()
     unknown = [n for n in a.names if n not in ZOO]
@@ -105,7 +108,7 @@ def main() -> int:
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}; {len(names)} models side by side in {base}",
           flush=True)
     with ThreadPoolExecutor(len(names)) as pool:
-        results = list(pool.map(lambda n: train(n, base, data), names))
+        results = list(pool.map(lambda n: train(n, base, data, shlex.split(a.extra)), names))
     print(f"{'model':16} {'attention':16} packed  pf-grpo  {'sft losses':26} loads  {'s':>6}  peak GiB  problems")
     for r in results:
         losses = " ".join(f"{x:.3f}" for x in r["sft_losses"])
