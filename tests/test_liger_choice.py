@@ -46,6 +46,7 @@ def test_liger_s_fused_moe_is_undone_on_experts_and_under_peft_s_wrapper():
     def fused(self, hidden_states, top_k_index, top_k_weights):  # Liger's forward reads attributes the wrapper lacks
         return hidden_states.view(-1, self.hidden_dim)
 
+    assert speed.unpatch_experts(torch.nn.Linear(2, 2)) == 0  # Liger's own forward by default; none without Liger
     conf = transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=100)
     torch.manual_seed(0)
