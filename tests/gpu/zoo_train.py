@@ -30,6 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+TIMEOUT = 1200  # seconds for one model's four jobs
 
 
 def train(name: str, base: Path, data: dict, extra: list[str]) -> dict:
@@ -41,10 +42,14 @@ def train(name: str, base: Path, data: dict, extra: list[str]) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_CACHE": str(folder),
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     start = time.time()
-    r = subprocess.run([sys.executable, "-u", "-c", test_zoo.DRIVER,
-                        json.dumps(test_zoo.jobs(model, data, folder / "out", gpu=True, extra=extra))],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
-    log = r.stdout + r.stderr
+    argv = [sys.executable, "-u", "-c", test_zoo.DRIVER,
+            json.dumps(test_zoo.jobs(model, data, folder / "out", gpu=True, extra=extra))]
+    try:
+        r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+        log = r.stdout + r.stderr
+    except subprocess.TimeoutExpired as e:  # its jobs hung: the exit codes it printed so far say where
+        log = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr))
+        log += f"\nZOO-TIMEOUT after {TIMEOUT} s\n"
     (folder / "log.txt").write_text(log)
     return check(name, folder, log, time.time() - start)
 
@@ -52,7 +57,7 @@ def train(name: str, base: Path, data: dict, extra: list[str]) -> dict:
 def check(name: str, folder: Path, log: str, seconds: float) -> dict:
     from transformers import AutoModelForCausalLM
 
-    out, problems = folder / "out", []
+    out, problems = folder / "out", [f"timed out after {TIMEOUT} s"] if "ZOO-TIMEOUT" in log else []
     rcs = [line.split()[1:] for line in log.splitlines() if line.startswith("ZOO-RC")]
     if rcs != [["sft", "0"], ["sft", "0"], ["qlora", "0"], ["grpo", "0"]]:
         problems.append(f"exit codes {rcs}")
