@@ -8,6 +8,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+import enginefix  # noqa: E402
 from devenv import slurm as devslurm  # noqa: E402
 
 # The session fixtures live here, once, for every module: a fixture a test module imports is that module's own copy,
@@ -69,12 +70,31 @@ def pytest_report_header(config):
     return lines
 
 
+ENGINE_OR_SLURM = {"engine", "slurm"}
+
+
+def _needs_engine_or_slurm(item) -> bool:
+    return any(item.get_closest_marker(m) for m in ENGINE_OR_SLURM) or any(
+        enginefix.WARM_STAGES.get(f) or f.startswith("slurm") for f in getattr(item, "fixturenames", ()))
+
+
+@pytest.hookimpl(trylast=True)  # after -m/-k deselection: the order and the warm-up follow what will run
 def pytest_collection_modifyitems(config, items):
     """`gpuimage` tests build a real CUDA image (several GB from the default index): deselected unless the -m
-    expression names them (`make test-gpu-image`), so `make test` and `make test-fast` never start one."""
-    if "gpuimage" in (config.getoption("-m") or ""):
-        return
-    keep = [i for i in items if i.get_closest_marker("gpuimage") is None]
-    if len(keep) != len(items):
-        config.hook.pytest_deselected(items=[i for i in items if i.get_closest_marker("gpuimage") is not None])
-        items[:] = keep
+    expression names them (`make test-gpu-image`), so `make test` and `make test-fast` never start one.
+
+    Then the modules with no test that needs the engine or Slurm run first (whole modules: a module's own fixtures
+    are set up once), while the session builds warm up in a child (enginefix.warm_start)."""
+    if "gpuimage" not in (config.getoption("-m") or ""):
+        keep = [i for i in items if i.get_closest_marker("gpuimage") is None]
+        if len(keep) != len(items):
+            config.hook.pytest_deselected(items=[i for i in items if i.get_closest_marker("gpuimage") is not None])
+            items[:] = keep
+    heavy = {i.path for i in items if _needs_engine_or_slurm(i)}
+    items.sort(key=lambda i: i.path in heavy)  # stable: file order within each part
+    if not config.option.collectonly:
+        enginefix.warm_start(enginefix.warm_stages({f for i in items for f in getattr(i, "fixturenames", ())}))
+
+
+def pytest_sessionfinish(session):
+    enginefix.warm_stop()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -113,8 +114,68 @@ def build_smoke(arch: str):
                           secrets=parse_secrets(args.secret))
 
 
+# The cold session builds (engine, debootstrapped base, smoke x86_64, smoke aarch64 under QEMU: 10-14 min on 2 cores)
+# start in a child process as soon as collection shows that a selected test needs them (conftest), and conftest runs
+# the modules that need no engine or Slurm first, so the builds overlap them. The `engine` fixture then waits for the
+# child, and the fixtures build in this process from its caches (the debootstrap layers, BuildKit's cache): seconds.
+# A child that failed changes nothing: the in-process build fails with the real error. Its output: WARM_LOG.
+WARM_STAGES = {"engine": ("engine",), "registry": ("engine",), "test_base": ("engine", "base"),
+               "smoke_build": ("engine", "base", "x86_64"), "smoke_image": ("engine", "base", "x86_64"),
+               "smoke_sqsh": ("engine", "base", "x86_64"), "smoke_arm64": ("engine", "base", "aarch64")}
+WARM_ORDER = ("engine", "base", "x86_64", "aarch64")
+_warm: list[subprocess.Popen] = []
+
+
+def warm_log() -> Path:
+    return devengine.state_dir() / "test-warm.log"
+
+
+def warm_stages(fixturenames) -> list[str]:
+    """The stages of WARM_ORDER that tests using FIXTURENAMES (all of them, any order) need."""
+    wanted = {s for name in fixturenames for s in WARM_STAGES.get(name, ())}
+    return [s for s in WARM_ORDER if s in wanted]
+
+
+def warm_start(stages: list[str]) -> None:
+    """Run STAGES in a child (`python tests/enginefix.py STAGE...`), once a session; a no-op without stages."""
+    if not stages or _warm:
+        return
+    log = warm_log()
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        _warm.append(subprocess.Popen([sys.executable, __file__, *stages], cwd=ROOT, stdout=out,
+                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True))
+
+
+def warm_wait() -> None:
+    """Wait for the child warm_start began (if any), so that no build runs twice at once."""
+    while _warm:
+        _warm.pop().wait()
+
+
+def warm_stop() -> None:
+    """End of session: a child still building (the session ended early) is stopped."""
+    for child in _warm:
+        if child.poll() is None:  # its group: the docker/debootstrap processes it runs too (dockerd has its own)
+            os.killpg(child.pid, signal.SIGTERM)
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(child.pid, signal.SIGKILL)
+    _warm.clear()
+
+
+def _warm_run(stages: list[str]) -> None:
+    steps = {"engine": engine_info, "base": base_ref, "x86_64": lambda: build_smoke("x86_64"),
+             "aarch64": lambda: build_smoke("aarch64")}
+    for stage in stages:
+        steps[stage]()
+        print(f"warm: {stage} done", flush=True)
+
+
 @pytest.fixture(scope="session")
 def engine():
+    warm_wait()
     return engine_info()
 
 
@@ -171,3 +232,7 @@ def docker(*args: str, check: bool = True, timeout: float = 600, **kw) -> subpro
         raise AssertionError(f"docker {' '.join(args)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n"
                              f"{r.stderr[-3000:]}")
     return r
+
+
+if __name__ == "__main__":  # the warm-up child (warm_start)
+    _warm_run(sys.argv[1:])
