@@ -23,8 +23,12 @@ build: system-deps setup engine bases ## install what is missing, then build + p
 	$(PY) -m devenv.buildinputs --wheelhouse .cache/wheels
 	$(PY) build.py --cell smoke --config .cache/bases.toml --wheelhouse .cache/wheels --push --registry $(REGISTRY)
 
+# Two workers (TEST_WORKERS=0: one process): the modules that need the engine or Slurm run in order on one, all the
+# others on the other, while the session images build in the background (tests/conftest.py, tests/enginefix.py).
+TEST_WORKERS ?= 2
+
 test: system-deps setup ## everything: unit, rendered files, real images (starts the engine itself), Slurm
-	$(PY) -m pytest -ra --durations=40 tests
+	$(PY) -m pytest -ra --durations=40 -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder tests
 
 system-deps: ## the Debian packages above (root; a no-op when all are present)
 	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \

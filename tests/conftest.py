@@ -1,5 +1,8 @@
+import json
 import os
 import sys
+import tempfile
+import uuid
 from pathlib import Path
 
 import pytest
@@ -9,6 +12,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import enginefix  # noqa: E402
+from common import atomic  # noqa: E402
 from devenv import slurm as devslurm  # noqa: E402
 
 # The session fixtures live here, once, for every module: a fixture a test module imports is that module's own copy,
@@ -71,6 +75,7 @@ def pytest_report_header(config):
 
 
 ENGINE_OR_SLURM = {"engine", "slurm"}
+HEAVY_GROUP = "engine-and-slurm"
 
 
 def _needs_engine_or_slurm(item) -> bool:
@@ -78,23 +83,69 @@ def _needs_engine_or_slurm(item) -> bool:
         enginefix.WARM_STAGES.get(f) or f.startswith("slurm") for f in getattr(item, "fixturenames", ()))
 
 
-@pytest.hookimpl(trylast=True)  # after -m/-k deselection: the order and the warm-up follow what will run
+def _groups_file(run: str) -> Path:
+    return Path(tempfile.gettempdir()) / f"trainbox-test-groups-{run}.json"
+
+
+def pytest_configure(config):
+    # One id for the whole run, its xdist workers' too (enginefix's warm-up starts once a run; the groups file).
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        config.option.testrunuid = config.option.testrunuid or uuid.uuid4().hex  # the xdist controller
+    enginefix.RUN_ID = (getattr(config, "workerinput", {}).get("testrunuid")
+                        or getattr(config.option, "testrunuid", None) or uuid.uuid4().hex)
+
+
 def pytest_collection_modifyitems(config, items):
     """`gpuimage` tests build a real CUDA image (several GB from the default index): deselected unless the -m
     expression names them (`make test-gpu-image`), so `make test` and `make test-fast` never start one.
 
-    Then the modules with no test that needs the engine or Slurm run first (whole modules: a module's own fixtures
-    are set up once), while the session builds warm up in a child (enginefix.warm_start)."""
+    Then the order (whole modules: a module's own fixtures are set up once). The session builds warm up in a child
+    (enginefix.warm_start), so the modules that need the engine or Slurm go in the order of the builds they wait for.
+    In one process the others go first, while the child builds. Under xdist (`make test`: -n 2) the modules needing
+    the engine or Slurm go first and are one unit of work (pytest_xdist_make_scheduler), so one worker runs them
+    all (one engine, one test Slurm, started once) and the other worker every other module."""
     if "gpuimage" not in (config.getoption("-m") or ""):
         keep = [i for i in items if i.get_closest_marker("gpuimage") is None]
         if len(keep) != len(items):
             config.hook.pytest_deselected(items=[i for i in items if i.get_closest_marker("gpuimage") is not None])
             items[:] = keep
-    heavy = {i.path for i in items if _needs_engine_or_slurm(i)}
-    items.sort(key=lambda i: i.path in heavy)  # stable: file order within each part
-    if not config.option.collectonly:
-        enginefix.warm_start(enginefix.warm_stages({f for i in items for f in getattr(i, "fixturenames", ())}))
+    heavy, rank = set(), {}
+    for i in items:
+        if _needs_engine_or_slurm(i):
+            heavy.add(i.path)
+        rank[i.path] = max(rank.get(i.path, 0), enginefix.warm_rank(getattr(i, "fixturenames", ())))
+    worker = hasattr(config, "workerinput")
+    items.sort(key=lambda i: ((i.path not in heavy) if worker else (i.path in heavy), rank[i.path]))  # stable
+    if worker:  # for the controller's scheduler, which sees node ids only (every worker writes the same)
+        groups = {i.nodeid.split("::")[0]: HEAVY_GROUP for i in items if i.path in heavy}
+        atomic.write_text(_groups_file(enginefix.RUN_ID), json.dumps(groups))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's loadscope with whole modules as units, and the engine-and-Slurm modules one unit (xdist's own
+    loadgroup marks have no effect under pytest 9: it renames items through a field pytest no longer reads)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroups(LoadScopeScheduling):
+        groups: dict | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:
+                self.groups = json.loads(_groups_file(enginefix.RUN_ID).read_text())
+            module = nodeid.split("::")[0]
+            return self.groups.get(module, module)
+
+    return ModuleGroups(config, log)
+
+
+def pytest_collection_finish(session):
+    """After -m/-k deselection: the warm-up builds what the tests that will run need."""
+    if not session.config.option.collectonly:
+        enginefix.warm_start(enginefix.warm_stages({f for i in session.items for f in getattr(i, "fixturenames", ())}))
 
 
 def pytest_sessionfinish(session):
     enginefix.warm_stop()
+    if not hasattr(session.config, "workerinput"):
+        _groups_file(enginefix.RUN_ID).unlink(missing_ok=True)

@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -35,6 +36,7 @@ if str(ROOT) not in sys.path:
 from builder import engine as eng  # noqa: E402
 from builder.options import parse_bases, parse_secrets  # noqa: E402
 from devenv import bases, buildinputs, engine as devengine  # noqa: E402
+from devenv.common import pid_alive  # noqa: E402
 
 # A known fake build-time credential: every smoke build gets it as a BuildKit secret; test_secrets proves it never
 # lands in a layer, a history entry or a label.
@@ -115,19 +117,26 @@ def build_smoke(arch: str):
 
 
 # The cold session builds (engine, debootstrapped base, smoke x86_64, smoke aarch64 under QEMU: 10-14 min on 2 cores)
-# start in a child process as soon as collection shows that a selected test needs them (conftest), and conftest runs
-# the modules that need no engine or Slurm first, so the builds overlap them. The `engine` fixture then waits for the
-# child, and the fixtures build in this process from its caches (the debootstrap layers, BuildKit's cache): seconds.
-# A child that failed changes nothing: the in-process build fails with the real error. Its output: WARM_LOG.
+# start in a child process as soon as collection shows that a selected test needs them (conftest), once a run: the
+# first process of the run (the only one, or the first xdist worker) to take the run's lock starts it. Meanwhile the
+# tests that need none of it run. A fixture waits for its own stage of the child ("warm: STAGE done" in its log, or the
+# child's end) and then builds in this process from the child's caches (the debootstrap layers, BuildKit's cache):
+# seconds, and never two builds of one thing at once. A child that failed changes nothing: the in-process build fails
+# with the real error. Its output: warm_log(RUN_ID).
 WARM_STAGES = {"engine": ("engine",), "registry": ("engine",), "test_base": ("engine", "base"),
                "smoke_build": ("engine", "base", "x86_64"), "smoke_image": ("engine", "base", "x86_64"),
                "smoke_sqsh": ("engine", "base", "x86_64"), "smoke_arm64": ("engine", "base", "aarch64")}
 WARM_ORDER = ("engine", "base", "x86_64", "aarch64")
-_warm: list[subprocess.Popen] = []
+RUN_ID = "single"  # conftest sets it: the run's id, shared by its xdist workers
+_warm: list[tuple[subprocess.Popen, Path]] = []
 
 
-def warm_log() -> Path:
-    return devengine.state_dir() / "test-warm.log"
+def _warm_file(run: str, suffix: str) -> Path:
+    return devengine.state_dir() / f"test-warm-{run}.{suffix}"
+
+
+def warm_log(run: str) -> Path:
+    return _warm_file(run, "log")
 
 
 def warm_stages(fixturenames) -> list[str]:
@@ -136,46 +145,69 @@ def warm_stages(fixturenames) -> list[str]:
     return [s for s in WARM_ORDER if s in wanted]
 
 
+def warm_rank(fixturenames) -> int:
+    """How far into WARM_ORDER a test using FIXTURENAMES waits (0: none of it)."""
+    stages = warm_stages(fixturenames)
+    return WARM_ORDER.index(stages[-1]) + 1 if stages else 0
+
+
 def warm_start(stages: list[str]) -> None:
-    """Run STAGES in a child (`python tests/enginefix.py STAGE...`), once a session; a no-op without stages."""
-    if not stages or _warm:
+    """Run STAGES in a child (`python tests/enginefix.py STAGE...`) unless another process of this run did."""
+    if not stages:
         return
-    log = warm_log()
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as out:
-        _warm.append(subprocess.Popen([sys.executable, __file__, *stages], cwd=ROOT, stdout=out,
-                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True))
+    lock = _warm_file(RUN_ID, "lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return
+    for old in lock.parent.glob("test-warm-*.log"):  # earlier runs'
+        old.unlink(missing_ok=True)
+    with open(warm_log(RUN_ID), "w") as out:
+        child = subprocess.Popen([sys.executable, __file__, *stages], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, start_new_session=True)
+    _warm.append((child, lock))
 
 
-def warm_wait() -> None:
-    """Wait for the child warm_start began (if any), so that no build runs twice at once."""
-    while _warm:
-        _warm.pop().wait()
+def warm_wait(stage: str) -> None:
+    """Until this run's child has done STAGE or ended; at once where the run has no child."""
+    lock, log = _warm_file(RUN_ID, "lock"), warm_log(RUN_ID)
+    while lock.exists():
+        text = log.read_text() if log.exists() else ""
+        pid = text.split("\n", 1)[0].removeprefix("warm: pid ")
+        if f"warm: {stage} done" in text or "warm: end" in text or (pid.isdigit() and not pid_alive(int(pid))):
+            return
+        time.sleep(1)
 
 
 def warm_stop() -> None:
-    """End of session: a child still building (the session ended early) is stopped."""
-    for child in _warm:
+    """End of the starter's session: a child still building (the session ended early) is stopped, the lock removed."""
+    for child, lock in _warm:
         if child.poll() is None:  # its group: the docker/debootstrap processes it runs too (dockerd has its own)
             os.killpg(child.pid, signal.SIGTERM)
             try:
                 child.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 os.killpg(child.pid, signal.SIGKILL)
+        lock.unlink(missing_ok=True)
     _warm.clear()
 
 
 def _warm_run(stages: list[str]) -> None:
     steps = {"engine": engine_info, "base": base_ref, "x86_64": lambda: build_smoke("x86_64"),
              "aarch64": lambda: build_smoke("aarch64")}
-    for stage in stages:
-        steps[stage]()
-        print(f"warm: {stage} done", flush=True)
+    print(f"warm: pid {os.getpid()}", flush=True)
+    try:
+        for stage in stages:
+            steps[stage]()
+            print(f"warm: {stage} done", flush=True)
+    finally:
+        print("warm: end", flush=True)
 
 
 @pytest.fixture(scope="session")
 def engine():
-    warm_wait()
+    warm_wait("engine")
     return engine_info()
 
 
@@ -186,11 +218,13 @@ def registry(engine):
 
 @pytest.fixture(scope="session")
 def test_base(engine):
+    warm_wait("base")
     return base_ref()
 
 
 @pytest.fixture(scope="session")
 def smoke_build(engine):
+    warm_wait("x86_64")
     return build_smoke("x86_64")
 
 
@@ -216,6 +250,7 @@ def smoke_sqsh(smoke_build, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smoke_arm64(engine):
+    warm_wait("aarch64")
     return build_smoke("aarch64")
 
 

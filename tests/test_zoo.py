@@ -167,11 +167,15 @@ def jobs(model: Path, data: dict, out: Path, gpu: bool = False, extra: tuple = (
     ]]
 
 
-def train_all(model: Path, data: dict, tmp_path: Path) -> subprocess.CompletedProcess:
-    env = {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
-           "HF_DATASETS_CACHE": str(tmp_path / "hf"), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
-    return subprocess.run([sys.executable, "-u", "-c", DRIVER, json.dumps(jobs(model, data, tmp_path / "out"))],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+def train_all(model: Path, data: dict, tmp_path: Path, gpu: bool = False, extra: tuple = (), env: dict | None = None,
+              timeout: float = 600) -> subprocess.CompletedProcess:
+    """One DRIVER process running jobs(...) for MODEL, outputs under TMP_PATH/out. `env`: the process's whole
+    environment (default: a bare CPU one, one thread)."""
+    env = env or {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+                  "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(tmp_path / "hf"), "PATH": "/usr/bin:/bin",
+                  "HOME": str(tmp_path)}
+    argv = [sys.executable, "-u", "-c", DRIVER, json.dumps(jobs(model, data, tmp_path / "out", gpu, extra))]
+    return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

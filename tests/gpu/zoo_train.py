@@ -42,10 +42,8 @@ def train(name: str, base: Path, data: dict, extra: list[str]) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_CACHE": str(folder),
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     start = time.time()
-    argv = [sys.executable, "-u", "-c", test_zoo.DRIVER,
-            json.dumps(test_zoo.jobs(model, data, folder / "out", gpu=True, extra=extra))]
     try:
-        r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+        r = test_zoo.train_all(model, data, folder, gpu=True, extra=tuple(extra), env=env, timeout=TIMEOUT)
         log = r.stdout + r.stderr
     except subprocess.TimeoutExpired as e:  # its jobs hung: the exit codes it printed so far say where
         log = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr))
