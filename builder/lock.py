@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -90,6 +91,14 @@ def wheels_only(cell: Cell) -> list[str]:
 SOURCE_MARK = "# source: "   # an attention lock with this line and no requirement: no prebuilt wheel, build from source
 
 
+def uv_error(stderr: str, limit: int = 500) -> str:
+    """uv's error as one line: all of it, its tree glyphs dropped, the end kept where it is long (the causes come
+    last). uv wraps its text to a width that varies with where it runs, so its last lines alone could miss the
+    reason (a run under xdist lost "has no wheels with a matching platform tag" that way)."""
+    text = " ".join(re.sub(r"[×╰─▶│├]+", " ", stderr).split())
+    return text if len(text) <= limit else "... " + text[-limit:]
+
+
 def _uv(cell: Cell, what: str, requirements: str, args: list[str], urls: dict[str, str],
         unsatisfiable_ok: bool = False, project: str | None = None) -> str | None:
     """uv's lock text; None where `unsatisfiable_ok` and the index answered but has no matching wheel (uv exits 1
@@ -111,12 +120,12 @@ def _uv(cell: Cell, what: str, requirements: str, args: list[str], urls: dict[st
     if unsatisfiable_ok and proc.returncode == 1 and "No solution found" in proc.stderr:
         return None
     if proc.returncode != 0:
-        msg = " ".join(proc.stderr.strip().splitlines()[-3:]) or f"exit {proc.returncode}"
+        msg = uv_error(proc.stderr) or f"exit {proc.returncode}"
         named = ", ".join(f"{n} = {indexes.redact(u)}" for n, u in urls.items()) or "the default index only"
         fix = ("if an index is not reachable from here, point it at a mirror (--index NAME=URL or "
                "TRAINBOX_INDEX_<NAME>, see [index] in matrix.toml) or commit a lock made where it is reachable "
                f"(python build.py --lock {cell.tag})")
-        raise UserError(f"cannot lock {what} for cell {cell.tag} through {named}: {indexes.redact(msg)[:500]}",
+        raise UserError(f"cannot lock {what} for cell {cell.tag} through {named}: {indexes.redact(msg)}",
                         fix=fix)
     return proc.stdout
 

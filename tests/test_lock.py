@@ -208,3 +208,27 @@ def test_fact_stack_needs_python_311():
     assert rc != 0 and "Python>=3.11" in out.replace(" ", "")
 
 
+
+
+def test_uv_error_keeps_the_reason_at_any_wrap_width():
+    """uv wraps its error to a width that depends on where it runs; the one line we show must not depend on it (a run
+    under two xdist workers once showed only the hint, the reason cut off with the lines before the last three)."""
+    import textwrap
+
+    from builder.lock import uv_error
+
+    reason = ("Because only flash-attn-3==3.0.0 is available and flash-attn-3==3.0.0 has no wheels with a matching "
+              "platform tag (e.g., `manylinux_2_35_x86_64`), we can conclude that your requirements are unsatisfiable.")
+    hint = "hint: Wheels are available for `flash-attn-3` (v3.0.0) on the following platform: `manylinux_2_28_aarch64`"
+    shown = set()
+    for width in (40, 80, 200):
+        fill = dict(width=width, break_on_hyphens=False, break_long_words=False)
+        body = textwrap.fill(reason, initial_indent="  ╰─▶ ", subsequent_indent="      ", **fill)
+        stderr = "  × No solution found when resolving dependencies:\n" + body + "\n\n" + textwrap.fill(hint, **fill)
+        shown.add(uv_error(stderr))
+    assert len(shown) == 1
+    line = shown.pop()
+    assert "has no wheels with a matching platform tag" in line and line.endswith("`manylinux_2_28_aarch64`")
+    assert "╰" not in line and "×" not in line and "\n" not in line
+    long = uv_error("error: Failed to fetch\n" + "  Caused by: x\n" * 100 + "  Caused by: Connection refused")
+    assert long.startswith("... ") and long.endswith("Caused by: Connection refused") and len(long) <= 504
