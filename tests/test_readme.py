@@ -188,8 +188,9 @@ def test_sqsh_command_exports_the_smoke_image(repo_copy, smoke_build):
     """The README's --sqsh command, run as written with this machine's bases and wheelhouse (made by `make build`'s
     steps: devenv.bases, devenv.buildinputs); the build is a cache hit after the session's smoke build (smoke_build:
     done before this test reads the tag below, and never while it runs), up to its labels. The copy has no .git
-    (revision "unknown"), so its image is another one: the copy's matrix names a repository of this test's own, and the session's trainbox:smoke-x86_64 (enginefix's smoke_build, exported and
-    read by other tests) still names the image it named before."""
+    (revision "unknown"), so its image is another one: the copy's matrix names a repository of this test's own,
+    and the session's trainbox:smoke-x86_64 (enginefix's smoke_build, exported and read by other tests) still names
+    the image it named before."""
     from devenv import bases, buildinputs, engine
 
     engine.up()
