@@ -120,12 +120,12 @@ def _uv(cell: Cell, what: str, requirements: str, args: list[str], urls: dict[st
     if unsatisfiable_ok and proc.returncode == 1 and "No solution found" in proc.stderr:
         return None
     if proc.returncode != 0:
-        msg = uv_error(proc.stderr) or f"exit {proc.returncode}"
+        msg = uv_error(indexes.redact(proc.stderr)) or f"exit {proc.returncode}"  # redacted whole, then cut
         named = ", ".join(f"{n} = {indexes.redact(u)}" for n, u in urls.items()) or "the default index only"
         fix = ("if an index is not reachable from here, point it at a mirror (--index NAME=URL or "
                "TRAINBOX_INDEX_<NAME>, see [index] in matrix.toml) or commit a lock made where it is reachable "
                f"(python build.py --lock {cell.tag})")
-        raise UserError(f"cannot lock {what} for cell {cell.tag} through {named}: {indexes.redact(msg)}",
+        raise UserError(f"cannot lock {what} for cell {cell.tag} through {named}: {msg}",
                         fix=fix)
     return proc.stdout
 

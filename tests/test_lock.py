@@ -232,3 +232,19 @@ def test_uv_error_keeps_the_reason_at_any_wrap_width():
     assert "╰" not in line and "×" not in line and "\n" not in line
     long = uv_error("error: Failed to fetch\n" + "  Caused by: x\n" * 100 + "  Caused by: Connection refused")
     assert long.startswith("... ") and long.endswith("Caused by: Connection refused") and len(long) <= 504
+
+
+def test_a_long_lock_error_is_redacted_before_it_is_cut(tmp_path, monkeypatch):
+    """The error is cut to its end; a credential URL straddling the cut must not leave a fragment of the secret."""
+    import types
+
+    secret = "s3cr3tPASSWORDvalue"
+    after = "@mirror.invalid/simple/flash-attn-3/ refused " + "z" * 400
+    after += "z" * (500 - 9 - len(after))  # unredacted, the last 500 characters start 9 characters into the secret
+    stderr = "error: Failed to fetch\n  Caused by: " + f"https://user:{secret}" + after
+    monkeypatch.setattr(lock.subprocess, "run", lambda *a, **k: types.SimpleNamespace(returncode=2, stdout="",
+                                                                                         stderr=stderr))
+    cell = next(c for c in load_matrix(ROOT / "matrix.toml").cells if c.name == "smoke")
+    with pytest.raises(UserError) as e:
+        lock._uv(cell, "x", "torch\n", [], {})
+    assert not any(secret[i:i + 6] in str(e.value) for i in range(len(secret) - 5)), str(e.value)
