@@ -5,6 +5,7 @@
     python benchmarks/train_throughput.py sft --shape gemma2-1b --kinds mix # Gemma 2 (softcaps, window), 1.27 B
     python benchmarks/train_throughput.py sft --shape gpt-oss-2b --kinds mix # gpt-oss (sinks, window, MoE 8x top-2)
     python benchmarks/train_throughput.py sft --shape mixtral-2b --kinds mix # Mixtral (MoE 8x top-2, SwiGLU experts)
+    python benchmarks/train_throughput.py sft --shape llama-8b --batch 2 --max-length 1024 --runs 2  # 8B, one GPU
     python benchmarks/train_throughput.py qlora [--steps 20]                # plain PEFT+bitsandbytes vs trainbox qlora (8B)
     python benchmarks/train_throughput.py grpo  [--steps 12] [--plain vllm|defaults]  # trl grpo vs trainbox grpo (1B)
     python benchmarks/train_throughput.py check                             # packed == alone with the GPU's kernel
@@ -305,7 +306,7 @@ def sft(a) -> None:
     shape = a.shape or ("llama-1b" if a.nproc == 1 else "llama-8b")
     model = make_model(work / shape, shape)
     peak = peak_tflops()
-    common = sft_common(model)
+    common = sft_common(model, a.max_length, a.batch)
     py = sys.executable
     launch_trl = ["--accelerate_config", "fsdp2", "--num_processes", str(a.nproc)] if a.nproc > 1 else []
     launch_ours = ["--nproc-per-node", str(a.nproc)] if a.nproc > 1 else []
@@ -320,7 +321,7 @@ def sft(a) -> None:
 
     results = {}
     for kind in a.kinds:
-        lens = lengths(kind, a.steps * 8 * 6 * a.nproc, 2048)
+        lens = lengths(kind, a.steps * a.batch * 6 * a.nproc, a.max_length)
         data = write_chat(work / f"data-{kind}", lens)
         fpt = flops_per_token(model, lens)
         print(f"# sft {shape} {kind}: {len(lens)} rows, median {sorted(lens)[len(lens) // 2]} tokens, "
@@ -650,6 +651,8 @@ def main() -> None:
                     help="grpo: the plain run is TRL's GRPOTrainer with vLLM colocate (what TRL's docs show; the "
                          "default where vllm imports) or with its defaults (transformers generate)")
     ap.add_argument("--runs", type=int, default=4, help="how many of plain, ours, ours, plain")
+    ap.add_argument("--batch", type=int, default=8, help="sft: per-device micro-batch (rows), both sides")
+    ap.add_argument("--max-length", type=int, default=2048, help="sft: tokens per row (the longest), both sides")
     ap.add_argument("--reward", choices=["gsm8k", "low-words"], default="gsm8k",
                     help="grpo: the notebook's five gsm8k rewards (a random model scores ~0 on them) or low_words, "
                          "one a random model learns within tens of steps (to compare reward curves)")

@@ -19,7 +19,9 @@ Why not the alternatives:
   + AdamW (8) = 16-18.
 - The step: with torch's fused AdamW (the Trainer's default) on a GPU, one kernel reads each gradient, clips it,
   updates the master and both moments and writes the bf16 weight (masterstep.py). Any other optimizer runs as
-  itself on the float32 masters, and the rounded result is copied back.
+  itself on the float32 masters, and the rounded result is copied back. Where the memory plan takes torchao's 8-bit AdamW
+  states (memplan.py: 12 bytes a parameter instead of 18, an 8B model without checkpointing on one H200), that
+  optimizer steps the masters one weight at a time, each bf16 gradient made float32 just before its own update.
 FSDP2 does the same on its own (float32 shards, bf16 all-gathered compute: speed.tune_fsdp), so this is for one
 process per model copy.
 """
@@ -99,8 +101,15 @@ class MasterWeights(torch.optim.Optimizer):
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         for group, igroup in zip(self.param_groups, self.inner.param_groups):
-            # The LR scheduler (and anything else) changes this wrapper's groups: pass the values on.
-            igroup.update({k: v for k, v in group.items() if k != "params"} | {"params": igroup["params"]})
+            # The LR scheduler (and anything else) changes this wrapper's groups: pass the values on. torchao keeps
+            # its learning rate as a tensor (its compiled step reads it): filled, not replaced.
+            for k, v in group.items():
+                if k == "params":
+                    continue
+                if isinstance(igroup.get(k), torch.Tensor) and not isinstance(v, torch.Tensor):
+                    igroup[k].fill_(v)
+                else:
+                    igroup[k] = v
         triples = self._grads()
         left = self._one_pass(triples) if masterstep.usable(self.inner) else triples
         if left:
@@ -129,6 +138,9 @@ class MasterWeights(torch.optim.Optimizer):
         `skip`: already updated (their float32 sums, if any, are dropped so that the inner step passes them by)."""
         for _, _, m in skip:
             m.grad = None
+        if type(self.inner).__module__.startswith("torchao."):
+            self._one_at_a_time(triples)
+            return
         for _, g, m in triples:
             if m.grad is None:
                 m.grad = g.to(torch.float32, copy=True)
@@ -136,6 +148,21 @@ class MasterWeights(torch.optim.Optimizer):
             torch._foreach_mul_([m.grad for _, _, m in triples], self.scale)
         self.inner.step()
         torch._foreach_copy_([p for p, _, _ in triples], [m for _, _, m in triples])
+
+    def _one_at_a_time(self, triples) -> None:
+        """A per-parameter optimizer (torchao's 8-bit AdamW: its step is one compiled call a weight anyway) given one
+        float32 gradient at a time, so that the float32 copies of bf16 gradients never all exist at once (the
+        memory plan counts one, the largest: memplan's "step" term)."""
+        grads = [(p, m, m.grad if m.grad is not None else g) for p, g, m in triples]
+        for _, _, m in triples:
+            m.grad = None
+        for p, m, g in grads:
+            m.grad = g.to(torch.float32)
+            if self.scale is not None:
+                m.grad.mul_(self.scale)
+            self.inner.step()  # (it passes by the masters whose .grad is None)
+            m.grad = None
+            p.copy_(m)
 
     def zero_grad(self, set_to_none: bool = True):
         super().zero_grad(set_to_none)
@@ -173,6 +200,13 @@ def attach(trainer) -> None:
 
 
 def optimizer_for(trainer_cls, args, model) -> tuple[type, dict]:
-    """(MasterWeights, kwargs) wrapping the optimizer the Trainer would build from `args` (e.g. fused AdamW)."""
+    """(MasterWeights, kwargs) wrapping the optimizer the Trainer would build from `args` (e.g. fused AdamW), or
+    torchao's 8-bit AdamW with the same hyper-parameters where the memory plan chose its states
+    (args.trainbox_lowbit_states)."""
+    if getattr(args, "trainbox_lowbit_states", False):
+        from torchao.optim import AdamW8bit
+
+        return MasterWeights, {"inner": AdamW8bit, "lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2),
+                               "eps": args.adam_epsilon, "weight_decay": args.weight_decay}
     inner, kwargs = trainer_cls.get_optimizer_cls_and_kwargs(args, model)
     return MasterWeights, {"inner": inner, **kwargs}
