@@ -4,8 +4,9 @@
   `trainbox --help` lists them) and each host command (build.py, and every `python -m builder.X` module with a
   `__main__` block). A page holds the module's docstring and what its own parser prints for `--help`. The trainers'
   help comes through trainbox/helpcache.py: rendered once in one process (one TRL import), then read back.
-- The tables of commands/index.md and the matrix page's generated parts: `<!-- generated: NAME -->` in a page is replaced by GENERATED[NAME]: the axes
-  and the rules read from matrix.toml, `python build.py --list` / `--explain` as they print today.
+- The generated parts of committed pages: `<!-- generated: NAME -->` is replaced by GENERATED[NAME]: the command
+  tables of commands/index.md, the matrix's axes and rules read from matrix.toml, `python build.py --list` and
+  `--explain` as they print today.
 
 A command added to the table gets its page and its nav entry with no edit here (tests/test_docs.py checks both).
 """
