@@ -5,6 +5,7 @@ with no edit of the docs, and the README stays a short front page."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -89,6 +90,11 @@ def test_the_readme_is_a_front_page():
     assert len(lines) <= README_LINES, f"README.md has {len(lines)} lines (at most {README_LINES}: move text to docs/)"
     long = [i + 1 for i, line in enumerate(lines) if len(line) > README_WIDTH]
     assert not long, f"README.md lines over {README_WIDTH} characters: {long}"
+    links = re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", "\n".join(lines))
+    assert links and all((ROOT / link).exists() for link in links), [x for x in links if not (ROOT / x).exists()]
+    for page in ("journeys/workstation.md", "journeys/one-gpu.md", "journeys/slurm.md", "journeys/gh200.md",
+                 "journeys/ci.md", "getting-started.md", "performance.md"):
+        assert f"docs/{page}" in links, f"README.md links no docs/{page}"
 
 
 def test_every_docs_page_is_in_the_nav():
