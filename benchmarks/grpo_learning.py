@@ -1,6 +1,7 @@
 """GRPO that learns: a small model taught arithmetic word problems, then trainbox grpo vs TRL's GRPOTrainer (issue 63).
 
-    python benchmarks/grpo_learning.py [--steps 100] [--seeds 0 1] [--sft-steps 600] [--lr 1e-4] [--vllm]
+    python benchmarks/grpo_learning.py [--steps 100] [--seeds 0 1] [--sft-steps 1500] [--sft-target 0.3] [--lr 1e-4]
+                                       [--max-completion 64] [--run-timeout S] [--vllm]
                                        [--work DIR] [--smoke]
 
 The model's recipe (regenerate it with this script; nothing is downloaded):
@@ -198,7 +199,7 @@ def make_model(path: Path, a) -> dict:
     figures = {"sft_steps": step + 1, "sft_seconds": round(time.perf_counter() - t0, 1), "params": params,
                "answer_tokens": [min(len(s) - k for s, k in seqs), max(len(s) - k for s, k in seqs)],
                **sample(model, tokenizer, held, device, a.max_completion)}
-    model.to(torch.bfloat16).save_pretrained(path)
+    model.save_pretrained(path)  # float32: both trainers load it as they would any checkpoint
     tokenizer.save_pretrained(path)
     (path / "sft.json").write_text(json.dumps(figures))
     return figures
@@ -217,7 +218,7 @@ def commands(a, model: Path, data: Path, work: Path, seed: int) -> dict:
            "trainbox.training.rewards.correctness", *shared]
     if a.smoke:  # CPU: no bf16 autocast there
         trl += ["--bf16", "false"]
-    out = {"ours": ours, "trl": trl}
+    out = {"trl": trl, "ours": ours}
     if a.vllm:
         out["ours-vllm"] = ours + ["--use_vllm", "true"]
         out["trl-vllm"] = trl + ["--use_vllm", "true", "--vllm_mode", "colocate"]
@@ -253,6 +254,8 @@ def main() -> None:
     ap.add_argument("--max-completion", type=int, default=64,
                     help="completion cap (the SFT answers are ~20-40 tokens; a rollout past it is cut, no EOS)")
     ap.add_argument("--vllm", action="store_true", help="also each side with vLLM colocate (vllm must import)")
+    ap.add_argument("--run-timeout", type=float, default=None,
+                    help="seconds a GRPO run may take; past it it is killed and its steps so far reported")
     ap.add_argument("--work", default=None, help="work folder (the SFT model is kept there and reused)")
     ap.add_argument("--smoke", action="store_true", help="CPU, toy sizes: checks the script end to end")
     a = ap.parse_args()
@@ -271,21 +274,21 @@ def main() -> None:
           f"{100 * figures['eos']:.1f} %, lengths {figures['len_min']}/{figures['len_median']}/{figures['len_max']} "
           "(min/median/max)", flush=True)
     data = write_prompts(work / "data", problems(max(512, 4 * a.steps), seed=2))
-    env = {"BENCH_SKIP": "1" if a.smoke else "3", "BENCH_PHASES": "1"}
+    env = {"BENCH_SKIP": "1" if a.smoke else "3", "BENCH_PHASES": "1", "BENCH_EACH_STEP": "1"}
     results = {}
     for seed in a.seeds:
         cmds = commands(a, model, data, work, seed)
         # Alternated: trl first for seed 0, ours first for seed 1.
         for who in (list(cmds) if seed % 2 == 0 else list(cmds)[::-1]):
             label = f"{who}-s{seed}"
-            res = tt.run(label, cmds[who], work, log, env)
-            if not res.get("failed"):
+            res = tt.run(label, cmds[who], work, log, env, a.run_timeout)
+            if tt.usable(res):
                 res["steps_per_s"] = res["steps"] / res["seconds"]
                 print(f"  {label:<14} {res['steps_per_s']:.2f} steps/s, reward first 10 "
-                      f"{per10(res['rewards'], a.steps)[0]} -> last 10 {per10(res['rewards'], a.steps)[-1]}",
-                      flush=True)
+                      f"{per10(res['rewards'], a.steps)[0]} -> last 10 {per10(res['rewards'], a.steps)[-1]}"
+                      + (" (cut at --run-timeout)" if res.get("cut") else ""), flush=True)
             results[label] = res
-    ok = {k: r for k, r in results.items() if not r.get("failed")}
+    ok = {k: r for k, r in results.items() if "steps_per_s" in r}
     table("LEARN", {k: r["rewards"] for k, r in ok.items()}, a.steps, ".3f")
     table("LENGTH", {k: r["series"].get("completions/mean_length", []) for k, r in ok.items()}, a.steps, ".1f")
     table("CLIPPED", {k: r["series"].get("completions/clipped_ratio", []) for k, r in ok.items()}, a.steps, ".2f")

@@ -1,6 +1,6 @@
 """GRPO at Unsloth's Llama-3.1-8B notebook's size: trainbox grpo vs Unsloth's GRPO vs TRL's GRPOTrainer (issue 63).
 
-    python benchmarks/grpo_notebook.py [--steps 3] [--skip 1] [--sides trl unsloth ours] [--vllm]
+    python benchmarks/grpo_notebook.py [--steps 4] [--skip 1] [--side-timeout 150] [--sides trl unsloth ours] [--vllm]
                                        [--unsloth-site DIR] [--work DIR] [--dry-run]
 
 The notebook's settings on every side: the Llama-3.1-8B shape (random init, bf16 on disk, 4-bit nf4 as it loads),
@@ -58,7 +58,7 @@ def commands(a, model: Path, data: Path, work: Path) -> dict:
     unsloth = [py, str(ROOT / "benchmarks" / "unsloth_sides.py"), "grpo", str(model), str(data / "train.jsonl"),
                str(work / "o-unsloth"), "--steps", str(a.steps), "--max-seq-length", str(a.max_seq_length),
                "--max-prompt-length", str(a.max_prompt_length), "--fast-inference", "true" if a.vllm else "false"]
-    env = {"BENCH_SKIP": str(a.skip), "BENCH_PHASES": "1", "BENCH_DEVICE_MEM": "1"}
+    env = {"BENCH_SKIP": str(a.skip), "BENCH_PHASES": "1", "BENCH_DEVICE_MEM": "1", "BENCH_EACH_STEP": "1"}
     site = [a.unsloth_site] if a.unsloth_site else [os.environ.get("PYTHONPATH", "")]
     unsloth_env = {**env, "BENCH_FIRST_IMPORT": "unsloth",
                    "PYTHONPATH": os.pathsep.join([str(work / "_measure"), str(ROOT), *site])}
@@ -74,10 +74,13 @@ def generation_share(res: dict) -> float | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=3, help="optimizer steps a side (default 3: 1 untimed, 2 timed)")
+    ap.add_argument("--steps", type=int, default=4, help="optimizer steps a side (default 4: 1 untimed, 3 timed)")
     ap.add_argument("--skip", type=int, default=1, help="first steps not timed (compilation, CUDA graphs, caches)")
     ap.add_argument("--sides", nargs="+", default=["trl", "unsloth", "ours"], choices=["trl", "unsloth", "ours"],
                     help="which sides run, in this order")
+    ap.add_argument("--side-timeout", type=float, default=150,
+                    help="seconds a side may take (load included); past it the side is killed and the steps it "
+                         "finished are reported")
     ap.add_argument("--vllm", action="store_true", help="the vLLM variants (needs vllm importable on every side)")
     ap.add_argument("--max-seq-length", type=int, default=1024, help="the notebook's max_seq_length")
     ap.add_argument("--max-prompt-length", type=int, default=256, help="the notebook's max_prompt_length")
@@ -110,8 +113,8 @@ def main() -> None:
     results = {}
     for who in a.sides:
         argv, env = cmds[who]
-        res = tt.run(f"grpo8b-{who}", argv, work, log, env)
-        if not res.get("failed"):
+        res = tt.run(f"grpo8b-{who}", argv, work, log, env, a.side_timeout)
+        if tt.usable(res):
             res["steps_per_s"] = res["steps"] / res["seconds"]
             res["generation_share"] = generation_share(res)
             print(f"RESULT {json.dumps({k: v for k, v in res.items() if k not in ('losses', 'rewards')})}",
@@ -125,8 +128,8 @@ def main() -> None:
         share = f"{100 * r['generation_share']:9.0f} %" if r["generation_share"] is not None else "      n/a  "
         lens = [v for _, v in r.get("series", {}).get("completions/mean_length", [])]
         print(f"GRPO8B {who:<9} {r['steps_per_s']:8.3f} {1 / r['steps_per_s']:8.2f} {share} "
-              f"{r['peak_gib']:15.2f} {r['peak_device_gib']:14.2f}  {sum(lens) / len(lens) if lens else 0:13.0f}",
-              flush=True)
+              f"{r['peak_gib']:15.2f} {r['peak_device_gib']:14.2f}  {sum(lens) / len(lens) if lens else 0:13.0f}"
+              + (f"  (cut at --side-timeout: {r['steps']} timed step(s))" if r.get("cut") else ""), flush=True)
     ok = {w: r for w, r in results.items() if "steps_per_s" in r}
     if "ours" in ok:
         vs = [f"{ok['ours']['steps_per_s'] / r['steps_per_s']:.2f}x {w} (peak {ok['ours']['peak_device_gib']:.1f} "

@@ -205,7 +205,11 @@ if _out:
             for k, v in (logs or {}).items():
                 if k.startswith(("completions/", "sampling/")) and isinstance(v, (int, float)):
                     self.series.setdefault(k, []).append((state.global_step, v))
+            if os.environ.get("BENCH_EACH_STEP") and len(self.marks) >= 2:  # a run cut short keeps its steps so far
+                self.dump(args)
         def on_train_end(self, args, state, control, **kw):
+            self.dump(args, complete=True)
+        def dump(self, args, complete=False):
             import torch
             m = self.marks
             skip = int(os.environ.get("BENCH_SKIP", "5"))
@@ -232,7 +236,9 @@ if _out:
                        "padding_free": bool(getattr(args, "padding_free", False)),
                        "liger": bool(getattr(args, "use_liger_kernel", False) or getattr(args, "trainbox_liger", False)),
                        "attn": str(getattr(self.trainer.model.config, "_attn_implementation", "?")),
-                       "param_dtype": str(next(self.trainer.model.parameters()).dtype)}, open(_out, "w"))
+                       "param_dtype": str(next(self.trainer.model.parameters()).dtype), "complete": complete},
+                      open(_out + ".tmp", "w"))
+            os.replace(_out + ".tmp", _out)  # whole or not at all: a run killed mid-write keeps the last figures
 
     _init = transformers.Trainer.__init__
     def __init__(self, *a, **k):
@@ -263,21 +269,36 @@ def split_env(extra: list[str]) -> tuple[dict, list[str]]:
     return env, [t for t in extra if not ENV_ITEM.fullmatch(t)]
 
 
-def run(label: str, argv: list[str], work: Path, log: Path, extra_env: dict | None = None) -> dict:
+def run(label: str, argv: list[str], work: Path, log: Path, extra_env: dict | None = None,
+        timeout: float | None = None) -> dict:
+    """One measured run; `timeout` (seconds): past it the run and its children (a launcher's, which hold the GPU) are
+    killed and the run counts as failed, with the figures of the steps it finished where BENCH_EACH_STEP=1 wrote
+    them ("cut": True)."""
     env, out = measured_env(work, label)
     env.update(extra_env or {})
     t = time.time()
     with open(log, "a") as f:
         f.write(f"\n===== {label}: {' '.join(argv)}\n")
         f.flush()
-        r = subprocess.run(argv, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+        proc = subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            import psutil
+
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            proc.kill()
+            proc.wait()
+            code = f"killed after {timeout:.0f} s"
     if "--output_dir" in argv:  # only the figures are kept: four 8B runs' saved weights (32 GB each) fill a disk
         shutil.rmtree(argv[argv.index("--output_dir") + 1], ignore_errors=True)
-    if r.returncode != 0 or not out.is_file():
-        print(f"{label}: FAILED (exit {r.returncode}); see {log}", flush=True)
+    if code != 0 or not out.is_file():
+        print(f"{label}: FAILED (exit {code}); see {log}", flush=True)
         os.system(f"tail -n 30 {log}")
         # What was measured up to the end of training (a failed save comes after it) is still reported.
-        return {**(json.loads(out.read_text()) if out.is_file() else {}), "label": label, "failed": True}
+        return {**(json.loads(out.read_text()) if out.is_file() else {}), "label": label, "failed": True,
+                "cut": isinstance(code, str)}
     res = json.loads(out.read_text())
     ranks = [json.loads(p.read_text()) for p in sorted(out.parent.glob(out.name + ".rank*"))]
     if ranks:  # several processes: real tokens/s per GPU is the mean of the ranks' own rates; peak is the largest
@@ -297,8 +318,13 @@ def peak_tflops() -> float:
     return peak(torch.cuda.get_device_name()) or 989.4
 
 
+def usable(res: dict) -> bool:
+    """Figures to report: a finished run's, or those a run cut at its timeout wrote for the steps it finished."""
+    return "seconds" in res and res.get("steps", 0) > 0 and (not res.get("failed") or res.get("cut", False))
+
+
 def show(res: dict, fpt: float, peak: float) -> dict:
-    if res.get("failed"):
+    if not usable(res):
         return res
     res["tokens_per_s"] = res.get("per_gpu_tokens_per_s") or res["real_tokens"] / res["seconds"]  # per GPU
     res["mfu"] = fpt * res["tokens_per_s"] / (peak * 1e12)
@@ -306,7 +332,8 @@ def show(res: dict, fpt: float, peak: float) -> dict:
     print(f"  {res['label']:<28} {res['tokens_per_s']:>9,.0f} real tok/s  MFU {100 * res['mfu']:5.1f} %  "
           f"peak {res['peak_gib']:5.1f} GiB  attn={res['attn']} packing={res['packing']} "
           f"padding_free={res['padding_free']} ckpt={res['gradient_checkpointing']} liger={res['liger']} "
-          f"params={res['param_dtype']}", flush=True)
+          f"params={res['param_dtype']}" + (f" (cut at its timeout after {res['steps']} timed steps)"
+                                             if res.get("cut") else ""), flush=True)
     return res
 
 
@@ -493,8 +520,9 @@ def qlora(a) -> None:
     for label, kind, who, env in plan:
         fn, side_env = sides[who]
         start = log.stat().st_size if log.is_file() else 0
+        timed = {"BENCH_EACH_STEP": "1"} if a.run_timeout else {}
         results[label] = show(run(f"qlora-{label}", fn(kinds[kind], work / f"o-{label}"), work, log,
-                                  {**side_env, **env}), fpt[kind], peak)
+                                  {**side_env, **env, **timed}, a.run_timeout), fpt[kind], peak)
         if label == "12gb":
             text = log.read_text(errors="replace")[start:]
             planned = re.findall(r"^\[trainbox\] ((?:memory plan|gradient checkpointing|precision|packing).*)$", text,
@@ -750,6 +778,8 @@ def main() -> None:
     ap.add_argument("--no-12gb", dest="small_gpu", action="store_false",
                     help="qlora: skip the first run, trainbox qlora under TRAINBOX_GPU_FREE_GIB=11")
     ap.add_argument("--dry-run", action="store_true", help="qlora: write the data, print each run's command, stop")
+    ap.add_argument("--run-timeout", type=float, default=None,
+                    help="qlora: seconds a run may take; past it the run is killed and its steps so far reported")
     ap.add_argument("--no-loss-check", dest="loss_check", action="store_false")
     ap.add_argument("--no-warmup", dest="warmup", action="store_false",
                     help="sft, grpo: no warm-up process first (the first --skip steps of every run are not timed "
