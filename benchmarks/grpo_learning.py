@@ -171,7 +171,7 @@ def make_model(path: Path, a) -> dict:
     # A constant rate after a short warm-up: the SFT stops where the model gets some answers right, not at a
     # schedule's end (GRPO needs groups with some right and some wrong).
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 50))
-    check = [] if a.smoke else list(range(299, a.sft_steps, 100))
+    check = [a.sft_steps // 2] if a.smoke else list(range(299, a.sft_steps, 100))
     t0, rng, step, acc = time.perf_counter(), random.Random(0), 0, None
     for step in range(a.sft_steps):
         batch = rng.sample(seqs, batch_size)
