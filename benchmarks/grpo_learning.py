@@ -273,6 +273,10 @@ def main() -> None:
           f"held-out at temperature 1: accuracy {100 * figures['accuracy']:.1f} %, ending in EOS "
           f"{100 * figures['eos']:.1f} %, lengths {figures['len_min']}/{figures['len_median']}/{figures['len_max']} "
           "(min/median/max)", flush=True)
+    if not a.smoke and not 0.05 <= figures["accuracy"] <= 0.9:
+        print(f"WARNING: the SFT model answers {100 * figures['accuracy']:.0f} % right: GRPO's groups need some right "
+              "and some wrong answers to learn from; raise --sft-steps (too few right) or lower --sft-target (too "
+              "many) in a fresh --work", flush=True)
     data = write_prompts(work / "data", problems(max(512, 4 * a.steps), seed=2))
     env = {"BENCH_SKIP": "1" if a.smoke else "3", "BENCH_PHASES": "1", "BENCH_EACH_STEP": "1"}
     results = {}
