@@ -7,8 +7,11 @@ don't), and `trainbox plan` prints the same plan for any model config and cluste
 The estimate is a hand formula over the model's shape (ModelFacts: read from the config on the meta device), per GPU
 and in bytes, term by term:
 - weights, gradients, optimizer states. One process: float32 weights + float32 gradients (8/param; TRL's path) or
-  bf16 weights + float32 masters + float32 gradient sums (10: precision.py); FSDP2 over k ranks: float32 shards of
-  weights and gradients (8/k). AdamW's two moments: 8/param (8-bit optimizers: 2), divided by k under FSDP2.
+  bf16 weights + float32 masters + their gradients (precision.py); a step's first gradients exist only from backward
+  on, so the peak is the larger of backward's start (activations, no gradients) and its end (every gradient; 16/param
+  of TRL's path: measured 119.75 GiB for an 8B shape on an H200, estimate 120.6). FSDP2 over k ranks: float32 shards
+  of weights and gradients (8/k). The optimizer's states: memterms.optimizer_state_bytes (AdamW 8/param, 8-bit 2,
+  SGD none, Adafactor factored, ...), divided by k under FSDP2.
 - FSDP2's all-gathered bf16 layers: every layer kept from forward to backward when it does not reshard after
   forward (2/param), else the layer at work and the one prefetched; the LM head and final norm (accelerate's tail
   group, never resharded) always; and in backward a layer's unsharded bf16 gradient plus its float32 copy for the
@@ -17,9 +20,11 @@ and in bytes, term by term:
   batches before the last and accumulates *unsharded* float32 gradients (4/param, the whole model), unless
   gradients are synchronised on every micro-batch (accelerate's `sync_each_batch`: no buffer, one reduce-scatter per
   micro-batch).
-- activations of one micro-batch: per token and layer about 16*hidden + 10*intermediate bytes (the bf16 inputs of
-  every matmul, norm outputs, the SwiGLU gate/up/product, attention output and log-sum-exp; 5*intermediate with
-  Liger's SwiGLU, which recomputes the product in backward); with gradient checkpointing each layer's input
+- activations of one micro-batch (memterms.py, by layer kind): per token and layer about 8*hidden + 8*attention
+  width (16*hidden where they agree) + 10*intermediate bytes (the bf16 inputs of every matmul, norm outputs, the
+  SwiGLU gate/up/product, attention output and log-sum-exp; 5*intermediate with Liger's SwiGLU, which recomputes the
+  product in backward); a MoE layer's experts by experts per token and their width instead of the MLP; eager's
+  score matrices and SDPA's mask biases where those kernels run; with gradient checkpointing each layer's input
   (2*hidden) plus one layer recomputed.
 - the loss head: TRL's fused LM head computes the loss in tiles and never holds the full logits; its float32
   working set is taken as 2,048 tokens x vocabulary (small beside the rest; calibrated on the device). One process
@@ -52,7 +57,7 @@ from dataclasses import dataclass, field, replace
 
 from common.errors import UsageError
 from trainbox.run import ranks
-from trainbox.training import losshead
+from trainbox.training import losshead, memterms
 
 GiB = 2**30
 FIT = 0.92  # of the free memory: the allocator's fragmentation (expandable segments keep it small)
@@ -81,6 +86,8 @@ class Job:
     fixed: dict = field(default_factory=dict)  # settings the user chose: checkpointing, reshard, batch
     fsdp: bool = False  # FSDP2 (GPUs, more than one process)
     liger: bool = False  # Liger's fused RMSNorm/RoPE/SwiGLU: the MLP keeps half its activations
+    attn: str = ""  # transformers' attn_implementation the job runs ("": a flash kernel; eager, sdpa: memterms.scores)
+    optim_args: str | None = None  # the Trainer's --optim_args (SGD's momentum: memterms.optimizer_state_bytes)
 
 
 @dataclass(frozen=True)
@@ -115,46 +122,70 @@ def _layer_params(f) -> int:
 
 
 def estimate(job: Job, s: Settings) -> dict:
-    """Peak bytes per GPU, term by term (module docstring), their total, and (FSDP2) the phase of the step where
-    the peak falls ("phase": "backward start" or "backward end")."""
+    """Peak bytes per GPU, term by term (module docstring), their total, and the phase of the step where the peak
+    falls ("phase": "backward start", when the activations are all kept, or "backward end", when every gradient
+    exists)."""
     f, n, k = job.facts, job.facts.params, max(1, job.shards)
     head = getattr(f, "vocab", 0) * f.hidden
     layer = _layer_params(f)
     tokens = s.batch * job.max_length if job.tokens is None else job.tokens * s.batch // max(1, job.batch)
-    state_bytes = 2 if "8bit" in job.optim else 8
-    per_token = 16 * f.hidden + (5 if job.liger else 10) * f.intermediate
-    layers = max(1, f.layers)
-    acts = tokens * (layers * 2 * f.hidden + per_token if s.checkpointing else layers * per_token)
+    acts = activations(job, s, tokens)
     loss = 4 * min(tokens, LOSS_CHUNK_TOKENS) * getattr(f, "vocab", 0) if head else 0
     if head and not job.fsdp:  # losshead's tile (bf16 tiles: 2 bytes a logit)
         loss += 2 * min(tokens, losshead.tile_tokens(f.vocab, 2)) * f.vocab
     extra = {"reference model": job.extra} if job.extra else {}
+    optim = _state_bytes(job) // k
     if not job.fsdp:
-        t = {"weights+grads": 10 * n if s.masters else 8 * n, "optimizer": state_bytes * n,
-             # bf16 gradients kept between micro-batches beside the float32 sums (precision.py): measured +4N
-             "accumulation": 4 * n if s.masters and s.grad_accum > 1 else 0,
-             "activations": acts, "loss head": loss, **extra}
-        t["total"] = sum(t.values())
-        return t
-    shard = 4 * n // k
-    optim = state_bytes * n // k
-    accum = 4 * n if s.grad_accum > 1 and not s.sync_each_batch else 0
-    # Gradients are freed after each optimizer step (set to None): they exist at the start of backward only when
-    # an earlier micro-batch of the same step made them.
-    grads_early = shard if s.grad_accum > 1 else 0
-    gathered = 2 * n if not s.reshard else 2 * 2 * layer + 2 * head
-    unit = max(layer, f.embedding_params, head)  # the largest FSDP unit (an untied embedding is its own)
-    start = {"weights": shard, "grads": grads_early, "optimizer": optim, "accumulation": accum,
-             "gathered": gathered, "reduce": 2 * 6 * layer, "activations": acts, "loss head": loss, **extra}
-    # At the end of backward every sharded gradient exists, and the last unit (the embedding) is gathered with its
-    # bf16 gradient and the float32 copy the reduce-scatter sends: 8 bytes per parameter of it.
-    end = {"weights": shard, "grads": shard, "optimizer": optim, "accumulation": accum,
-           "gathered": 2 * head, "reduce": 8 * unit, **extra}
+        start, end = _one_process(job, s, n, optim, extra)
+        start.update({"activations": acts, "loss head": loss})
+    else:
+        shard = 4 * n // k
+        accum = 4 * n if s.grad_accum > 1 and not s.sync_each_batch else 0
+        # Gradients are freed after each optimizer step (set to None): they exist at the start of backward only when
+        # an earlier micro-batch of the same step made them.
+        grads_early = shard if s.grad_accum > 1 else 0
+        gathered = 2 * n if not s.reshard else 2 * 2 * layer + 2 * head
+        unit = max(layer, f.embedding_params, head)  # the largest FSDP unit (an untied embedding is its own)
+        start = {"weights": shard, "grads": grads_early, "optimizer": optim, "accumulation": accum,
+                 "gathered": gathered, "reduce": 2 * 6 * layer, "activations": acts, "loss head": loss, **extra}
+        # At the end of backward every sharded gradient exists, and the last unit (the embedding) is gathered with its
+        # bf16 gradient and the float32 copy the reduce-scatter sends: 8 bytes per parameter of it.
+        end = {"weights": shard, "grads": shard, "optimizer": optim, "accumulation": accum,
+               "gathered": 2 * head, "reduce": 8 * unit, **extra}
     at_start = sum(start.values()) >= sum(end.values())
     t: dict = dict(start if at_start else end)
     t["total"] = sum(t.values())
     t["phase"] = "backward start" if at_start else "backward end"
     return t
+
+
+def _one_process(job: Job, s: Settings, n: int, optim: int, extra: dict) -> tuple[dict, dict]:
+    """One process per model copy, the terms of both phases without the activations: float32 weights and gradients
+    (TRL's), or bf16 weights + float32 masters (precision.py) whose bf16 gradients are summed in float32 from the
+    second micro-batch on. The gradients of a step's first micro-batch exist only once backward made them (the
+    optimizer step frees them): at backward start they count from the second micro-batch on."""
+    if s.masters:
+        weights, grads_end = 6 * n, 2 * n if s.grad_accum == 1 else 4 * n
+        # bf16 gradients kept between micro-batches beside the float32 sums (precision.py): measured +4N
+        accum = 4 * n if s.grad_accum > 1 else 0
+    else:
+        weights, grads_end, accum = 4 * n, 4 * n, 0
+    grads_start = grads_end if s.grad_accum > 1 else 0
+    start = {"weights": weights, "grads": grads_start, "optimizer": optim, "accumulation": accum, **extra}
+    end = {"weights": weights, "grads": grads_end, "optimizer": optim, "accumulation": accum, **extra}
+    return start, end
+
+
+def activations(job: Job, s: Settings, tokens: int) -> int:
+    """One micro-batch's activations kept for backward (memterms.py: by layer kind and attention kernel); with
+    gradient checkpointing each layer's input (2 x hidden a token) plus one layer recomputed."""
+    f = job.facts
+    layers = max(1, f.layers)
+    kinds = memterms.per_token_layer(f, job.liger)
+    per_layer = sum(kinds.values()) // layers  # one layer's share (the recomputed one under checkpointing)
+    kept = tokens * (layers * 2 * f.hidden + per_layer if s.checkpointing else sum(kinds.values()))
+    rows = max(1, tokens // max(1, job.max_length))
+    return kept + memterms.scores(f, job.attn, rows, min(tokens, job.max_length), s.checkpointing)
 
 
 def resident(job: Job) -> int:
@@ -252,32 +283,64 @@ def describe_layout(job: Job) -> str:
     return f"FSDP2 over {job.shards} GPUs" + (f" on {job.nodes} nodes" if job.nodes > 1 else "")
 
 
+def gpu_counts(job: Job, limit: int = 4096):
+    """The GPU counts more_gpus tries, smallest first: more GPUs of the job's one node (up to 8 where it has one GPU),
+    then whole nodes of the job's GPUs per node (16 = 2 x 8, never 9 or 17)."""
+    per_node = job.shards // max(1, job.nodes) if job.shards > 1 else 8
+    if job.nodes <= 1:
+        yield from range(max(2, job.shards + 1), min(per_node, limit) + 1)
+    for nodes in range(max(2, job.nodes + 1), limit // max(1, per_node) + 1):
+        yield nodes * per_node
+
+
 def more_gpus(job: Job, free: int, limit: int = 4096) -> int | None:
-    """The smallest GPU count (whole nodes when the job spans nodes) on which it fits."""
-    per_node = max(1, job.shards // max(1, job.nodes)) if job.shards > 1 else 1
-    g = max(2, job.shards + 1)
-    while g <= limit:
-        if job.nodes > 1 and g % per_node:
-            g += 1
-            continue
-        if fits(replace(job, shards=g, fsdp=True, masters_ok=False, nodes=max(1, g // per_node) if job.nodes > 1
-                        else 1), free):
+    """The smallest GPU count (gpu_counts: whole nodes once it spans nodes) on which it fits."""
+    per_node = job.shards // max(1, job.nodes) if job.shards > 1 else 8
+    for g in gpu_counts(job, limit):
+        if fits(replace(job, shards=g, fsdp=True, masters_ok=False, nodes=max(1, -(-g // per_node))), free):
             return g
-        g = g + 1 if g < 8 else g + (per_node if job.nodes > 1 else 8)
     return None
 
 
+def _state_bytes(job: Job, optim: str | None = None) -> int:
+    f = job.facts
+    return memterms.optimizer_state_bytes(optim or job.optim, f.params, getattr(f, "factored_state", 0),
+                                          job.optim_args if optim is None else None)
+
+
+def qlora_estimate(job: Job) -> int:
+    """Peak bytes per GPU of `trainbox qlora` on this job's model and layout at its smallest micro-batch (one row,
+    checkpointing on: qlora's defaults): the 4-bit base (nf4 with nested quantisation: about 0.53 bytes a matmul
+    parameter; the embeddings and LM head stay bf16), LoRA r=16 on every linear layer (under 1 % of the parameters,
+    16 bytes each with AdamW and their gradients), one row's activations and the loss head. Only to decide whether
+    the refusal may offer qlora: qlora itself does not plan."""
+    f, k = job.facts, max(1, job.shards)
+    head = getattr(f, "vocab", 0) * f.hidden
+    embed = head + f.embedding_params
+    base = int(0.53 * max(0, f.params - embed)) + 2 * embed
+    adapters = 16 * f.params // 100
+    one_row = replace(job, batch=1, grad_accum=1, tokens=None, fixed={}, optim="adamw_torch_fused", extra=0)
+    t = estimate(one_row, Settings(checkpointing=True))
+    return (base + adapters) // k + t.get("activations", 0) + t.get("loss head", 0) + job.extra
+
+
 def advice(job: Job, free: int) -> str:
-    """The smallest changes that fit, each checked with decide(): an 8-bit optimizer, more GPUs, or QLoRA."""
+    """The smallest changes that fit, each checked with this plan: an 8-bit optimizer, more GPUs, or QLoRA (its own
+    estimate, qlora_estimate)."""
     options = []
-    if "8bit" not in job.optim and not job.fsdp:  # bitsandbytes' 8-bit optimizers don't step FSDP2's DTensors
-        if fits(replace(job, optim="adamw_bnb_8bit", masters_ok=False), free):
+    # (bitsandbytes' 8-bit optimizers don't step FSDP2's DTensors)
+    if not job.fsdp and _state_bytes(job) > _state_bytes(job, "adamw_bnb_8bit"):
+        if fits(replace(job, optim="adamw_bnb_8bit", optim_args=None, masters_ok=False), free):
             options.append("--optim adamw_bnb_8bit (8-bit optimizer states)")
     g = more_gpus(job, free)
     if g:
         options.append(f"{g} GPUs like these (FSDP2 shards the weights, gradients and optimizer states: "
                        + ("--nnodes/--nproc-per-node" if job.shards <= 1 else "more nodes or GPUs per node") + ")")
-    options.append("`trainbox qlora` (a 4-bit base with LoRA adapters)")
+    if qlora_estimate(job) <= usable(free):
+        options.append("`trainbox qlora` (a 4-bit base with LoRA adapters)")
+    if not options:
+        return ("nothing this plan knows fits: not more GPUs (up to 4096), an 8-bit optimizer or `trainbox qlora`; "
+                "use a smaller model or GPUs with more memory")
     return "it fits with " + ", or ".join(options)
 
 

@@ -45,6 +45,12 @@ class ModelFacts:
     windowed_layers: int = 0  # layers whose attention is limited to attention.window keys
     vocab: int = 0  # rows of the LM head (the loss head's width)
     experts_dispatch: str | None = None  # MoE: why moe.NAME can't be used (None: it can), moe.applies
+    heads: int = 0  # attention heads (0: attn_width / the head dim)
+    kv_width: int = 0  # key/value heads x head dim (0: attn_width, no grouped k/v)
+    moe_layers: int = 0  # layers with routed experts (0 with experts: every layer)
+    expert_intermediate: int = 0  # MoE: one routed expert's intermediate width (0: intermediate)
+    shared_intermediate: int = 0  # MoE: the shared experts' intermediate width beside the routed ones, per layer
+    factored_state: int = 0  # Adafactor's second moment: rows + columns of each matrix, each vector whole (values)
 
     @property
     def matmul_params(self) -> int:
@@ -82,6 +88,8 @@ def model_facts(model_path: str, revision: str | None = None) -> ModelFacts:
     types = getattr(text, "layer_types", None)
     layers = getattr(text, "num_hidden_layers", 0)
     windowed = 0 if not needs.window else layers if types is None else sum(t == "sliding_attention" for t in types)
+    named = list(model.named_parameters())
+    moe_shape = _experts_shape(named, experts, text.hidden_size)
     return ModelFacts(
         model_type=conf.model_type,
         params=params,
@@ -99,7 +107,42 @@ def model_facts(model_path: str, revision: str | None = None) -> ModelFacts:
         windowed_layers=windowed,
         vocab=int(getattr(text, "vocab_size", 0) or 0),
         experts_dispatch=moe.applies(type(model)) if experts else None,
+        heads=int(heads or 0),
+        kv_width=int(getattr(text, "num_key_value_heads", None) or heads or 0) * int(head_dim or 0),
+        factored_state=sum(_factored(p.shape) for _, p in named),
+        **moe_shape,
     )
+
+
+def _factored(shape) -> int:
+    """Adafactor's second-moment values for a parameter of `shape` (transformers' Adafactor: a row and a column
+    average over the last two dims of a matrix or a stack of them, a vector's own)."""
+    if len(shape) < 2:
+        return int(shape.numel())
+    lead = 1
+    for d in shape[:-2]:
+        lead *= int(d)
+    return lead * (int(shape[-2]) + int(shape[-1]))
+
+
+def _experts_shape(named, experts: int, hidden: int) -> dict:
+    """MoE layers, one routed expert's width and the shared experts' width, read from the parameters (a gated expert
+    is three hidden x width matrices, whether fused as gate_up or not): the configs name them differently
+    (intermediate_size in Mixtral and gpt-oss, moe_intermediate_size in Qwen3-MoE and DeepSeek)."""
+    if not experts:
+        return {}
+    import re
+
+    def layer_of(name):
+        m = re.search(r"\.(\d+)\.", name)
+        return m.group(1) if m else name
+
+    routed = [(n, p.numel()) for n, p in named if ".experts." in n]
+    shared = [(n, p.numel()) for n, p in named if ".shared_expert" in n and "shared_expert_gate" not in n]
+    layers = len({layer_of(n) for n, _ in routed}) or 1
+    per_expert = sum(c for _, c in routed) / (layers * experts)
+    return dict(moe_layers=layers, expert_intermediate=int(round(per_expert / (3 * hidden))),
+                shared_intermediate=int(round(sum(c for _, c in shared) / (layers * 3 * hidden))))
 
 
 def _optim_name(args) -> str:
@@ -107,9 +150,10 @@ def _optim_name(args) -> str:
 
 
 def job_for(args, f: ModelFacts, shards: int, *, tokens: int | None = None, masters_ok: bool = False,
-            extra: int = 0) -> memplan.Job:
+            extra: int = 0, attn: str = "") -> memplan.Job:
     """The memory plan's view of this run (memplan.Job): shape, batch, accumulation, optimizer, layout, and the
-    settings the user fixed (kept by every rung)."""
+    settings the user fixed (kept by every rung). `attn`: the attention kernel the run loads (transformers'
+    attn_implementation; "" for a flash kernel)."""
     explicit = cfg.explicit(args)
     fixed: dict = {}
     if "gradient_checkpointing" in explicit:
@@ -126,17 +170,18 @@ def job_for(args, f: ModelFacts, shards: int, *, tokens: int | None = None, mast
                        grad_accum=int(getattr(args, "gradient_accumulation_steps", 1) or 1), optim=_optim_name(args),
                        shards=shards, nodes=ranks.nodes(), masters_ok=masters_ok, extra=extra, tokens=tokens,
                        fixed=fixed, fsdp=shards > 1, liger=bool(getattr(args, "trainbox_liger", False)
-                                                   or getattr(args, "use_liger_kernel", False)))
+                                                   or getattr(args, "use_liger_kernel", False)),
+                       attn=attn, optim_args=getattr(args, "optim_args", None))
 
 
 def choose_memory(args, f: ModelFacts, shards: int, free: int | None, *, tokens: int | None = None,
-                  masters_ok: bool = False, extra: int = 0) -> tuple[str, str | None]:
+                  masters_ok: bool = False, extra: int = 0, attn: str = "") -> tuple[str, str | None]:
     """The memory plan (memplan.py) for this run, agreed by every rank of the job: `free` is this rank's free GPU
     memory (None: CPU); the group plans with the smallest. Sets args.gradient_checkpointing, the FSDP2 settings
     (args.trainbox_reshard, sync_each_batch) and the micro-batch split; returns (the plan's line,
     why master weights are off or None). `tokens`: of one micro-batch (default batch x max_length, SFT's worst case)."""
     explicit = "gradient_checkpointing" in cfg.explicit(args)
-    job = job_for(args, f, shards, tokens=tokens, masters_ok=masters_ok, extra=extra)
+    job = job_for(args, f, shards, tokens=tokens, masters_ok=masters_ok, extra=extra, attn=attn)
 
     def decide(smallest, seen):
         if smallest is None:
@@ -269,7 +314,8 @@ def apply(args, model_args, choice, f: ModelFacts, *, shards: int, checkpointing
     masters_off = None
     if checkpointing:
         line, masters_off = choose_memory(args, f, shards, memplan.free_memory() if on_gpu else None,
-                                          masters_ok=_float32_reason(args, model_args, on_gpu, shards) is None)
+                                          masters_ok=_float32_reason(args, model_args, on_gpu, shards) is None,
+                                          attn=choice.impl)
         lines.append(line)
     else:
         lines.append(f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}"
