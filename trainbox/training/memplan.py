@@ -196,7 +196,20 @@ def resident(job: Job) -> int:
 
 
 def usable(free: int) -> int:
-    return int(FIT * free) - RESERVE
+    """What the plan may fill of `free` bytes: FIT of it less RESERVE, never below 0 (too_little says so)."""
+    return max(0, int(FIT * free) - RESERVE)
+
+
+def too_little(free: int) -> str | None:
+    """Why nothing can be planned in `free` bytes a GPU (less than RESERVE's share), or None."""
+    if usable(free) > 0:
+        return None
+    return (f"the GPU has too little free memory: {free / GiB:.1f} GiB, and the plan keeps {RESERVE / GiB:.1f} GiB + "
+            f"{100 * (1 - FIT):.0f} % of it for NCCL, cuBLAS and the allocator")
+
+
+class DoesNotFit(UsageError):
+    """decide's refusal: nothing on the ladder fits (bad input is a plain UsageError)."""
 
 
 def ladder(job: Job) -> list[Settings]:
@@ -234,15 +247,20 @@ class Plan:
     job: Job
     rung: int  # index in the ladder (0: the fastest)
 
+    @property
+    def fits(self) -> bool:
+        return self.terms["total"] <= usable(self.free)
+
     def line(self, free_note: str = "") -> str:
         t = self.terms
         shown = ", ".join(f"{k} {v / GiB:.1f}" for k, v in t.items() if k not in ("total", "phase") and v)
         shown += f"; peak at {t['phase']}" if "phase" in t else ""
-        fits = t["total"] <= usable(self.free)
+        fits = self.fits
         return (f"memory plan: {self.settings.describe(self.job)}; estimate {t['total'] / GiB:.1f} GiB per GPU "
                 f"({shown}) {'within' if fits else 'OVER'} {usable(self.free) / GiB:.1f} GiB usable of "
                 f"{self.free / GiB:.1f} GiB free" + (f" ({free_note})" if free_note else "")
-                + ("" if self.rung >= 0 else f"; {MODE_ENV}=report: taken as is"))
+                + ("" if self.rung >= 0 else f"; {MODE_ENV}=report: taken as is")
+                + (f"; {too_little(self.free)}" if too_little(self.free) else ""))
 
 
 def mode() -> str:
@@ -262,7 +280,7 @@ def decide(job: Job, free: int) -> Plan:
         t = estimate(job, s)
         if t["total"] <= usable(free):
             return Plan(s, t, free, job, i)
-    raise UsageError(refusal(job, free, t["total"]))  # t: the last rung's, the least memory the ladder offers
+    raise DoesNotFit(refusal(job, free, t["total"]))  # t: the last rung's, the least memory the ladder offers
 
 
 def fits(job: Job, free: int) -> bool:
@@ -271,6 +289,8 @@ def fits(job: Job, free: int) -> bool:
 
 def refusal(job: Job, free: int, least: int) -> str:
     f = job.facts
+    if too_little(free):
+        return f"{f.params / 1e9:.1f} B parameters need at least {least / GiB:.1f} GiB per GPU: " + too_little(free)
     head = (f"{f.params / 1e9:.1f} B parameters need at least {least / GiB:.1f} GiB per GPU "
             f"({describe_layout(job)}, {job.optim}) with every memory saving on, and {usable(free) / GiB:.1f} "
             f"GiB of {free / GiB:.1f} GiB free are usable")
@@ -284,20 +304,27 @@ def describe_layout(job: Job) -> str:
 
 
 def gpu_counts(job: Job, limit: int = 4096):
-    """The GPU counts more_gpus tries, smallest first: more GPUs of the job's one node (up to 8 where it has one GPU),
-    then whole nodes of the job's GPUs per node (16 = 2 x 8, never 9 or 17)."""
-    per_node = job.shards // max(1, job.nodes) if job.shards > 1 else 8
+    """The GPU counts more_gpus tries, smallest first: on one node, more of its GPUs (up to 8, or the job's own count
+    per node where larger), then whole nodes of that many; a job that spans nodes, whole nodes of its GPUs per node
+    (16 = 2 x 8, never 9 or 17)."""
+    node = _node_size(job)
     if job.nodes <= 1:
-        yield from range(max(2, job.shards + 1), min(per_node, limit) + 1)
-    for nodes in range(max(2, job.nodes + 1), limit // max(1, per_node) + 1):
-        yield nodes * per_node
+        yield from range(max(2, job.shards + 1), min(node, limit) + 1)
+    for nodes in range(2 if job.nodes <= 1 else job.nodes + 1, limit // node + 1):
+        yield nodes * node
+
+
+def _node_size(job: Job) -> int:
+    """GPUs a node: the job's own where it spans nodes, else at least 8 (a node has more than the job may use)."""
+    per_node = max(1, job.shards // max(1, job.nodes))
+    return per_node if job.nodes > 1 else max(per_node, 8)
 
 
 def more_gpus(job: Job, free: int, limit: int = 4096) -> int | None:
     """The smallest GPU count (gpu_counts: whole nodes once it spans nodes) on which it fits."""
-    per_node = job.shards // max(1, job.nodes) if job.shards > 1 else 8
+    node = _node_size(job)
     for g in gpu_counts(job, limit):
-        if fits(replace(job, shards=g, fsdp=True, masters_ok=False, nodes=max(1, -(-g // per_node))), free):
+        if fits(replace(job, shards=g, fsdp=True, masters_ok=False, nodes=-(-g // node)), free):
             return g
     return None
 

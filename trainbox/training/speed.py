@@ -73,10 +73,15 @@ def model_facts(model_path: str, revision: str | None = None) -> ModelFacts:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    conf = AutoConfig.from_pretrained(model_path, revision=revision)
-    text = conf.get_text_config()
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(conf)
+    try:  # (modelcheck.py checked config.json before: this is for what only building the model finds)
+        conf = AutoConfig.from_pretrained(model_path, revision=revision)
+        text = conf.get_text_config()
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(conf)
+    except (ValueError, TypeError, KeyError, AttributeError, OSError, ArithmeticError, RuntimeError) as e:
+        first = " ".join(str(e).split())[:300] or type(e).__name__
+        raise UsageError(f"model {model_path}: its config.json describes no causal LM transformers can build "
+                         f"({type(e).__name__}: {first})") from None
     params = sum(p.numel() for p in model.parameters())
     emb = model.get_input_embeddings()
     out = model.get_output_embeddings()
@@ -145,6 +150,34 @@ def _experts_shape(named, experts: int, hidden: int) -> dict:
                 shared_intermediate=int(round(sum(c for _, c in shared) / (layers * 3 * hidden))))
 
 
+TRUTH = {"y": True, "yes": True, "t": True, "true": True, "on": True, "1": True,
+         "n": False, "no": False, "f": False, "false": False, "off": False, "0": False}  # accelerate's str_to_bool
+
+
+def fsdp_reshard(args) -> bool | None:
+    """--fsdp_config's reshard_after_forward as FSDP2 reads it (transformers passes str(value) through accelerate's
+    str_to_bool: true/false, yes/no, on/off, 1/0), None where it is not set; one UsageError for anything else
+    ("maybe" used to be read as true by the plan and fail inside the Trainer on every rank)."""
+    conf = getattr(args, "fsdp_config", None)
+    if isinstance(conf, str) and conf:  # a path: TrainingArguments reads it only when FSDP is on (GPUs, >1 rank)
+        import json
+
+        try:
+            with open(conf, encoding="utf-8") as f:
+                conf = json.load(f)
+        except (OSError, ValueError, RecursionError) as e:
+            raise UsageError(f"--fsdp_config {conf}: not a readable JSON file ({' '.join(str(e).split())[:200]})") \
+                from None
+    if not isinstance(conf, dict) or "reshard_after_forward" not in conf:
+        return None
+    value = conf["reshard_after_forward"]
+    read = TRUTH.get(str(value).strip().lower())
+    if read is None:
+        raise UsageError(f"--fsdp_config reshard_after_forward {str(value)[:60]!r}: expected true or false (FSDP2 "
+                         "keeps the gathered layers for backward when false)")
+    return read
+
+
 def _optim_name(args) -> str:
     return str(getattr(args.optim, "value", args.optim))
 
@@ -158,9 +191,9 @@ def job_for(args, f: ModelFacts, shards: int, *, tokens: int | None = None, mast
     fixed: dict = {}
     if "gradient_checkpointing" in explicit:
         fixed["checkpointing"] = bool(args.gradient_checkpointing)
-    fsdp_config = getattr(args, "fsdp_config", None) or {}
-    if shards > 1 and "fsdp_config" in explicit and "reshard_after_forward" in fsdp_config:
-        fixed["reshard"] = bool(fsdp_config["reshard_after_forward"])  # the user's own FSDP setting
+    reshard = fsdp_reshard(args)  # checked: "maybe" is an error here as in the Trainer
+    if shards > 1 and "fsdp_config" in explicit and reshard is not None:
+        fixed["reshard"] = reshard  # the user's own FSDP setting
     elif shards > 1 and reshards_after_forward(memory_first=False):
         fixed["reshard"] = True  # across nodes memory wins (reshards_after_forward)
     if tokens is not None:
