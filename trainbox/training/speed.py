@@ -94,7 +94,8 @@ def model_facts(model_path: str, revision: str | None = None) -> ModelFacts:
     layers = getattr(text, "num_hidden_layers", 0)
     windowed = 0 if not needs.window else layers if types is None else sum(t == "sliding_attention" for t in types)
     named = list(model.named_parameters())
-    moe_shape = _experts_shape(named, experts, text.hidden_size)
+    moe_shape = _experts_shape(named, experts, text.hidden_size,
+                               getattr(text, "moe_intermediate_size", None) or getattr(text, "intermediate_size", 0))
     return ModelFacts(
         model_type=conf.model_type,
         params=params,
@@ -130,10 +131,10 @@ def _factored(shape) -> int:
     return lead * (int(shape[-2]) + int(shape[-1]))
 
 
-def _experts_shape(named, experts: int, hidden: int) -> dict:
-    """MoE layers, one routed expert's width and the shared experts' width, read from the parameters (a gated expert
-    is three hidden x width matrices, whether fused as gate_up or not): the configs name them differently
-    (intermediate_size in Mixtral and gpt-oss, moe_intermediate_size in Qwen3-MoE and DeepSeek)."""
+def _experts_shape(named, experts: int, hidden: int, width: int) -> dict:
+    """MoE layers, one routed expert's width and the shared experts' width. `width`: the config's (intermediate_size
+    in Mixtral and gpt-oss, moe_intermediate_size in Qwen3-MoE and DeepSeek); without one, read from the parameters
+    (a gated expert is three hidden x width matrices, whether fused as gate_up or not), as the shared experts' is."""
     if not experts:
         return {}
     import re
@@ -146,7 +147,7 @@ def _experts_shape(named, experts: int, hidden: int) -> dict:
     shared = [(n, p.numel()) for n, p in named if ".shared_expert" in n and "shared_expert_gate" not in n]
     layers = len({layer_of(n) for n, _ in routed}) or 1
     per_expert = sum(c for _, c in routed) / (layers * experts)
-    return dict(moe_layers=layers, expert_intermediate=int(round(per_expert / (3 * hidden))),
+    return dict(moe_layers=layers, expert_intermediate=int(width or round(per_expert / (3 * hidden))),
                 shared_intermediate=int(round(sum(c for _, c in shared) / (layers * 3 * hidden))))
 
 
