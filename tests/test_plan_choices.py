@@ -278,3 +278,25 @@ def test_plan_inside_an_allocation_neither_fails_nor_hangs(tmp_path):
                 env={"RANK": "3", "LOCAL_RANK": "3", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8",
                      "MASTER_ADDR": "192.0.2.1", "MASTER_PORT": "29500"}, timeout=120)
     assert r.returncode == 0 and "memory plan:" in r.stdout and "on 1 node(s) x 2 GPU(s)" in r.stdout, r.stderr
+
+
+def test_the_job_plans_with_the_kernel_it_loads(monkeypatch):
+    """sft passes the attention kernel it chose (speed.apply: choice.impl) to its plan: eager's scores are counted
+    there as in `trainbox plan --attn_implementation eager`."""
+    from types import SimpleNamespace
+
+    from trainbox.training import config
+
+    f = speed.ModelFacts("llama", 1_235_814_400, 0, 16, 2048, 8192, 2048, vocab=128256, heads=32, kv_width=512)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    lines = {}
+    for attn in ("", "eager"):
+        args = SimpleNamespace(per_device_train_batch_size=4, max_length=2048, optim="adamw_torch_fused",
+                               gradient_accumulation_steps=1, gradient_checkpointing=False, fsdp_config={},
+                               accelerator_config=SimpleNamespace(gradient_accumulation_kwargs=None),
+                               trainbox_liger=True)
+        config.set_explicit(args, set())
+        lines[attn], _ = speed.choose_memory(args, f, 1, int(139 * GIB), attn=attn)
+    flash = float(lines[""].split("estimate ")[1].split()[0])
+    eager = float(lines["eager"].split("estimate ")[1].split()[0])
+    assert eager > flash, lines
