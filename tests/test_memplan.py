@@ -29,6 +29,7 @@ LLAMA_1B = dict(model_type="llama", params=1_235_814_400, embedding_params=0, la
 F8, F1 = speed.ModelFacts(**LLAMA_8B), speed.ModelFacts(**LLAMA_1B)
 S = memplan.Settings
 
+ONE_GPU = dict(batch=2, max_length=1024, masters_ok=True, states_ok=("bf16", "8bit"))
 # Measured on 2 x H100 80GB (torch 2.11, transformers 5.17, trl 1.16; benchmarks/memory_plan.py and
 # benchmarks/train_throughput.py sft --nproc 2): trainbox sft, micro-batch 8 x 2048 packed tokens per GPU, Liger on;
 # peak allocated GiB of the largest rank.
@@ -43,14 +44,11 @@ MEASURED = [
      S(True, reshard=True, sync_each_batch=True, batch=4, grad_accum=8), 66.4),
     # 2 x H200 (137.9 GiB free): the plan left checkpointing off; estimate 117.1 GiB, largest rank 123.8 GiB.
     ("8B, 2 GPUs, GA 1, no ckpt (H200)", F8, dict(shards=2, fsdp=True), S(False, reshard=True, batch=8), 123.8),
-]
-# One H200, 2026-12-02 (benchmarks/results/sft8b_one_gpu-2026-12-02.txt): the 8B shape, batch 2 x 1024, no
-# checkpointing, the one-GPU rungs with smaller AdamW moments. The estimate counts activations and the gradients as
-# if both lived at once; at the end of backward the activations are gone: these land 7-12 % over, never under.
-MEASURED_ONE_GPU = [
-    ("8B, masters + bf16 moments", S(False, masters=True, states="bf16", batch=2), 89.9),
-    ("8B, masters + 8-bit moments", S(False, masters=True, states="8bit", batch=2), 81.0),
-    ("8B, bf16 stochastic rounding + 8-bit moments", S(False, states="8bit", batch=2), 49.1),
+    # One H200, 2026-12-02 (benchmarks/results/sft8b_one_gpu-2026-12-02.txt): 8B, batch 2 x 1024, no checkpointing,
+    # the one-GPU rungs with smaller AdamW moments.
+    ("8B, 1 GPU, masters + bf16 moments", F8, ONE_GPU, S(False, masters=True, states="bf16", batch=2), 89.9),
+    ("8B, 1 GPU, masters + 8-bit moments", F8, ONE_GPU, S(False, masters=True, states="8bit", batch=2), 81.0),
+    ("8B, 1 GPU, bf16 stochastic rounding + 8-bit", F8, ONE_GPU, S(False, states="8bit", batch=2), 49.1),
 ]
 
 
@@ -63,13 +61,6 @@ def job(f=F8, **kw):
 def test_estimate_is_within_10_percent_of_the_measured_peak(name, f, kw, settings, peak):
     est = memplan.estimate(job(f, **kw), settings)["total"] / GIB
     assert abs(est - peak) / peak < 0.10, f"{name}: estimate {est:.1f} GiB vs measured {peak} GiB"
-
-
-@pytest.mark.parametrize("name,settings,peak", MEASURED_ONE_GPU, ids=[m[0] for m in MEASURED_ONE_GPU])
-def test_one_gpu_rungs_estimate_on_the_safe_side_of_the_measured_peak(name, settings, peak):
-    est = memplan.estimate(job(F8, batch=2, max_length=1024, masters_ok=True, states_ok=("bf16", "8bit")),
-                           settings)["total"] / GIB
-    assert peak <= est < 1.13 * peak, f"{name}: estimate {est:.1f} GiB vs measured {peak} GiB"
 
 
 def test_8b_on_2_gpus_takes_what_trl_runs_and_what_was_measured():
@@ -248,22 +239,30 @@ def test_plan_for_70b_on_2_nodes_of_8_and_8b_on_one_24gb_card(tmp_path):
 
 
 # ------------------------------------------------------------ one GPU: smaller AdamW moments (issue 60)
-def one_gpu_8b(states=("bf16", "8bit"), **kw):
-    return job(F8, batch=2, max_length=1024, masters_ok=True, states_ok=states, **kw)
+def one_gpu_8b(states=("bf16", "8bit"), batch=2, **kw):
+    return job(F8, batch=batch, max_length=1024, masters_ok=True, states_ok=states, **kw)
 
 
-@pytest.mark.parametrize("free,masters,states", [(139.2, True, "bf16"), (77.7, False, "8bit")], ids=["h200", "80gb"])
+@pytest.mark.parametrize("free,masters,states", [(139.2, True, "float32"), (94.5, True, "8bit"), (77.7, False, "8bit")],
+                         ids=["h200", "gh200-96gb", "80gb"])
 def test_8b_on_one_gpu_keeps_bf16_weights_without_checkpointing(free, masters, states):
     plan = memplan.decide(one_gpu_8b(), int(free * GIB))
     s = plan.settings
     assert (s.checkpointing, s.masters, s.states) == (False, masters, states)
     assert plan.terms["total"] <= memplan.usable(int(free * GIB))
     assert "float32 weights" not in plan.line()
-    assert ("8-bit AdamW states" if states == "8bit" else "bf16 AdamW states") in plan.line()
+    for earlier in memplan.ladder(one_gpu_8b())[:plan.rung]:  # every faster or more exact rung did not fit
+        assert memplan.estimate(one_gpu_8b(), earlier)["total"] > memplan.usable(int(free * GIB))
+
+
+def test_a_bigger_micro_batch_takes_the_bf16_moments_before_checkpointing():
+    plan = memplan.decide(one_gpu_8b(batch=8), int(139.2 * GIB))
+    assert (plan.settings.checkpointing, plan.settings.masters, plan.settings.states) == (False, True, "bf16")
+    assert "bf16 AdamW states" in plan.line()
 
 
 def test_without_torchao_the_h200_still_keeps_masters_and_the_80gb_card_is_refused():
-    assert memplan.decide(one_gpu_8b(states=("bf16",)), int(139.2 * GIB)).settings.states == "bf16"
+    assert memplan.decide(one_gpu_8b(states=("bf16",), batch=8), int(139.2 * GIB)).settings.states == "bf16"
     with pytest.raises(UsageError):
         memplan.decide(one_gpu_8b(states=("bf16",)), int(77.7 * GIB))
 

@@ -6,8 +6,12 @@ M is a folder with the model's config.json (no weights are read: the model is bu
 77.7 GiB free on an H100 80GB, 139 GiB on an H200, 22.5 GiB on a 24 GB card). Every `trainbox sft` option that
 weighs on memory counts: --per_device_train_batch_size, --max_length, --gradient_accumulation_steps, --optim,
 --gradient_checkpointing, --fsdp_config. The plan is computed by the same code `trainbox sft` runs before it
-loads the model (trainbox/training/memplan.py), so what this prints is what the job will do on those GPUs. Exit 0: it
-fits (the settings and the per-GPU estimate by term); 1: it does not (the smallest changes that do); 2: bad input.
+loads the model (trainbox/training/memplan.py), so what this prints is what the job will do on those GPUs: the same
+checks (the options sft refuses, the model's config.json, FSDP settings), TRAINBOX_GPU_FREE_GIB capping GIB and
+TRAINBOX_MEMORY_PLAN=report (the fastest settings your options allow, fitting or not) as the job reads them. It makes
+no process group, so it runs inside an allocation too (RANK/WORLD_SIZE/MASTER_ADDR are not this process's). Exit 0:
+it fits (the settings and the per-GPU estimate by term); 1: it does not (the smallest changes that do; under report:
+the estimate is OVER); 2: bad input.
 """
 
 from __future__ import annotations
@@ -18,6 +22,13 @@ import sys
 from common import errors
 from common.errors import UsageError
 from trainbox.training import memplan
+
+# What a launcher sets for a rank (torchrun, accelerate, MPI): read by transformers' TrainingArguments, which then
+# joins a process group (and waits for MASTER_ADDR). `trainbox plan` is no rank of the allocation it may run in.
+LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "NODE_RANK",
+                 "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE",
+                 "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK",
+                 "MV2_COMM_WORLD_LOCAL_RANK")
 
 
 def split_argv(argv: list[str]) -> tuple[float | None, list[str]]:
@@ -57,9 +68,13 @@ def compute(argv: list[str]):
     # Here, not at the top: importing sft takes about 4 s (transformers), which `trainbox plan --help` need not pay.
     from trainbox.training import config as cfg
     from trainbox.cli import sft
-    from trainbox.training import speed
+    from trainbox.training import attention, speed
 
-    _data, launch_args, model_args, args = sft.parse(rest, prog="trainbox plan")
+    memplan.mode()  # a bad TRAINBOX_MEMORY_PLAN is bad input (exit 2), not a plan that does not fit
+    free = memplan.cap(int(gib * memplan.GiB))  # TRAINBOX_GPU_FREE_GIB caps it, as it caps the job's
+    for name in LAUNCHER_VARS:  # this process is no rank: transformers would join the allocation's process group
+        os.environ.pop(name, None)
+    _data, launch_args, model_args, args = sft.parse_checked(rest, prog="trainbox plan")
     cfg.check_model_path(model_args.model_name_or_path)
     nodes, per_node = layout(launch_args)
     world = nodes * per_node
@@ -68,14 +83,18 @@ def compute(argv: list[str]):
     shards = world if world > 1 else 1
     facts = speed.model_facts(model_args.model_name_or_path, model_args.model_revision)
     masters_ok = shards == 1 and speed._float32_reason(args, model_args, True, shards) is None
-    job = speed.job_for(args, facts, shards, masters_ok=masters_ok)
-    free = int(gib * memplan.GiB)
+    # the kernel the job loads matters only where it is eager or SDPA (score matrices, masks): the user's choice;
+    # unset, the job takes a flash kernel on the GPU
+    requested = model_args.attn_implementation if "attn_implementation" in cfg.explicit(model_args) else None
+    attn = attention.ALIASES.get(requested, requested) if requested else ""
+    job = speed.job_for(args, facts, shards, masters_ok=masters_ok, attn=attn)
+    capped = f" (capped by {memplan.FREE_ENV})" if free < int(gib * memplan.GiB) else ""
     where = (f"{facts.params / 1e9:.1f} B parameters ({facts.model_type}) on {nodes} node(s) x {per_node} GPU(s) with "
-             f"{gib:g} GiB free each, micro-batch {job.batch} x {job.max_length} tokens, {job.grad_accum} accumulation "
-             f"step(s), {job.optim}")
+             f"{free / memplan.GiB:g} GiB free each{capped}, micro-batch {job.batch} x {job.max_length} tokens, "
+             f"{job.grad_accum} accumulation step(s), {job.optim}" + (f", attention {job.attn}" if job.attn else ""))
     try:
         return memplan.decide(job, free), None, where
-    except UsageError as e:
+    except memplan.DoesNotFit as e:
         return None, str(e), where
 
 
@@ -93,12 +112,15 @@ def main(argv: list[str]) -> int:
         print(f"[trainbox] does not fit: {refused}")
         return 1
     print(f"[trainbox] {plan.line()}")
+    if not plan.fits:  # TRAINBOX_MEMORY_PLAN=report: the job would run these settings and run out of memory
+        print(f"[trainbox] does not fit: the estimate is over what is usable ({memplan.MODE_ENV}=report takes the "
+              "fastest settings your options allow as they are; unset it to let the plan choose)")
     for k, v in plan.terms.items():
         if k not in ("total", "phase"):
             print(f"    {k:<18} {v / memplan.GiB:8.2f} GiB")
     print(f"    {'total':<18} {plan.terms['total'] / memplan.GiB:8.2f} GiB of {memplan.usable(plan.free) / memplan.GiB:.2f} "
           "usable")
-    return 0
+    return 0 if plan.fits else 1
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import time
 
 from common import launch
 from trainbox.run import outputs, preemption, ranks, resume, runsummary
-from trainbox.training import moe, precision, runner
+from trainbox.training import moe, precision, runner, speed
 from trainbox.training import config as cfg
 # The SFT-style trainers' library (qlora uses it too); its names stay reachable here (sft.DataArguments).
 from trainbox.training.sftlib import (FSDP2_GPU, DataArguments, build_trainer, check_before_launch, finish_tuning,
@@ -108,12 +108,14 @@ def train(data_args, model_args, training_args, name: str = "sft") -> int:
 
 
 def main(argv: list[str]) -> int:
-    return runner.run_trainer("sft", argv, _parse_full, _check_before_launch, _train)
+    return runner.run_trainer("sft", argv, parse_checked, _check_before_launch, _train)
 
 
-def _parse_full(argv: list[str]):
-    options = parse(argv)
+def parse_checked(argv: list[str], prog: str = "trainbox sft"):
+    """parse() and the checks of sft's options on their own (`trainbox plan` runs the same)."""
+    options = parse(argv, prog=prog)
     cfg.check_full_training(options[2])  # LoRA/4-bit options: refused, not ignored (qlora has its own main)
+    speed.fsdp_reshard(options[3])  # reshard_after_forward: a boolean, as accelerate reads it
     return options
 
 

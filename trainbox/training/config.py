@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 from common.errors import UsageError
 from trainbox import helpcache
+from trainbox.training import modelcheck  # check_model_path checks the model's config.json too
 
 Translator = Callable[[Any], dict]
 
@@ -394,10 +395,9 @@ def _token_to_environment(obj) -> None:
 def _cuda_available() -> bool:
     try:
         import torch
-
-        return torch.cuda.is_available()
     except ImportError:  # pragma: no cover
         return False
+    return torch.cuda.is_available()
 
 
 def _converts(type_fn, value, choices) -> bool:
@@ -471,7 +471,7 @@ def check_model_path(spec: str | None, option: str = "--model_name_or_path") -> 
     if p.exists():
         if not (p / "config.json").is_file():
             raise UsageError(f"model path {spec} has no config.json; point {option} at a saved model directory")
-        return
+        return modelcheck.check(p / "config.json", spec)
     if spec.startswith(("/", "./", "../", "~")) or spec.count("/") > 1:
         raise UsageError(f"model path {spec} does not exist; check {option} (and the container's mounts)")
     # A hub id: its config.json (small) is fetched or found in the cache now, so a typo or an offline machine is one
@@ -479,11 +479,12 @@ def check_model_path(spec: str | None, option: str = "--model_name_or_path") -> 
     from transformers.utils import cached_file
 
     try:
-        cached_file(spec, "config.json")
+        found = cached_file(spec, "config.json")
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(f"model {spec!r} is not a local directory and the hub can't serve it ({first[:300]}); check "
                          f"{option} (a local folder needs ./ or a path), or mount the model and pass its path") from None
+    modelcheck.check(found, spec)
 
 
 def check_report_to(report_to) -> None:

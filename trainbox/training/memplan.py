@@ -7,8 +7,11 @@ don't), and `trainbox plan` prints the same plan for any model config and cluste
 The estimate is a hand formula over the model's shape (ModelFacts: read from the config on the meta device), per GPU
 and in bytes, term by term:
 - weights, gradients, optimizer states. One process: float32 weights + float32 gradients (8/param; TRL's path) or
-  bf16 weights + float32 masters + float32 gradient sums (10: precision.py); FSDP2 over k ranks: float32 shards of
-  weights and gradients (8/k). AdamW's two moments: 8/param (8-bit optimizers: 2), divided by k under FSDP2.
+  bf16 weights + float32 masters + their gradients (precision.py); a step's first gradients exist only from backward
+  on, so the peak is the larger of backward's start (activations, no gradients) and its end (every gradient; 16/param
+  of TRL's path: measured 119.75 GiB for an 8B shape on an H200, estimate 120.6). FSDP2 over k ranks: float32 shards
+  of weights and gradients (8/k). The optimizer's states: memterms.optimizer_state_bytes (AdamW 8/param, 8-bit 2,
+  SGD none, Adafactor factored, ...), divided by k under FSDP2.
 - FSDP2's all-gathered bf16 layers: every layer kept from forward to backward when it does not reshard after
   forward (2/param), else the layer at work and the one prefetched; the LM head and final norm (accelerate's tail
   group, never resharded) always; and in backward a layer's unsharded bf16 gradient plus its float32 copy for the
@@ -17,9 +20,11 @@ and in bytes, term by term:
   batches before the last and accumulates *unsharded* float32 gradients (4/param, the whole model), unless
   gradients are synchronised on every micro-batch (accelerate's `sync_each_batch`: no buffer, one reduce-scatter per
   micro-batch).
-- activations of one micro-batch: per token and layer about 16*hidden + 10*intermediate bytes (the bf16 inputs of
-  every matmul, norm outputs, the SwiGLU gate/up/product, attention output and log-sum-exp; 5*intermediate with
-  Liger's SwiGLU, which recomputes the product in backward); with gradient checkpointing each layer's input
+- activations of one micro-batch (memterms.py, by layer kind): per token and layer about 8*hidden + 8*attention
+  width (16*hidden where they agree) + 10*intermediate bytes (the bf16 inputs of every matmul, norm outputs, the
+  SwiGLU gate/up/product, attention output and log-sum-exp; 5*intermediate with Liger's SwiGLU, which recomputes the
+  product in backward); a MoE layer's experts by experts per token and their width instead of the MLP; eager's
+  score matrices and SDPA's mask biases where those kernels run; with gradient checkpointing each layer's input
   (2*hidden) plus one layer recomputed.
 - the loss head: TRL's fused LM head computes the loss in tiles and never holds the full logits; its float32
   working set is taken as 2,048 tokens x vocabulary (small beside the rest; calibrated on the device). One process
@@ -52,7 +57,7 @@ from dataclasses import dataclass, field, replace
 
 from common.errors import UsageError
 from trainbox.run import ranks
-from trainbox.training import losshead
+from trainbox.training import losshead, memterms
 
 GiB = 2**30
 FIT = 0.92  # of the free memory: the allocator's fragmentation (expandable segments keep it small)
@@ -84,6 +89,8 @@ class Job:
     fixed: dict = field(default_factory=dict)  # settings the user chose: checkpointing, reshard, batch
     fsdp: bool = False  # FSDP2 (GPUs, more than one process)
     liger: bool = False  # Liger's fused RMSNorm/RoPE/SwiGLU: the MLP keeps half its activations
+    attn: str = ""  # transformers' attn_implementation the job runs ("": a flash kernel; eager, sdpa: memterms.scores)
+    optim_args: str | None = None  # the Trainer's --optim_args (SGD's momentum: memterms.optimizer_state_bytes)
 
 
 @dataclass(frozen=True)
@@ -149,56 +156,81 @@ def _layer_params(f) -> int:
 
 
 def estimate(job: Job, s: Settings) -> dict:
-    """Peak bytes per GPU, term by term (module docstring), their total, and (FSDP2) the phase of the step where
-    the peak falls ("phase": "backward start" or "backward end")."""
+    """Peak bytes per GPU, term by term (module docstring), their total, and the phase of the step where the peak
+    falls ("phase": "backward start", when the activations are all kept, or "backward end", when every gradient
+    exists)."""
     f, n, k = job.facts, job.facts.params, max(1, job.shards)
     head = getattr(f, "vocab", 0) * f.hidden
     layer = _layer_params(f)
     tokens = s.batch * job.max_length if job.tokens is None else job.tokens * s.batch // max(1, job.batch)
-    state_bytes = 2 if "8bit" in job.optim else 8
-    per_token = 16 * f.hidden + (5 if job.liger else 10) * f.intermediate
-    layers = max(1, f.layers)
-    acts = tokens * (layers * 2 * f.hidden + per_token if s.checkpointing else layers * per_token)
+    acts = activations(job, s, tokens)
     loss = 4 * min(tokens, LOSS_CHUNK_TOKENS) * getattr(f, "vocab", 0) if head else 0
     if head and not job.fsdp:  # losshead's tile (bf16 tiles: 2 bytes a logit)
         loss += 2 * min(tokens, losshead.tile_tokens(f.vocab, 2)) * f.vocab
     extra = {"reference model": job.extra} if job.extra else {}
+    optim = _state_bytes(job) // k
     if not job.fsdp:
-        if s.states != "float32" and not s.masters:  # bf16 weights and gradients (summed in bf16), 8-bit states
-            t = {"weights+grads": 4 * n, "optimizer": int(STATE_BYTES[s.states] * n)}
-        else:
-            # masters: bf16 weights 2 + float32 masters 4 + the gradients: bf16 as autograd made them (2) where one
-            # micro-batch makes the step and the update reads them where they are (masterstep's kernel, or one weight
-            # at a time), float32 (4) where they are summed or copied whole (the op-by-op path)
-            in_place = s.grad_accum == 1 and (s.states != "float32" or job.optim == "adamw_torch_fused")
-            t = {"weights+grads": (8 if in_place else 10) * n if s.masters else 8 * n,
-                 "optimizer": int(STATE_BYTES[s.states] * n) if s.states != "float32" else state_bytes * n,
-                 # bf16 gradients kept between micro-batches beside the float32 sums (precision.py): measured +4N
-                 "accumulation": 4 * n if s.masters and s.grad_accum > 1 else 0}
-            if s.states == "8bit":  # the per-parameter 8-bit step: one float32 copy of a gradient at a time
-                t["step"] = 4 * _largest_param(f)
-        t.update({"activations": acts, "loss head": loss, **extra})
-        t["total"] = sum(t.values())
-        return t
-    shard = 4 * n // k
-    optim = state_bytes * n // k
-    accum = 4 * n if s.grad_accum > 1 and not s.sync_each_batch else 0
-    # Gradients are freed after each optimizer step (set to None): they exist at the start of backward only when
-    # an earlier micro-batch of the same step made them.
-    grads_early = shard if s.grad_accum > 1 else 0
-    gathered = 2 * n if not s.reshard else 2 * 2 * layer + 2 * head
-    unit = max(layer, f.embedding_params, head)  # the largest FSDP unit (an untied embedding is its own)
-    start = {"weights": shard, "grads": grads_early, "optimizer": optim, "accumulation": accum,
-             "gathered": gathered, "reduce": 2 * 6 * layer, "activations": acts, "loss head": loss, **extra}
-    # At the end of backward every sharded gradient exists, and the last unit (the embedding) is gathered with its
-    # bf16 gradient and the float32 copy the reduce-scatter sends: 8 bytes per parameter of it.
-    end = {"weights": shard, "grads": shard, "optimizer": optim, "accumulation": accum,
-           "gathered": 2 * head, "reduce": 8 * unit, **extra}
+        if s.states != "float32":  # the memory plan's smaller AdamW moments, whatever --optim says
+            optim = int(STATE_BYTES[s.states] * n)
+        start, end = _one_process(job, s, n, optim, extra)
+        start.update({"activations": acts, "loss head": loss})
+    else:
+        shard = 4 * n // k
+        accum = 4 * n if s.grad_accum > 1 and not s.sync_each_batch else 0
+        # Gradients are freed after each optimizer step (set to None): they exist at the start of backward only when
+        # an earlier micro-batch of the same step made them.
+        grads_early = shard if s.grad_accum > 1 else 0
+        gathered = 2 * n if not s.reshard else 2 * 2 * layer + 2 * head
+        unit = max(layer, f.embedding_params, head)  # the largest FSDP unit (an untied embedding is its own)
+        start = {"weights": shard, "grads": grads_early, "optimizer": optim, "accumulation": accum,
+                 "gathered": gathered, "reduce": 2 * 6 * layer, "activations": acts, "loss head": loss, **extra}
+        # At the end of backward every sharded gradient exists, and the last unit (the embedding) is gathered with its
+        # bf16 gradient and the float32 copy the reduce-scatter sends: 8 bytes per parameter of it.
+        end = {"weights": shard, "grads": shard, "optimizer": optim, "accumulation": accum,
+               "gathered": 2 * head, "reduce": 8 * unit, **extra}
     at_start = sum(start.values()) >= sum(end.values())
     t: dict = dict(start if at_start else end)
     t["total"] = sum(t.values())
     t["phase"] = "backward start" if at_start else "backward end"
     return t
+
+
+def _one_process(job: Job, s: Settings, n: int, optim: int, extra: dict) -> tuple[dict, dict]:
+    """One process per model copy, the terms of both phases without the activations: float32 weights and gradients
+    (TRL's), or bf16 weights + float32 masters (precision.py) whose bf16 gradients are summed in float32 from the
+    second micro-batch on. The gradients of a step's first micro-batch exist only once backward made them (the
+    optimizer step frees them): at backward start they count from the second micro-batch on."""
+    if s.masters:
+        weights, grads_end = 6 * n, 2 * n if s.grad_accum == 1 else 4 * n
+        # bf16 gradients kept between micro-batches beside the float32 sums (precision.py): measured +4N
+        accum = 4 * n if s.grad_accum > 1 else 0
+    elif s.states != "float32":  # bf16 weights updated with stochastic rounding: bf16 gradients, summed in bf16
+        weights, grads_end, accum = 2 * n, 2 * n, 0
+    else:
+        weights, grads_end, accum = 4 * n, 4 * n, 0
+    grads_start = grads_end if s.grad_accum > 1 else 0
+    start = {"weights": weights, "grads": grads_start, "optimizer": optim, "accumulation": accum, **extra}
+    end = {"weights": weights, "grads": grads_end, "optimizer": optim, "accumulation": accum, **extra}
+    if s.states == "8bit":
+        # torchao's step, one weight at a time, holds float32 working copies of the weight it updates (and, under
+        # masters, precision.py's float32 copy of its gradient): 8 (12) bytes an element of the largest weight,
+        # calibrated on one H200 (8B shape: 81.0 and 49.1 GiB peaks, benchmarks/results/sft8b_one_gpu-2026-12-02.txt)
+        end["step"] = (12 if s.masters else 8) * _largest_param(job.facts)
+    elif s.masters and s.grad_accum == 1 and s.states == "float32" and job.optim != "adamw_torch_fused":
+        end["step"] = 4 * n  # the op-by-op path (no one-pass kernel): float32 copies of every gradient at once
+    return start, end
+
+
+def activations(job: Job, s: Settings, tokens: int) -> int:
+    """One micro-batch's activations kept for backward (memterms.py: by layer kind and attention kernel); with
+    gradient checkpointing each layer's input (2 x hidden a token) plus one layer recomputed."""
+    f = job.facts
+    layers = max(1, f.layers)
+    kinds = memterms.per_token_layer(f, job.liger)
+    per_layer = sum(kinds.values()) // layers  # one layer's share (the recomputed one under checkpointing)
+    kept = tokens * (layers * 2 * f.hidden + per_layer if s.checkpointing else sum(kinds.values()))
+    rows = max(1, tokens // max(1, job.max_length))
+    return kept + memterms.scores(f, job.attn, rows, min(tokens, job.max_length), s.checkpointing)
 
 
 def resident(job: Job) -> int:
@@ -209,7 +241,20 @@ def resident(job: Job) -> int:
 
 
 def usable(free: int) -> int:
-    return int(FIT * free) - RESERVE
+    """What the plan may fill of `free` bytes: FIT of it less RESERVE, never below 0 (too_little says so)."""
+    return max(0, int(FIT * free) - RESERVE)
+
+
+def too_little(free: int) -> str | None:
+    """Why nothing can be planned in `free` bytes a GPU (less than RESERVE's share), or None."""
+    if usable(free) > 0:
+        return None
+    return (f"the GPU has too little free memory: {free / GiB:.1f} GiB, and the plan keeps {RESERVE / GiB:.1f} GiB + "
+            f"{100 * (1 - FIT):.0f} % of it for NCCL, cuBLAS and the allocator")
+
+
+class DoesNotFit(UsageError):
+    """decide's refusal: nothing on the ladder fits (bad input is a plain UsageError)."""
 
 
 def ladder(job: Job) -> list[Settings]:
@@ -256,15 +301,20 @@ class Plan:
     job: Job
     rung: int  # index in the ladder (0: the fastest)
 
+    @property
+    def fits(self) -> bool:
+        return self.terms["total"] <= usable(self.free)
+
     def line(self, free_note: str = "") -> str:
         t = self.terms
         shown = ", ".join(f"{k} {v / GiB:.1f}" for k, v in t.items() if k not in ("total", "phase") and v)
         shown += f"; peak at {t['phase']}" if "phase" in t else ""
-        fits = t["total"] <= usable(self.free)
+        fits = self.fits
         return (f"memory plan: {self.settings.describe(self.job)}; estimate {t['total'] / GiB:.1f} GiB per GPU "
                 f"({shown}) {'within' if fits else 'OVER'} {usable(self.free) / GiB:.1f} GiB usable of "
                 f"{self.free / GiB:.1f} GiB free" + (f" ({free_note})" if free_note else "")
-                + ("" if self.rung >= 0 else f"; {MODE_ENV}=report: taken as is"))
+                + ("" if self.rung >= 0 else f"; {MODE_ENV}=report: taken as is")
+                + (f"; {too_little(self.free)}" if too_little(self.free) else ""))
 
 
 def mode() -> str:
@@ -284,7 +334,7 @@ def decide(job: Job, free: int) -> Plan:
         t = estimate(job, s)
         if t["total"] <= usable(free):
             return Plan(s, t, free, job, i)
-    raise UsageError(refusal(job, free, t["total"]))  # t: the last rung's, the least memory the ladder offers
+    raise DoesNotFit(refusal(job, free, t["total"]))  # t: the last rung's, the least memory the ladder offers
 
 
 def fits(job: Job, free: int) -> bool:
@@ -293,6 +343,8 @@ def fits(job: Job, free: int) -> bool:
 
 def refusal(job: Job, free: int, least: int) -> str:
     f = job.facts
+    if too_little(free):
+        return f"{f.params / 1e9:.1f} B parameters need at least {least / GiB:.1f} GiB per GPU: " + too_little(free)
     head = (f"{f.params / 1e9:.1f} B parameters need at least {least / GiB:.1f} GiB per GPU "
             f"({describe_layout(job)}, {job.optim}) with every memory saving on, and {usable(free) / GiB:.1f} "
             f"GiB of {free / GiB:.1f} GiB free are usable")
@@ -305,32 +357,71 @@ def describe_layout(job: Job) -> str:
     return f"FSDP2 over {job.shards} GPUs" + (f" on {job.nodes} nodes" if job.nodes > 1 else "")
 
 
+def gpu_counts(job: Job, limit: int = 4096):
+    """The GPU counts more_gpus tries, smallest first: on one node, more of its GPUs (up to 8, or the job's own count
+    per node where larger), then whole nodes of that many; a job that spans nodes, whole nodes of its GPUs per node
+    (16 = 2 x 8, never 9 or 17)."""
+    node = _node_size(job)
+    if job.nodes <= 1:
+        yield from range(max(2, job.shards + 1), min(node, limit) + 1)
+    for nodes in range(2 if job.nodes <= 1 else job.nodes + 1, limit // node + 1):
+        yield nodes * node
+
+
+def _node_size(job: Job) -> int:
+    """GPUs a node: the job's own where it spans nodes, else at least 8 (a node has more than the job may use)."""
+    per_node = max(1, job.shards // max(1, job.nodes))
+    return per_node if job.nodes > 1 else max(per_node, 8)
+
+
 def more_gpus(job: Job, free: int, limit: int = 4096) -> int | None:
-    """The smallest GPU count (whole nodes when the job spans nodes) on which it fits."""
-    per_node = max(1, job.shards // max(1, job.nodes)) if job.shards > 1 else 1
-    g = max(2, job.shards + 1)
-    while g <= limit:
-        if job.nodes > 1 and g % per_node:
-            g += 1
-            continue
-        if fits(replace(job, shards=g, fsdp=True, masters_ok=False, nodes=max(1, g // per_node) if job.nodes > 1
-                        else 1), free):
+    """The smallest GPU count (gpu_counts: whole nodes once it spans nodes) on which it fits."""
+    node = _node_size(job)
+    for g in gpu_counts(job, limit):
+        if fits(replace(job, shards=g, fsdp=True, masters_ok=False, nodes=-(-g // node)), free):
             return g
-        g = g + 1 if g < 8 else g + (per_node if job.nodes > 1 else 8)
     return None
 
 
+def _state_bytes(job: Job, optim: str | None = None) -> int:
+    f = job.facts
+    return memterms.optimizer_state_bytes(optim or job.optim, f.params, getattr(f, "factored_state", 0),
+                                          job.optim_args if optim is None else None)
+
+
+def qlora_estimate(job: Job) -> int:
+    """Peak bytes per GPU of `trainbox qlora` on this job's model and layout at its smallest micro-batch (one row,
+    checkpointing on: qlora's defaults): the 4-bit base (nf4 with nested quantisation: about 0.53 bytes a matmul
+    parameter; the embeddings and LM head stay bf16), LoRA r=16 on every linear layer (under 1 % of the parameters,
+    16 bytes each with AdamW and their gradients), one row's activations and the loss head. Only to decide whether
+    the refusal may offer qlora: qlora itself does not plan."""
+    f, k = job.facts, max(1, job.shards)
+    head = getattr(f, "vocab", 0) * f.hidden
+    embed = head + f.embedding_params
+    base = int(0.53 * max(0, f.params - embed)) + 2 * embed
+    adapters = 16 * f.params // 100
+    one_row = replace(job, batch=1, grad_accum=1, tokens=None, fixed={}, optim="adamw_torch_fused", extra=0)
+    t = estimate(one_row, Settings(checkpointing=True))
+    return (base + adapters) // k + t.get("activations", 0) + t.get("loss head", 0) + job.extra
+
+
 def advice(job: Job, free: int) -> str:
-    """The smallest changes that fit, each checked with decide(): an 8-bit optimizer, more GPUs, or QLoRA."""
+    """The smallest changes that fit, each checked with this plan: an 8-bit optimizer, more GPUs, or QLoRA (its own
+    estimate, qlora_estimate)."""
     options = []
-    if "8bit" not in job.optim and not job.fsdp:  # bitsandbytes' 8-bit optimizers don't step FSDP2's DTensors
-        if fits(replace(job, optim="adamw_bnb_8bit", masters_ok=False), free):
+    # (bitsandbytes' 8-bit optimizers don't step FSDP2's DTensors)
+    if not job.fsdp and _state_bytes(job) > _state_bytes(job, "adamw_bnb_8bit"):
+        if fits(replace(job, optim="adamw_bnb_8bit", optim_args=None, masters_ok=False), free):
             options.append("--optim adamw_bnb_8bit (8-bit optimizer states)")
     g = more_gpus(job, free)
     if g:
         options.append(f"{g} GPUs like these (FSDP2 shards the weights, gradients and optimizer states: "
                        + ("--nnodes/--nproc-per-node" if job.shards <= 1 else "more nodes or GPUs per node") + ")")
-    options.append("`trainbox qlora` (a 4-bit base with LoRA adapters)")
+    if qlora_estimate(job) <= usable(free):
+        options.append("`trainbox qlora` (a 4-bit base with LoRA adapters)")
+    if not options:
+        return ("nothing this plan knows fits: not more GPUs (up to 4096), an 8-bit optimizer or `trainbox qlora`; "
+                "use a smaller model or GPUs with more memory")
     return "it fits with " + ", or ".join(options)
 
 

@@ -45,6 +45,12 @@ class ModelFacts:
     windowed_layers: int = 0  # layers whose attention is limited to attention.window keys
     vocab: int = 0  # rows of the LM head (the loss head's width)
     experts_dispatch: str | None = None  # MoE: why moe.NAME can't be used (None: it can), moe.applies
+    heads: int = 0  # attention heads (0: attn_width / the head dim)
+    kv_width: int = 0  # key/value heads x head dim (0: attn_width, no grouped k/v)
+    moe_layers: int = 0  # layers with routed experts (0 with experts: every layer)
+    expert_intermediate: int = 0  # MoE: one routed expert's intermediate width (0: intermediate)
+    shared_intermediate: int = 0  # MoE: the shared experts' intermediate width beside the routed ones, per layer
+    factored_state: int = 0  # Adafactor's second moment: rows + columns of each matrix, each vector whole (values)
 
     @property
     def matmul_params(self) -> int:
@@ -67,10 +73,15 @@ def model_facts(model_path: str, revision: str | None = None) -> ModelFacts:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    conf = AutoConfig.from_pretrained(model_path, revision=revision)
-    text = conf.get_text_config()
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(conf)
+    try:  # (modelcheck.py checked config.json before: this is for what only building the model finds)
+        conf = AutoConfig.from_pretrained(model_path, revision=revision)
+        text = conf.get_text_config()
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(conf)
+    except (ValueError, TypeError, KeyError, AttributeError, OSError, ArithmeticError, RuntimeError) as e:
+        first = " ".join(str(e).split())[:300] or type(e).__name__
+        raise UsageError(f"model {model_path}: its config.json describes no causal LM transformers can build "
+                         f"({type(e).__name__}: {first})") from None
     params = sum(p.numel() for p in model.parameters())
     emb = model.get_input_embeddings()
     out = model.get_output_embeddings()
@@ -82,6 +93,9 @@ def model_facts(model_path: str, revision: str | None = None) -> ModelFacts:
     types = getattr(text, "layer_types", None)
     layers = getattr(text, "num_hidden_layers", 0)
     windowed = 0 if not needs.window else layers if types is None else sum(t == "sliding_attention" for t in types)
+    named = list(model.named_parameters())
+    moe_shape = _experts_shape(named, experts, text.hidden_size,
+                               getattr(text, "moe_intermediate_size", None) or getattr(text, "intermediate_size", 0))
     return ModelFacts(
         model_type=conf.model_type,
         params=params,
@@ -99,7 +113,70 @@ def model_facts(model_path: str, revision: str | None = None) -> ModelFacts:
         windowed_layers=windowed,
         vocab=int(getattr(text, "vocab_size", 0) or 0),
         experts_dispatch=moe.applies(type(model)) if experts else None,
+        heads=int(heads or 0),
+        kv_width=int(getattr(text, "num_key_value_heads", None) or heads or 0) * int(head_dim or 0),
+        factored_state=sum(_factored(p.shape) for _, p in named),
+        **moe_shape,
     )
+
+
+def _factored(shape) -> int:
+    """Adafactor's second-moment values for a parameter of `shape` (transformers' Adafactor: a row and a column
+    average over the last two dims of a matrix or a stack of them, a vector's own)."""
+    if len(shape) < 2:
+        return int(shape.numel())
+    lead = 1
+    for d in shape[:-2]:
+        lead *= int(d)
+    return lead * (int(shape[-2]) + int(shape[-1]))
+
+
+def _experts_shape(named, experts: int, hidden: int, width: int) -> dict:
+    """MoE layers, one routed expert's width and the shared experts' width. `width`: the config's (intermediate_size
+    in Mixtral and gpt-oss, moe_intermediate_size in Qwen3-MoE and DeepSeek); without one, read from the parameters
+    (a gated expert is three hidden x width matrices, whether fused as gate_up or not), as the shared experts' is."""
+    if not experts:
+        return {}
+    import re
+
+    def layer_of(name):
+        m = re.search(r"\.(\d+)\.", name)
+        return m.group(1) if m else name
+
+    routed = [(n, p.numel()) for n, p in named if ".experts." in n]
+    shared = [(n, p.numel()) for n, p in named if ".shared_expert" in n and "shared_expert_gate" not in n]
+    layers = len({layer_of(n) for n, _ in routed}) or 1
+    per_expert = sum(c for _, c in routed) / (layers * experts)
+    return dict(moe_layers=layers, expert_intermediate=int(width or round(per_expert / (3 * hidden))),
+                shared_intermediate=int(round(sum(c for _, c in shared) / (layers * 3 * hidden))))
+
+
+TRUTH = {"y": True, "yes": True, "t": True, "true": True, "on": True, "1": True,
+         "n": False, "no": False, "f": False, "false": False, "off": False, "0": False}  # accelerate's str_to_bool
+
+
+def fsdp_reshard(args) -> bool | None:
+    """--fsdp_config's reshard_after_forward as FSDP2 reads it (transformers passes str(value) through accelerate's
+    str_to_bool: true/false, yes/no, on/off, 1/0), None where it is not set; one UsageError for anything else
+    ("maybe" used to be read as true by the plan and fail inside the Trainer on every rank)."""
+    conf = getattr(args, "fsdp_config", None)
+    if isinstance(conf, str) and conf:  # a path: TrainingArguments reads it only when FSDP is on (GPUs, >1 rank)
+        import json
+
+        try:
+            with open(conf, encoding="utf-8") as f:
+                conf = json.load(f)
+        except (OSError, ValueError, RecursionError) as e:
+            raise UsageError(f"--fsdp_config {conf}: not a readable JSON file ({' '.join(str(e).split())[:200]})") \
+                from None
+    if not isinstance(conf, dict) or "reshard_after_forward" not in conf:
+        return None
+    value = conf["reshard_after_forward"]
+    read = TRUTH.get(str(value).strip().lower())
+    if read is None:
+        raise UsageError(f"--fsdp_config reshard_after_forward {str(value)[:60]!r}: expected true or false (FSDP2 "
+                         "keeps the gathered layers for backward when false)")
+    return read
 
 
 def _optim_name(args) -> str:
@@ -107,16 +184,17 @@ def _optim_name(args) -> str:
 
 
 def job_for(args, f: ModelFacts, shards: int, *, tokens: int | None = None, masters_ok: bool = False,
-            extra: int = 0) -> memplan.Job:
+            extra: int = 0, attn: str = "") -> memplan.Job:
     """The memory plan's view of this run (memplan.Job): shape, batch, accumulation, optimizer, layout, and the
-    settings the user fixed (kept by every rung)."""
+    settings the user fixed (kept by every rung). `attn`: the attention kernel the run loads (transformers'
+    attn_implementation; "" for a flash kernel)."""
     explicit = cfg.explicit(args)
     fixed: dict = {}
     if "gradient_checkpointing" in explicit:
         fixed["checkpointing"] = bool(args.gradient_checkpointing)
-    fsdp_config = getattr(args, "fsdp_config", None) or {}
-    if shards > 1 and "fsdp_config" in explicit and "reshard_after_forward" in fsdp_config:
-        fixed["reshard"] = bool(fsdp_config["reshard_after_forward"])  # the user's own FSDP setting
+    reshard = fsdp_reshard(args)  # checked: "maybe" is an error here as in the Trainer
+    if shards > 1 and "fsdp_config" in explicit and reshard is not None:
+        fixed["reshard"] = reshard  # the user's own FSDP setting
     elif shards > 1 and reshards_after_forward(memory_first=False):
         fixed["reshard"] = True  # across nodes memory wins (reshards_after_forward)
     if tokens is not None:
@@ -131,17 +209,18 @@ def job_for(args, f: ModelFacts, shards: int, *, tokens: int | None = None, mast
                        shards=shards, nodes=ranks.nodes(), masters_ok=masters_ok, states_ok=states_ok,
                        extra=extra, tokens=tokens,
                        fixed=fixed, fsdp=shards > 1, liger=bool(getattr(args, "trainbox_liger", False)
-                                                   or getattr(args, "use_liger_kernel", False)))
+                                                   or getattr(args, "use_liger_kernel", False)),
+                       attn=attn, optim_args=getattr(args, "optim_args", None))
 
 
 def choose_memory(args, f: ModelFacts, shards: int, free: int | None, *, tokens: int | None = None,
-                  masters_ok: bool = False, extra: int = 0) -> tuple[str, str | None]:
+                  masters_ok: bool = False, extra: int = 0, attn: str = "") -> tuple[str, str | None]:
     """The memory plan (memplan.py) for this run, agreed by every rank of the job: `free` is this rank's free GPU
     memory (None: CPU); the group plans with the smallest. Sets args.gradient_checkpointing, the FSDP2 settings
     (args.trainbox_reshard, sync_each_batch) and the micro-batch split; returns (the plan's line,
     why master weights are off or None). `tokens`: of one micro-batch (default batch x max_length, SFT's worst case)."""
     explicit = "gradient_checkpointing" in cfg.explicit(args)
-    job = job_for(args, f, shards, tokens=tokens, masters_ok=masters_ok, extra=extra)
+    job = job_for(args, f, shards, tokens=tokens, masters_ok=masters_ok, extra=extra, attn=attn)
 
     def decide(smallest, seen):
         if smallest is None:
@@ -275,7 +354,8 @@ def apply(args, model_args, choice, f: ModelFacts, *, shards: int, checkpointing
     masters_off = None
     if checkpointing:
         line, masters_off = choose_memory(args, f, shards, memplan.free_memory() if on_gpu else None,
-                                          masters_ok=_float32_reason(args, model_args, on_gpu, shards) is None)
+                                          masters_ok=_float32_reason(args, model_args, on_gpu, shards) is None,
+                                          attn=choice.impl)
         lines.append(line)
     else:
         lines.append(f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}"
