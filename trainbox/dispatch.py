@@ -98,6 +98,10 @@ def main(argv: list[str]) -> int:
         print(f"{PROG}: entrypoint {name!r} is not installed in this image ({module_file(name)} is missing); "
               f"`{PROG} --help` lists what is", file=sys.stderr)
         return 2
+    if commands.BY_NAME[name].trainer:
+        from trainbox.run import preemption
+
+        preemption.hold_preempt_signals()  # a stop signal from here on reaches the trainer's handler (exit 0)
     public = commands.BY_NAME[name].public
     if public:
         # First of all: without a usable temp folder (`docker run --read-only`) tempfile raises in whatever asks.

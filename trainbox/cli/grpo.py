@@ -12,13 +12,18 @@ torchrun starts), and reported as one `error: ...` line with exit code 2.
 
 from __future__ import annotations
 
+from trainbox.run import preemption
+
+if __name__ == "__main__":  # first, before torch's seconds of imports: a stop signal then is remembered, not a kill
+    preemption.claim_preempt_signals()
+
 import os
 import sys
 import time
 from dataclasses import dataclass
 
 from common import launch
-from trainbox.run import outputs, preemption, ranks, resume, runsummary
+from trainbox.run import outputs, ranks, resume, runsummary
 from trainbox.training import (config, grpo_data, grpo_options, grpo_rollouts, grpo_trainer, moe, rewards, runner,
                                speed, vllm_server)
 from common.errors import UsageError

@@ -11,6 +11,11 @@ The adapter goes to OUTPUT_DIR; with --merge, the base in bf16 + adapter merged 
 
 from __future__ import annotations
 
+from trainbox.run import preemption
+
+if __name__ == "__main__":  # first, before torch's seconds of imports: a stop signal then is remembered, not a kill
+    preemption.claim_preempt_signals()
+
 import os
 import sys
 import time
@@ -18,12 +23,10 @@ from dataclasses import dataclass, field
 
 from common import atomic, launch
 from common.errors import UsageError
-from trainbox.training import config as cfg
-from common import atomic, launch
 from trainbox import helpcache
-from trainbox.run import outputs, preemption, ranks, resume, runsummary
+from trainbox.run import outputs, ranks, resume, runsummary
+from trainbox.training import config as cfg
 from trainbox.training import runner, sftlib
-from common.errors import UsageError
 
 
 @dataclass
