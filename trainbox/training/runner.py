@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Callable
 
-from common import commands, errors, launch
+from common import commands, errors, launch, pipes
 from trainbox.run import crash, exitdeadline, outputs, preemption, ranks, runlog
 from trainbox.training import config
 from common.errors import UsageError
@@ -88,6 +88,10 @@ def run_trainer(name: str, argv: list[str], parse: Callable[[list[str]], Options
         return next(code for cls, code in failures.items() if isinstance(e, cls))
     except crash.Crashed as e:  # after the run log was closed and copied: leave now, whatever still runs
         return crash.exit_now(e.code)
+    except BrokenPipeError:  # `trainbox sft --help | head`: the reader left
+        if not pipes.stdout_closed():
+            raise
+        return pipes.reader_gone()
 
 
 def output_dir(options: Options) -> str | None:
