@@ -191,10 +191,10 @@ def _conversation(value: Any, field: str) -> list:
 
 
 def _text(value: Any, field: str) -> str:
-    if value is None or isinstance(value, Mapping):
+    if isinstance(value, list) and value and all(isinstance(m, Mapping) for m in value):
+        return _chat(value, field)  # a chat list: each message checked, so a bad one is named
+    if value is None or isinstance(value, (Mapping, list)):
         raise BadRow(f"{field} is {'missing' if value is None else type(value).__name__}, expected text")
-    if isinstance(value, list):  # a chat list: each message checked, so a bad one is named
-        return _chat(value, field)
     return value
 
 
