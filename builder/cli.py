@@ -11,8 +11,8 @@ from types import MappingProxyType
 
 from builder.errors import UserError, reports_user_errors
 from builder.matrix import DEFAULT_MATRIX, Cell, Matrix, load_matrix
-from builder.options import (BuildOptions, check_dir, check_file_target, check_registry, parse_bases,
-                             parse_build_args, parse_secrets)
+from builder.options import (BuildOptions, check_buildable, check_dir, check_file_target, check_registry,
+                             parse_bases, parse_build_args, parse_secrets)
 from builder.paths import ROOT
 
 
@@ -334,6 +334,7 @@ def run(argv: list[str] | None = None) -> int:
         if args.lock:
             return lock.lock_cells(cells, root=opts.output_dir, quiet=args.quiet, overrides=opts.index_overrides)
         from builder import render
+        check_buildable(opts, cells)   # the dry run refuses what the build would (options.py), before a file is written
         paths = render.write_cells(cells, root=opts.output_dir)
         lock.seed(cells, opts.output_dir)
     except BaseException:

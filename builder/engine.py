@@ -27,6 +27,7 @@ from builder import indexes, lock
 from builder.docker import Builder, choose_builder, host_arch, platform_arch  # noqa: F401 (choose_builder: engine.X)
 from builder.errors import UserError
 from builder.options import BuildOptions  # noqa: F401 (engine.BuildOptions, as callers knew it)
+from builder.options import LEGACY_FIX, LEGACY_REFUSED, check_wheelhouse
 from builder.paths import ROOT
 
 WHEELHOUSE = "wheelhouse"
@@ -56,11 +57,7 @@ class Wheelhouse:
     def __enter__(self):
         if self.src is None:
             return self
-        if not self.src.is_dir():
-            raise UserError(f"--wheelhouse {self.src}: not a directory; give a folder of .whl files")
-        wheels = sorted(self.src.glob("*.whl"))
-        if not wheels:
-            raise UserError(f"--wheelhouse {self.src}: no .whl files in it")
+        wheels = check_wheelhouse(self.src)
         self.dest.mkdir(exist_ok=True)
         for w in wheels:
             target = self.dest / w.name
@@ -253,11 +250,8 @@ def build_image(*, dockerfile: Path, context: Path, platform: str, builder: Buil
     """Build and return (image id, log lines); no tag. Raises UserError naming LABEL and the failing step."""
     build_args = build_args or {}
     secrets = secrets or []
-    if builder.kind == "legacy":
-        raise UserError(f"{label}: the legacy builder cannot build this Dockerfile: its venv install uses a BuildKit "
-                        "cache mount (RUN --mount=type=cache) and secrets go in as BuildKit secrets",
-                        fix="use --builder auto: buildx, or a classic docker CLI older than 23 with DOCKER_BUILDKIT=1 "
-                            "(`make engine` installs Debian's)")
+    if builder.kind == "legacy":   # options.check_buildable refuses it first; a caller that skipped it too
+        raise UserError(f"{label}: {LEGACY_REFUSED}", fix=LEGACY_FIX)
     with tempfile.TemporaryDirectory(prefix="trainbox-build-") as tmp:
         iidfile = Path(tmp) / "iid"
         env = dict(os.environ)

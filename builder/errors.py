@@ -3,6 +3,7 @@
 import functools
 import sys
 
+from common import pipes as _pipes
 from common import redact as _redact
 
 
@@ -33,14 +34,21 @@ def shorten(text: str, limit: int = 200) -> str:
 
 
 def reports_user_errors(main):
-    """For a CLI's main(): a UserError becomes one `error: ...` line on stderr and exit code 2, not a traceback."""
+    """For a CLI's main(): a UserError becomes one `error: ...` line on stderr and exit code 2, not a traceback;
+    stdout's reader gone (`--list | head`) a quiet exit 141 (common/pipes.py)."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
         try:
-            return main(*args, **kwargs)
+            result = main(*args, **kwargs)
+            sys.stdout.flush()  # here, while a closed reader can still be told apart (not at the interpreter's exit)
+            return result
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
             return e.exit_code
+        except BrokenPipeError:
+            if not _pipes.stdout_closed():
+                raise
+            return _pipes.reader_gone()
 
     return wrapper

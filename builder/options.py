@@ -188,3 +188,43 @@ class BuildOptions:
     @property
     def native_builder(self) -> bool:
         return self.buildx_builder is not None
+
+
+LEGACY_REFUSED = ("the legacy builder cannot build these Dockerfiles: their venv install uses a BuildKit cache mount "
+                  "(RUN --mount=type=cache) and secrets go in as BuildKit secrets")
+LEGACY_FIX = ("use --builder auto: buildx, or a classic docker CLI older than 23 with DOCKER_BUILDKIT=1 (`make engine` "
+              "installs Debian's)")
+
+
+def check_wheelhouse(src: str | Path) -> list[Path]:
+    """--wheelhouse DIR's wheels; a UserError for a folder that is missing or holds none."""
+    src = Path(src)
+    if not src.is_dir():
+        raise UserError(f"--wheelhouse {src}: not a directory; give a folder of .whl files")
+    wheels = sorted(src.glob("*.whl"))
+    if not wheels:
+        raise UserError(f"--wheelhouse {src}: no .whl files in it")
+    return wheels
+
+
+def check_buildable(opts: BuildOptions, cells=()) -> None:
+    """What a real build refuses about its inputs, checked alike by `--dry-run` and the build (cli.run, before
+    anything is rendered; pipeline.build_cells again): `--builder legacy`, a --wheelhouse without wheels, and a
+    builder asked for (or needed: --cache-from/--cache-to want buildx) that this host's docker CLIs don't offer.
+    The dry run accepted all three, and the build refused them minutes later. Not here: the engine and the registry
+    (a dry run contacts neither; the build checks both first), and emulated compiles (the plan names them)."""
+    if opts.builder == "legacy":
+        tags = ", ".join(c.tag for c in cells)
+        raise UserError(f"--builder legacy{' for ' + tags if tags else ''}: {LEGACY_REFUSED}", fix=LEGACY_FIX)
+    if opts.wheelhouse is not None:
+        check_wheelhouse(opts.wheelhouse)
+    caching = bool(opts.cache_from or opts.cache_to)
+    requested = "buildx" if opts.buildx_builder else opts.builder
+    if caching or requested != "auto":
+        from builder.docker import choose_builder   # a docker CLI probe (no engine): only when a choice hangs on it
+
+        builder = choose_builder(requested)
+        if caching and builder.kind != "buildx":
+            raise UserError(f"--cache-from/--cache-to need buildx; the builder here is {builder.kind} ({builder.cli})",
+                            fix="install Docker's buildx plugin (docker/setup-buildx-action in CI), or build without "
+                                "them")

@@ -7,23 +7,25 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from builder import enroot, lock, publish, report
+from builder import enroot, lock, publish, registry, report
 from builder.docker import check_engine, choose_builder, platform_arch
 from builder.engine import BuildResult, TagJournal, build_cell, build_context, refuse_emulated_compile
 from builder.errors import UserError
-from builder.options import BuildOptions
+from builder.options import BuildOptions, check_buildable
 
 
 def build_cells(cells, opts: BuildOptions) -> int:
     """The CLI's real build: build every cell, optionally push and join arches into manifest lists, report. With
     --push every tag the run moved is put back when any of its builds, pushes or manifest lists fails."""
     quiet = opts.quiet
-    builder = choose_builder("buildx" if opts.buildx_builder else opts.builder)
+    check_buildable(opts, cells)  # what the dry run refuses too (cli.run checked it; a direct caller may not have)
     refuse_emulated_compile(cells, opts.native_builder, opts.output_dir)  # before any lock or build work
+    if opts.push:
+        # Before minutes (a GPU cell: an hour) of building: a registry that does not answer, or wants a login this
+        # host lacks, was found only at the push.
+        registry.reachable(opts.registry)
+    builder = choose_builder("buildx" if opts.buildx_builder else opts.builder)
     check_engine(builder)
-    if (opts.cache_from or opts.cache_to) and builder.kind != "buildx":
-        raise UserError(f"--cache-from/--cache-to need buildx; the builder here is {builder.kind} ({builder.cli})",
-                        fix="install Docker's buildx plugin (docker/setup-buildx-action in CI), or build without them")
     if not quiet:
         print(f"builder: {builder.kind} ({builder.cli})", flush=True)
     # The lock step: every missing or stale lock of the selection is resolved before the first build.

@@ -193,6 +193,18 @@ class Registry:
                                        headers={"Content-Type": media_type}), f"pushing manifest {ref}")
 
 
+def reachable(repository: str) -> None:
+    """The registry of REPOSITORY (HOST[:PORT]/REPO, as --registry gives it) answers its API's base, /v2/, with
+    this host's credentials where it asks for them; else one UserError: unreachable (a closed port, a wrong host, no
+    answer in time), wants a login, or answers but not as a registry."""
+    reg, _ = Registry.of(f"{repository}:probe")
+    url = f"{reg.base.split('/v2/')[0]}/v2/"
+    r = reg.request("GET", url)
+    if r.status_code not in (200, 401):   # 401 after request()'s own login: the push authenticates per repository
+        raise UserError(f"registry {reg.host} answers HTTP {r.status_code} at /v2/, not as an image registry",
+                        fix="check the --registry host and port (the registry's own address, not a web page)")
+
+
 def manifest(ref: str) -> tuple[dict, str] | None:
     """(manifest JSON, digest) as the registry serves REF, None if it has no such tag; a UserError if the registry
     does not answer. REF without a registry host is Docker Hub's, as for docker push."""

@@ -221,14 +221,17 @@ def why_not_a_file(path: str | Path) -> str | None:
 
 
 @contextlib.contextmanager
-def replacing(path: str | Path, mode: int | None = 0o644):
+def replacing(path: str | Path, mode: int | None = None):
     """`with replacing(DEST) as tmp:` write the new file at `tmp` (any program may); on a clean exit it is fsynced,
     given MODE and renamed over DEST, then DEST's folder is fsynced. On any error (or signal turned exception)
     the temporary goes and DEST stays as it was. DEST must be a file_target (UnwritableTarget otherwise): a link to
-    a regular file is written through, keeping its target's mode."""
+    a regular file is written through, keeping its target's mode. MODE None: the mode `open()` would leave, i.e.
+    an existing DEST's own, else 0666 less the umask (a shared folder's umask 002 gives the group its access)."""
     path, keep = file_target(path)
     if keep is not None:
         mode = keep
+    elif mode is None:
+        mode = existing_mode(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     clean_stale(path)  # what an earlier writer of PATH on this host left when it was killed
     tmp = temp_path(path)
@@ -243,13 +246,40 @@ def replacing(path: str | Path, mode: int | None = 0o644):
     fsync_path(path.parent)
 
 
-def write_bytes(path: str | Path, data: bytes, mode: int = 0o644) -> None:
+def umask() -> int:
+    """The process's umask, read without changing it (/proc: os.umask can only read it by setting it, which races
+    with other threads creating files); where /proc can't tell, set and restored."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    old = os.umask(0o077)
+    os.umask(old)
+    return old
+
+
+def existing_mode(path: str | Path) -> int:
+    """The mode `open(PATH, "w")` leaves: an existing regular file's own, else 0666 less the umask. What a write
+    through a temporary and a rename gives the file (the temporary's mode is what lands)."""
+    try:
+        st = os.stat(path)
+        if stat.S_ISREG(st.st_mode):
+            return stat.S_IMODE(st.st_mode)
+    except OSError:
+        pass
+    return 0o666 & ~umask()
+
+
+def write_bytes(path: str | Path, data: bytes, mode: int | None = None) -> None:
     with replacing(path, mode) as tmp:
         with open(tmp, "xb") as f:
             f.write(data)
 
 
-def write_text(path: str | Path, text: str, mode: int = 0o644) -> None:
+def write_text(path: str | Path, text: str, mode: int | None = None) -> None:
     write_bytes(path, text.encode("utf-8"), mode)
 
 
@@ -314,7 +344,7 @@ def signals_held():
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
-def write_all(files: dict[Path, str], mode: int = 0o644) -> list[Path]:
+def write_all(files: dict[Path, str], mode: int | None = None) -> list[Path]:
     """Write several files as one change: every new content goes to a temporary first (an error or a signal then
     leaves every file as it was), then all are renamed into place with SIGINT/SIGTERM held. Returns those changed."""
     staged: list[tuple[Path, Path]] = []
@@ -334,7 +364,7 @@ def write_all(files: dict[Path, str], mode: int = 0o644) -> list[Path]:
             changed.append(given)
             with open(tmp, "xb") as f:
                 f.write(text.encode("utf-8"))
-            os.chmod(tmp, mode if keep is None else keep)
+            os.chmod(tmp, keep if keep is not None else mode if mode is not None else existing_mode(path))
             fsync_path(tmp)
         with signals_held():
             for tmp, path in staged:
@@ -356,6 +386,6 @@ def copy_tree(src: str | Path, dest: str | Path, ignore=None) -> Path:
 
 def copy_file(src: str | Path, dest: str | Path) -> Path:
     """Copy file SRC to DEST (contents and mode) through `replacing`."""
-    with replacing(dest, mode=None) as tmp:
+    with replacing(dest, mode=stat.S_IMODE(os.stat(src).st_mode)) as tmp:
         shutil.copy2(src, tmp)
     return Path(dest)

@@ -20,17 +20,23 @@ class Command(NamedTuple):
     # (runner.run_trainer) and may run from a notebook (notebook.run).
     trainer: bool = False
     slurm: bool = False  # builder/slurm.py renders a job script for it (job.sh.j2: one task per node)
+    # The top-level packages it can't start without: an image of the light stack (matrix.toml: no torch) lists the
+    # command as not there and refuses it in one line, instead of a ModuleNotFoundError while --help listed it.
+    needs: tuple[str, ...] = ()
+
+
+TRAINING = ("torch", "transformers", "trl")  # the train stack's core: the trainers and the plan (its config parsing)
 
 
 # In the order `trainbox --help` lists them.
 TABLE = (
     Command("jupyter", "jupyter"),
-    Command("grpo", "grpo", trainer=True, slurm=True),
-    Command("qlora", "qlora", trainer=True),  # no Slurm job script offered yet
-    Command("sft", "sft", trainer=True, slurm=True),
-    Command("plan", "plan"),
+    Command("grpo", "grpo", trainer=True, slurm=True, needs=TRAINING),
+    Command("qlora", "qlora", trainer=True, needs=(*TRAINING, "peft")),  # no Slurm job script offered yet
+    Command("sft", "sft", trainer=True, slurm=True, needs=TRAINING),
+    Command("plan", "plan", needs=TRAINING),
     Command("doctor", "doctor"),
-    Command("nccl-check", "nccl_check", slurm=True),
+    Command("nccl-check", "nccl_check", slurm=True, needs=("torch",)),
     # trainbox/cli/ray.py would shadow the `ray` package for a script run.
     Command("ray", "ray_cluster", slurm=True),
     Command("healthcheck", "healthcheck", public=False),

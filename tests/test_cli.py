@@ -148,8 +148,11 @@ def _fake_engine(monkeypatch, module):
 
 
 def test_build_mode_renders_then_calls_the_engine_with_typed_options(tmp_path, monkeypatch):
+    from builder import docker
     from builder.options import BuildOptions
     seen = {}
+    # --builder buildkit is resolved before anything renders (options.check_buildable): this host's CLIs stand aside.
+    monkeypatch.setattr(docker, "choose_builder", lambda requested: docker.Builder(requested, "/usr/bin/docker"))
 
     def build_cells(cells, opts):
         seen["tags"] = [c.tag for c in cells]
@@ -162,7 +165,7 @@ def test_build_mode_renders_then_calls_the_engine_with_typed_options(tmp_path, m
     cfg = tmp_path / "c.toml"
     cfg.write_text('[bases]\n"nvidia/cuda:12.9.1-base-ubuntu24.04" = "local/cuda:1"\n')
     rc = cli.main(["smoke", "--output-dir", str(tmp_path), "--base", "debian:bookworm=local/b:1", "--push",
-                   "--registry", "127.0.0.1:5555/t", "--builder", "legacy", "--secret", f"id=a,src={secret}", "--sqsh",
+                   "--registry", "127.0.0.1:5555/t", "--builder", "buildkit", "--secret", f"id=a,src={secret}", "--sqsh",
                    "--config", str(cfg), "--build-arg", "MAX_JOBS=3"])
     assert rc == 7
     assert seen["tags"] == ["smoke-x86_64", "smoke-aarch64"] and seen["exists"]
@@ -171,7 +174,7 @@ def test_build_mode_renders_then_calls_the_engine_with_typed_options(tmp_path, m
     # --base and the config's [bases] parsed once into one mapping; nothing turned back into OLD=NEW strings
     assert dict(o.bases) == {"debian:bookworm": "local/b:1", "nvidia/cuda:12.9.1-base-ubuntu24.04": "local/cuda:1"}
     assert o.push and o.registry == "127.0.0.1:5555/t" and o.output_dir == tmp_path
-    assert o.builder == "legacy" and o.secrets == (f"id=a,src={secret}",) and o.sqsh == "out"
+    assert o.builder == "buildkit" and o.secrets == (f"id=a,src={secret}",) and o.sqsh == "out"
     assert dict(o.build_args) == {"MAX_JOBS": "3"}
 
 
@@ -238,7 +241,7 @@ def test_a_source_build_under_emulation_is_refused_before_anything_runs(tmp_path
     from builder import engine
     if engine.host_arch() != "x86_64":
         pytest.skip("the refusal is for a host of another arch")
-    p = build("--arch", "aarch64", "--builder", "legacy")
+    p = build("--arch", "aarch64")
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
     # A flavour of an ampere cell is built FROM it: refused with it.
     assert ("cu129-ampere-aarch64, cu130-ampere-aarch64, cu130-ampere-aarch64-unsloth, cu130-ampere-aarch64-verl "

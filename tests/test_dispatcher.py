@@ -50,6 +50,8 @@ def main(argv):
         sys.exit(7)
 
     signal.signal(signal.SIGTERM, term)
+    # A trainer takes the stop signals the dispatcher held across its exec (preemption.claim_preempt_signals).
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGUSR1})
     log(f"pid {os.getpid()} ppid {os.getppid()}")
     if "--orphan" in argv:  # a grandchild outlives its parent: re-parented to the reaper, which must reap it
         if os.fork() == 0:

@@ -67,7 +67,7 @@ CASES = [
     ("sft", ["--dataset", "typo/dataset-name"], "the hub can't serve it"),
     ("sft", ["--dataset", "{t}/empty.jsonl"], "is empty (no rows)"),
     ("sft", ["--dataset", "{t}/bad_row3.jsonl"], "row 3: column messages must be a list"),
-    ("sft", ["--dataset", "{t}/bad_content.jsonl"], "row 2: column messages: each message needs"),
+    ("sft", ["--dataset", "{t}/bad_content.jsonl"], "row 2: column messages: message 1 needs a text role and content"),
     ("sft", ["--dataset", "{t}/dolly_missing.jsonl"], "row 2: response is missing"),
     ("grpo", ["--dataset", "{t}/gsm_bad.jsonl", "--preset", "gsm8k"], "row 2: question is list"),
     ("sft", ["--dataset", "{t}/good.jsonl", "--max_length", "0"], "--max_length 0: must be above 0"),

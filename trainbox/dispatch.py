@@ -11,13 +11,14 @@ a shell or Slurm run `trainbox` directly. Before an entrypoint starts, cache fol
 from __future__ import annotations
 
 import ast
+import importlib.util
 import os
 import shutil
 import signal
 import sys
 from pathlib import Path
 
-from common import commands
+from common import commands, pipes
 from common.errors import UsageError, line
 from trainbox.run import cachedirs
 
@@ -40,10 +41,17 @@ def summary(name: str) -> str | None:
     return doc.strip().splitlines()[0] if doc.strip() else "(no description)"
 
 
+def missing(name: str) -> list[str]:
+    """The packages command NAME needs that this Python lacks (looked up, not imported: listing stays instant)."""
+    return [m for m in commands.BY_NAME[name].needs if importlib.util.find_spec(m) is None]
+
+
 def usage() -> str:
     lines = [f"usage: {PROG} NAME [ARGS...]   ({PROG} NAME --help for an entrypoint's options)", "", "commands:"]
     for name in commands.names(public=True):
-        line = summary(name)
+        line, lacks = summary(name), missing(name)
+        if lacks:
+            line = f"(not in this image: needs {', '.join(lacks)})"
         lines.append(f"  {name:<10} {line if line is not None else '(not installed in this image)'}")
     lines += ["", "Same command inside Docker (`docker run IMAGE NAME ...`) and under Slurm/pyxis "
               f"(`srun --container-image=X.sqsh {PROG} NAME ...`).",
@@ -69,15 +77,25 @@ def child_env() -> dict[str, str]:
 def run_main(main, argv: list[str] | None = None, prog: str | None = None) -> int:
     """For an entrypoint's `if __name__ == "__main__":` — a UsageError becomes one line on stderr and exit 2."""
     try:
-        return main(sys.argv[1:] if argv is None else argv)
+        code = main(sys.argv[1:] if argv is None else argv)
+        sys.stdout.flush()
+        return code
     except UsageError as e:
         print(f"{prog or PROG}: error: {line(e)}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
+    except BrokenPipeError:  # `trainbox doctor | head`: the reader left
+        if not pipes.stdout_closed():
+            raise
+        return pipes.reader_gone()
 
 
 def main(argv: list[str]) -> int:
+    return run_main(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
     if not argv:
         print(usage(), file=sys.stderr)
         return 2
@@ -98,6 +116,15 @@ def main(argv: list[str]) -> int:
         print(f"{PROG}: entrypoint {name!r} is not installed in this image ({module_file(name)} is missing); "
               f"`{PROG} --help` lists what is", file=sys.stderr)
         return 2
+    lacks = missing(name)
+    if lacks:
+        print(f"{PROG}: error: {name} needs {', '.join(lacks)}, which this image lacks (an image of the light stack: "
+              f"doctor and jupyter only); run {name} in an image of the train or gpu stack", file=sys.stderr)
+        return 2
+    if commands.BY_NAME[name].trainer:
+        from trainbox.run import preemption
+
+        preemption.hold_preempt_signals()  # a stop signal from here on reaches the trainer's handler (exit 0)
     public = commands.BY_NAME[name].public
     if public:
         # First of all: without a usable temp folder (`docker run --read-only`) tempfile raises in whatever asks.

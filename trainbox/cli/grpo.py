@@ -12,15 +12,20 @@ torchrun starts), and reported as one `error: ...` line with exit code 2.
 
 from __future__ import annotations
 
+from trainbox.run import preemption
+
+if __name__ == "__main__":  # first, before torch's seconds of imports: a stop signal then is remembered, not a kill
+    preemption.claim_preempt_signals()
+
 import os
 import sys
 import time
 from dataclasses import dataclass
 
 from common import launch
-from trainbox.run import outputs, preemption, ranks, resume, runsummary
-from trainbox.training import (config, grpo_data, grpo_options, grpo_rollouts, grpo_trainer, moe, rewards, runner,
-                               speed, vllm_server)
+from trainbox.run import outputs, ranks, resume, runsummary
+from trainbox.training import (config, grpo_data, grpo_options, grpo_rollouts, grpo_trainer, modelfiles, moe, rewards,
+                               runner, speed, vllm_server)
 from common.errors import UsageError
 
 PROG = "trainbox grpo"
@@ -87,7 +92,12 @@ class Checked:
 def validate(script, args, model_args) -> Checked:
     """Every check that needs no model: model path, mode, rewards, rollouts, report_to, dataset and its columns."""
     config.check_model_path(model_args.model_name_or_path)
+    modelfiles.check_weights(model_args.model_name_or_path)
     mode = grpo_options.resolve_mode(script, model_args)
+    if mode != "full":
+        modelfiles.check_lora_targets(model_args.model_name_or_path, model_args.model_revision,
+                                      model_args.lora_target_modules)
+        model_args.lora_target_modules = modelfiles.peft_targets(model_args.lora_target_modules)
     refs = grpo_data.reward_refs(script)
     funcs = [rewards.load(r) for r in refs]
     if args.reward_weights is not None and len(args.reward_weights) != len(funcs):

@@ -11,6 +11,11 @@ The adapter goes to OUTPUT_DIR; with --merge, the base in bf16 + adapter merged 
 
 from __future__ import annotations
 
+from trainbox.run import preemption
+
+if __name__ == "__main__":  # first, before torch's seconds of imports: a stop signal then is remembered, not a kill
+    preemption.claim_preempt_signals()
+
 import os
 import sys
 import time
@@ -18,12 +23,10 @@ from dataclasses import dataclass, field
 
 from common import atomic, launch
 from common.errors import UsageError
-from trainbox.training import config as cfg
-from common import atomic, launch
 from trainbox import helpcache
-from trainbox.run import outputs, preemption, ranks, resume, runsummary
-from trainbox.training import runner, sftlib
-from common.errors import UsageError
+from trainbox.run import outputs, ranks, resume, runsummary
+from trainbox.training import config as cfg
+from trainbox.training import modelfiles, runner, sftlib
 
 
 @dataclass
@@ -83,6 +86,8 @@ def validate(data_args, model_args, training_args):
         raise UsageError("qlora trains LoRA adapters: --use_peft must stay true (use `sft` for full fine-tuning)")
     if model_args.dtype not in ("bfloat16", "float16", "float32"):
         raise UsageError(f"--dtype {model_args.dtype}: qlora needs bfloat16, float16 or float32 (the compute dtype)")
+    modelfiles.check_lora_targets(model_args.model_name_or_path, model_args.model_revision,
+                                  model_args.lora_target_modules)
 
 
 def choose_lora_dropout(model_args, facts) -> str | None:
@@ -97,10 +102,7 @@ def choose_lora_dropout(model_args, facts) -> str | None:
 def _peft_config(model_args):
     from trl import get_peft_config
 
-    targets = model_args.lora_target_modules
-    if isinstance(targets, list) and len(targets) == 1:
-        # peft recognises the `all-linear` shortcut only as a plain string.
-        model_args.lora_target_modules = targets[0]
+    model_args.lora_target_modules = modelfiles.peft_targets(model_args.lora_target_modules)
     return get_peft_config(model_args)
 
 

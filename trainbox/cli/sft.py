@@ -9,11 +9,16 @@ On GPUs with more than one process it shards with FSDP2; on CPU the Trainer runs
 
 from __future__ import annotations
 
+from trainbox.run import preemption
+
+if __name__ == "__main__":  # first, before torch's seconds of imports: a stop signal then is remembered, not a kill
+    preemption.claim_preempt_signals()
+
 import sys
 import time
 
 from common import launch
-from trainbox.run import outputs, preemption, ranks, resume, runsummary
+from trainbox.run import outputs, ranks, resume, runsummary
 from trainbox.training import moe, precision, runner, speed
 from trainbox.training import config as cfg
 # The SFT-style trainers' library (qlora uses it too); its names stay reachable here (sft.DataArguments).

@@ -54,10 +54,36 @@ CHECKPOINTS_ENV = "TRAINBOX_ARTIFACT_CHECKPOINTS"
 
 def copy_artifacts(src: str, dest_root: str, name: str) -> str:
     """Copy src to DEST_ROOT/<basename of src> through the one atomic writer (never half-written, swapped whole):
-    the final model or adapter, a merged model, the logs; `checkpoint-*` only with TRAINBOX_ARTIFACT_CHECKPOINTS=1."""
+    the final model or adapter, a merged model, the logs; `checkpoint-*` (and `abandoned-*`, an earlier run's
+    checkpoints that `--resume never` moved aside) only with TRAINBOX_ARTIFACT_CHECKPOINTS=1."""
     final = Path(dest_root) / (Path(src).name or name)
     if final.resolve() == Path(src).resolve():
         return str(final)
     atomic.clean_stale(final)  # what an earlier copy on this host left when it was killed
     keep = os.environ.get(CHECKPOINTS_ENV, "").lower() in ("1", "true", "yes")
-    return str(atomic.copy_tree(src, final, ignore=None if keep else shutil.ignore_patterns("checkpoint-*")))
+    return str(atomic.copy_tree(src, final, ignore=None if keep else shutil.ignore_patterns("checkpoint-*", "abandoned-*")))
+
+
+def follow_umask_in_safetensors() -> None:
+    """safetensors >= 0.8 writes every file through a Rust temporary (the tempfile crate: mode 0600) renamed into
+    place (safetensors issue 782), so each model, adapter, merged model and checkpoint it wrote was readable by its
+    writer only, while config.json beside it followed the umask: a colleague, a serving job under another uid got
+    "No such file or directory". safetensors.torch.save_file (what transformers, PEFT and accelerate call) looks up
+    serialize_file at each call: wrapped here so the file gets the mode `open()` would give it (atomic.existing_mode).
+    Idempotent; a safetensors without that function (older, mode right already) is left alone."""
+    try:
+        import safetensors.torch as st
+    except ImportError:  # pragma: no cover - the light stack
+        return
+    inner = getattr(st, "serialize_file", None)
+    if inner is None or getattr(inner, "trainbox_umask", False):
+        return
+
+    def serialize_file(tensors, filename, *args, **kwargs):
+        mode = atomic.existing_mode(filename)
+        result = inner(tensors, filename, *args, **kwargs)
+        os.chmod(filename, mode)
+        return result
+
+    serialize_file.trainbox_umask = True
+    st.serialize_file = serialize_file

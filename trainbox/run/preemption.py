@@ -15,9 +15,10 @@ import faulthandler
 import functools
 import os
 import signal
+import sys
 import time
 
-from trainbox.run import resume
+from trainbox.run import outputs, resume
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -37,8 +38,28 @@ def _handler(signum, frame):
 
 
 def claim_preempt_signals() -> None:
+    """Our handlers on SIGTERM/SIGUSR1, then both unblocked: a signal the dispatcher held back while it exec'ed this
+    trainer (hold_preempt_signals) arrives now, into the handler."""
     for sig in PREEMPT_SIGNALS:
         signal.signal(sig, _handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, PREEMPT_SIGNALS)
+
+
+def hold_preempt_signals() -> None:
+    """SIGTERM/SIGUSR1 blocked (pending, not lost) from here across exec: the dispatcher calls it before it execs a
+    trainer, whose first act is claim_preempt_signals. Without it the seconds the trainer spends importing torch
+    were a window where `docker stop` or `scancel` killed it (exit 143, nothing printed)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, PREEMPT_SIGNALS)
+
+
+def stop_before_training(name: str) -> int:
+    """A SIGTERM/SIGUSR1 came before training began: nothing to save yet; one line, the preempted exit code."""
+    global _preempted
+    _preempted = True
+    if outputs.is_main_process():
+        print(f"[trainbox] {name}: got a stop signal before training began: nothing to save yet (no checkpoint "
+              "written); rerun the same command to start", file=sys.stderr, flush=True)
+    return exit_code()
 
 
 def install_signal_handlers() -> None:

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 from common import atomic
@@ -157,13 +158,49 @@ def check_not_done(ckpt: str | None, out: str, args, name: str) -> None:
     raise Finished(0)
 
 
+ABANDONED = "abandoned-"  # OUTPUT_DIR/abandoned-<UTC time>/: what `--resume never` moved out of the way
+
+
+def abandon_earlier_run(out: str, name: str) -> str | None:
+    """`--resume never`: the checkpoints and run record of an earlier run in `out` moved into
+    out/abandoned-<UTC time>/ (one rename each, same folder: instant, nothing deleted), so this run starts over and
+    a later `--resume auto` resumes this run, never the one given up. Left beside the new run, the old
+    checkpoint-6 was what the next `--resume auto` took (it outnumbered the new run's). Main process only; returns
+    the folder, or None when there was nothing to move."""
+    if not is_main_process() or not os.path.isdir(out):
+        return None
+    names = sorted((n for n in os.listdir(out) if _CKPT.match(n) and os.path.isdir(os.path.join(out, n))),
+                   key=lambda n: int(n.split("-")[1]))
+    record = [RUN_FILE] if os.path.isfile(os.path.join(out, RUN_FILE)) else []
+    if not names and not record:
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    dest, n = os.path.join(out, ABANDONED + stamp), 1
+    while os.path.exists(dest):
+        n += 1
+        dest = os.path.join(out, f"{ABANDONED}{stamp}-{n}")
+    os.mkdir(dest)
+    for item in names + record:
+        os.rename(os.path.join(out, item), os.path.join(dest, item))
+    atomic.fsync_path(out)
+    what = (f"{len(names)} checkpoint{'s' if len(names) != 1 else ''} ({names[0]}" +
+            (f" .. {names[-1]})" if len(names) > 1 else ")") if names else "")
+    what += (" and " if what and record else "") + ("its run record" if record else "")
+    print(f"[trainbox] {name}: --resume never: the earlier run's {what} moved to {dest} (nothing deleted; remove "
+          "that folder to free the space); starting over", flush=True)
+    return dest
+
+
 def resolve_resume(resume: str, out: str, args=None, name: str | None = None) -> str | None:
     """The checkpoint to resume from (None: start fresh). With this run's `args` and entrypoint `name`: raises
-    Finished when there is nothing left to train, UsageError for another entrypoint's checkpoint."""
+    Finished when there is nothing left to train, UsageError for another entrypoint's checkpoint; `never` moves an
+    earlier run's checkpoints aside (abandon_earlier_run)."""
     global _run_name
     if name:
         _run_name = name
     if resume == "never":
+        if name:
+            abandon_earlier_run(out, name)
         return None
     if resume == "auto":
         found = resume_checkpoint(out)

@@ -343,6 +343,11 @@ RANGES: dict[str, tuple] = {
     **dict.fromkeys(("master_port", "vllm_server_port", "vllm_group_port"), PORT),
     "max_steps": (-1, INF, True, True),  # -1: train for num_train_epochs
 }
+# Values inside a range that mean nothing to train: name -> (value, what to pass instead). The Trainer reads
+# `--max_steps 0` as "no limit given" and its epoch arithmetic then ran one step ("steps 1/0").
+EMPTY_VALUES: dict[str, tuple] = {
+    "max_steps": (0, "a number of steps above 0, or -1 (the default) to train for --num_train_epochs"),
+}
 # Numeric options with no range of their own: set by a launcher (local_rank), or signed on purpose (a reward weight
 # may be a penalty).
 UNBOUNDED = frozenset({"local_rank", "reward_weights"})
@@ -381,6 +386,8 @@ def check_ranges(obj) -> None:
                 low, high, low_in, high_in = RANGES[f.name]
                 if x < low or x > high or (x == low and not low_in) or (x == high and not high_in):
                     raise UsageError(f"--{f.name} {x}: must be {_range_text(low, high, low_in, high_in)}")
+            if f.name in EMPTY_VALUES and x == EMPTY_VALUES[f.name][0]:
+                raise UsageError(f"--{f.name} {x} trains nothing; pass {EMPTY_VALUES[f.name][1]}")
 
 
 def _token_to_environment(obj) -> None:

@@ -12,6 +12,7 @@ All SFT conversions produce TRL's conversational prompt/completion (loss on the 
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,6 +32,14 @@ def _looks_local(spec: str) -> bool:
     )
 
 
+def _split_of(p: Path, split: str) -> bool:
+    return p.stem == split or p.stem.startswith((f"{split}-", f"{split}_"))
+
+
+# The names datasets' own loaders give a folder's files for its splits (data/test-00000-of-00001.parquet...).
+OTHER_SPLITS = ("test", "validation", "valid", "val", "dev", "eval")
+
+
 def _files_in(directory: Path, split: str) -> list[Path]:
     files = sorted(p for p in directory.rglob("*") if p.is_file() and p.suffix.lower() in LOCAL_SUFFIXES)
     if not files:
@@ -38,8 +47,45 @@ def _files_in(directory: Path, split: str) -> list[Path]:
             f"dataset directory {directory} has no .parquet/.jsonl/.json/.csv files; point to a file or a directory with some"
         )
     # `train.parquet`, `train-00000-of-00001.parquet`, `data/train-*.parquet`: the split's files if named so.
-    named = [p for p in files if p.stem == split or p.stem.startswith(f"{split}-") or p.stem.startswith(f"{split}_")]
-    return named or files
+    named = [p for p in files if _split_of(p, split)]
+    if named:
+        return named
+    others = sorted({s for s in OTHER_SPLITS for p in files if _split_of(p, s)})
+    if split != "train" or others:
+        # Training on every file (the test rows among them) for a split that is not there was the silent default.
+        have = f"files named for the split(s) {', '.join(others)}" if others else "no files named for a split"
+        raise UsageError(f"--dataset_split {split}: dataset directory {directory} has no {split}*.{{jsonl,parquet,...}} "
+                         f"file ({have}); name the split's files so, or pass the file itself as --dataset")
+    return files
+
+
+def _check_split(path: Path, split: str) -> None:
+    """One local file is one split, train: another split name would be trained on the whole file."""
+    if split != "train":
+        raise UsageError(f"--dataset_split {split}: the local file {path} has one split, train; pass the file that "
+                         f"holds the {split} rows as --dataset (or a folder with {split}.jsonl in it), or drop "
+                         "--dataset_split")
+
+
+def _bad_json_line(path: Path) -> str | None:
+    """`FILE:LINE: what is wrong` for the first line of a JSON Lines file that is not one JSON object; None if
+    every line is (then the loader's own complaint stands)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except ValueError as e:
+                    return f"{path}:{n}: not valid JSON ({getattr(e, 'msg', e)} at column {getattr(e, 'colno', '?')})"
+                if not isinstance(row, dict):
+                    return f"{path}:{n}: a row must be a JSON object ({{...}}), got {type(row).__name__}"
+    except UnicodeDecodeError as e:
+        return f"{path}: not UTF-8 text (byte {e.start})"
+    except OSError as e:
+        return f"{path}: can't be read ({e.strerror})"
+    return None
 
 
 def load_table(spec: str, *, split: str = "train"):
@@ -54,6 +100,8 @@ def load_table(spec: str, *, split: str = "train"):
         raise UsageError("no dataset given: pass --dataset PATH (a .parquet/.jsonl/.json/.csv file or directory) or a hub id")
     path = Path(os.path.expanduser(spec))
     if path.exists():
+        if path.is_file():
+            _check_split(path, split)
         files = [path] if path.is_file() else _files_in(path, split)
         kinds = {LOCAL_SUFFIXES.get(p.suffix.lower()) for p in files}
         if None in kinds:
@@ -65,7 +113,11 @@ def load_table(spec: str, *, split: str = "train"):
             raise UsageError(f"dataset file {empty[0]} is empty (no rows); put rows in it or point --dataset elsewhere")
         try:
             ds = datasets.load_dataset(kinds.pop(), data_files=[str(p) for p in files], split="train")
-        except Exception as e:  # a corrupt or malformed file: say which
+        except Exception as e:  # a corrupt or malformed file: say which (and for JSON Lines, which line)
+            lines = (_bad_json_line(p) for p in files if p.suffix.lower() == ".jsonl")
+            where = next((w for w in lines if w), None)
+            if where:
+                raise UsageError(f"dataset {where}; fix or drop that line") from None
             raise UsageError(f"cannot read dataset {path}: {type(e).__name__}: {e}".replace("\n", " ")) from None
         if len(ds) == 0:
             raise UsageError(f"dataset {path} has no rows; put rows in it or point --dataset elsewhere")
@@ -100,19 +152,48 @@ def convert(ds, conv, where: str):
     return ds.map(checked, with_indices=True, remove_columns=ds.column_names)
 
 
+# The roles chat templates know (gpt-oss's harmony adds developer); any other is a typo the template would drop or
+# render as text the model then learns.
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 def _chat(value: Any, field: str) -> list:
-    """A chat list of {role, content} messages with text roles, or BadRow naming the field."""
-    if not _is_chat(value):
+    """A chat list of {role, content} messages with known text roles, or BadRow naming the field and message."""
+    if not isinstance(value, list):
         raise BadRow(f"{field} must be a list of {{role, content}} messages, got {type(value).__name__}")
-    for m in value:
+    for i, m in enumerate(value, 1):
+        if not isinstance(m, Mapping):
+            raise BadRow(f"{field}: message {i} must be a {{role, content}} object, got {type(m).__name__}")
+        missing = [k for k in ("role", "content") if k not in m or m[k] is None]
+        if missing:
+            raise BadRow(f"{field}: message {i} has no {' and no '.join(missing)}")
         if not isinstance(m["role"], str) or not isinstance(m["content"], (str, list)):
-            raise BadRow(f"{field}: each message needs a text role and content, got role={str(m['role'])[:40]!r} "
+            raise BadRow(f"{field}: message {i} needs a text role and content, got role={str(m['role'])[:40]!r} "
                          f"content={type(m['content']).__name__}")
+        if m["role"] not in ROLES:
+            raise BadRow(f"{field}: message {i} has role {m['role'][:40]!r}; use one of {', '.join(ROLES)}")
     return list(value)
 
 
+def _conversation(value: Any, field: str) -> list:
+    """A chat list that teaches something: at least one assistant message, and the last one is the assistant's
+    (a lone system message, or a conversation ending with the user, trained on nothing or on the user's words)."""
+    msgs = _chat(value, field)
+    if not msgs:
+        raise BadRow(f"{field} is an empty list")
+    if not any(m["role"] == "assistant" for m in msgs):
+        raise BadRow(f"{field} has no assistant message ({len(msgs)} message(s): "
+                     f"{', '.join(m['role'] for m in msgs[:6])}); a conversation needs the assistant's reply to learn")
+    if msgs[-1]["role"] != "assistant":
+        raise BadRow(f"{field} ends with a {msgs[-1]['role']} message; end each conversation with the assistant's "
+                     "reply (drop the trailing turn)")
+    return msgs
+
+
 def _text(value: Any, field: str) -> str:
-    if value is None or isinstance(value, (Mapping, list)) and not _is_chat(value):
+    if isinstance(value, list) and value and all(isinstance(m, Mapping) for m in value):
+        return _chat(value, field)  # a chat list: each message checked, so a bad one is named
+    if value is None or isinstance(value, (Mapping, list)):
         raise BadRow(f"{field} is {'missing' if value is None else type(value).__name__}, expected text")
     return value
 
@@ -184,8 +265,12 @@ def _as_prompt(value: Any, system_prompt: str | None) -> list[dict]:
     return _user(value, system_prompt)
 
 
-def _as_completion(value: Any) -> list[dict]:
-    return list(value) if _is_chat(value) else [{"role": "assistant", "content": str(value)}]
+def _as_completion(value: Any, field: str = "completion") -> list[dict]:
+    if not _is_chat(value):
+        return [{"role": "assistant", "content": str(value)}]
+    if not any(m["role"] == "assistant" for m in value):
+        raise BadRow(f"{field} has no assistant message; the completion is what the model learns to say")
+    return list(value)
 
 
 def _dolly_prompt(row: dict) -> str:
@@ -213,9 +298,7 @@ def to_sft(
         require_columns(ds, [messages_key], where)
 
         def conv(row):
-            msgs = _chat(row[messages_key], f"column {messages_key}")
-            if not msgs:
-                raise BadRow(f"column {messages_key} is an empty list")
+            msgs = _conversation(row[messages_key], f"column {messages_key}")
             if system_prompt and msgs[0]["role"] != "system":
                 msgs = [{"role": "system", "content": system_prompt}] + msgs
             return {"messages": [{"role": m["role"], "content": m["content"]} for m in msgs]}
@@ -230,7 +313,7 @@ def to_sft(
         def conv(row):
             _text(row["instruction"], "instruction")
             return {"prompt": _user(_dolly_prompt(row), system_prompt),
-                    "completion": _as_completion(_text(row[resp], resp))}
+                    "completion": _as_completion(_text(row[resp], resp), resp)}
 
         return convert(ds, conv, where)
 
@@ -252,7 +335,7 @@ def to_sft(
             raise BadRow(f"key {e.args[0]} is missing") from None
         return {
             "prompt": _as_prompt(_text(prompt, prompt_key), system_prompt),
-            "completion": _as_completion(_text(response, response_key)),
+            "completion": _as_completion(_text(response, response_key), response_key),
         }
 
     return convert(ds, conv, where)

@@ -13,8 +13,8 @@ import os
 import sys
 from typing import Callable
 
-from common import commands, errors, launch
-from trainbox.run import crash, exitdeadline, preemption, ranks, runlog
+from common import commands, errors, launch, pipes
+from trainbox.run import crash, exitdeadline, outputs, preemption, ranks, runlog
 from trainbox.training import config
 from common.errors import UsageError
 
@@ -59,6 +59,8 @@ def run_trainer(name: str, argv: list[str], parse: Callable[[list[str]], Options
         with runlog.for_command(name, output_dir(options), plan, argv):
             if plan.mode == "torchrun":
                 check_before_launch(options, plan)
+                if preemption.preempt_requested():  # the ranks would start afresh, knowing nothing of it
+                    return preemption.stop_before_training(name)
                 if torchrun is not None:
                     return torchrun(plan, argv)
                 return launch.run_torchrun(plan, commands.qualified(name), argv)
@@ -68,6 +70,11 @@ def run_trainer(name: str, argv: list[str], parse: Callable[[list[str]], Options
                 launch.apply_env(plan, os.environ)
                 if reparse:
                     options = parse(argv)
+            if preemption.preempt_requested() and not ranks.distributed():
+                # One process, stopped while it imported and parsed: nothing to save. (A rank of several trains on
+                # to its first step end, where the ranks agree and save: one that left now would hang the others.)
+                return preemption.stop_before_training(name)
+            outputs.follow_umask_in_safetensors()
             with crash.ends_on_crash():
                 code = train(options)
             if ranks.distributed():
@@ -81,6 +88,10 @@ def run_trainer(name: str, argv: list[str], parse: Callable[[list[str]], Options
         return next(code for cls, code in failures.items() if isinstance(e, cls))
     except crash.Crashed as e:  # after the run log was closed and copied: leave now, whatever still runs
         return crash.exit_now(e.code)
+    except BrokenPipeError:  # `trainbox sft --help | head`: the reader left
+        if not pipes.stdout_closed():
+            raise
+        return pipes.reader_gone()
 
 
 def output_dir(options: Options) -> str | None:

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.errors import UsageError
 from trainbox.run import outputs, preemption, ranks, resume
-from trainbox.training import attention, data, hostgc, leanmlp, losshead, sftloss, speed, throughput
+from trainbox.training import attention, data, hostgc, leanmlp, losshead, modelfiles, sftloss, speed, throughput
 from trainbox.training import config as cfg
 
 
@@ -77,6 +78,7 @@ def validate(data_args, model_args, training_args):
         # TrainingArguments' own option means the same as our --resume PATH.
         data_args.resume = training_args.resume_from_checkpoint
     cfg.check_model_path(model_args.model_name_or_path)
+    modelfiles.check_weights(model_args.model_name_or_path)
     cfg.check_report_to(training_args.report_to)
     if not data_args.dataset:
         raise UsageError("no dataset given: pass --dataset PATH (.parquet/.jsonl/.json/.csv file or directory) or a hub id")
