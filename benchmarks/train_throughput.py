@@ -593,7 +593,7 @@ def grpo(a) -> None:
 def check(a) -> None:
     """Packed rows through the attention kernel this GPU gets == each example alone (bf16 tolerance)."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
     from trainbox.training import attention

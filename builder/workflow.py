@@ -170,10 +170,10 @@ def publish_rows(include: list[dict], matrix_path: str | Path = DEFAULT_MATRIX) 
 
 def _test_jobs() -> dict:
     """What gates every build. Hosted runners run the suite without Slurm (its daemons want root and munge; the
-    project's own CI, .ci/run -> `make test`, runs those): `make test-fast` (unit, rendered files, hadolint, actionlint,
-    this file's freshness, the network tests that re-check [facts] against the index: CI=true makes them fail, never
-    skip, when the index can't be reached) and the engine tests against the runner's own Docker (buildx), with a
-    registry and debootstrapped bases started by devenv."""
+    project's own CI, .ci/run -> `make test`, runs those): `make lint` (ruff), `make test-fast` (unit, rendered files,
+    hadolint, actionlint, this file's freshness, the network tests that re-check [facts] against the index: CI=true
+    makes them fail, never skip, when the index can't be reached) and the engine tests against the runner's own Docker
+    (buildx), with a registry and debootstrapped bases started by devenv."""
     return {
         "test": {
             "name": "tests (unit, rendered files, linters, index facts)",
@@ -184,6 +184,8 @@ def _test_jobs() -> dict:
                 {"uses": "actions/setup-python@v5", "with": {"python-version": PYTHON}},
                 {"name": "Generated workflows are what the matrix gives",
                  "run": "python -m pip install -e . && python -m builder.workflow --check\n"},
+                # its own step, so a lint failure is named in the job's log before the suite's minutes
+                {"name": "Python lint (ruff)", "run": "make lint\n"},
                 {"name": "The suite without the engine and Slurm", "run": "make test-fast\n"},
             ],
         },

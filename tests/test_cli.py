@@ -218,7 +218,7 @@ def test_dry_run_of_a_cu129_hopper_cell_needs_no_argument():
     assert p.returncode == 0, p.stderr
     out = p.stdout
     assert "missing required" not in out.lower() and "(required)" not in out
-    head = f"TORCH_INDEX_URL=https://download.pytorch.org/whl/cu129 VLLM_INDEX_URL=https://wheels.vllm.ai/0.31.0/cu129 "
+    head = "TORCH_INDEX_URL=https://download.pytorch.org/whl/cu129 VLLM_INDEX_URL=https://wheels.vllm.ai/0.31.0/cu129 "
     assert f"build args: {head}FLASH_INDEX_URL=https://download.pytorch.org/whl/cu126 VCS_REF=" in out
     for name in ("default", "torch", "vllm", "flash"):
         assert f"   index {name}: " in out

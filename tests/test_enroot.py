@@ -418,7 +418,7 @@ def _export_as_host(host: str, image: str, dest: Path, **kw) -> subprocess.Popen
     """An export running under another host name (its own UTS namespace), in this pid space: how a second node
     writing into the same shared folder looks from here, except that its pids are ours to see."""
     cmd = [PY, "-m", "builder.enroot", image, str(dest), "--compression", "xz", "--block-size", "4K", "--quiet"]
-    return subprocess.Popen(["unshare", "--uts", "sh", "-c", f'hostname "$0" && exec "$@"', host, *cmd], cwd=ROOT,
+    return subprocess.Popen(["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', host, *cmd], cwd=ROOT,
                             stderr=subprocess.PIPE, **kw)
 
 

@@ -107,7 +107,7 @@ def test_image_contract(tag):
         # A source build never takes setup.py's unhashed prebuilt download, and installs only the pinned version.
         assert "FLASH_ATTENTION_FORCE_BUILD=TRUE" in text
         a = cell.attention
-        assert f'--no-index --find-links /tmp/trainbox/flash' in text
+        assert '--no-index --find-links /tmp/trainbox/flash' in text
         assert f'"{a["package"]}=={a["version"]}"' in text
     else:
         assert "BUILD_IMAGE" not in text and "devel" not in text

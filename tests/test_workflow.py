@@ -90,6 +90,7 @@ def test_tests_gate_every_build_and_push():
     build = jobs["build"]
     assert {"test", "test-engine", "plan"} <= set(build["needs"])
     assert "make test-fast" in _runs(jobs["test"])                       # unit, rendered files, linters, facts
+    assert "make lint" in _runs(jobs["test"])                            # ruff: an undefined name fails in a second
     assert "python -m builder.workflow --check" in _runs(jobs["test"])    # the workflows themselves are fresh
     engine = _runs(jobs["test-engine"])
     assert 'pytest -ra -m "engine and not slurm" tests' in engine and "sudo -E make engine" in engine

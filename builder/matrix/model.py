@@ -114,7 +114,7 @@ class Cell:
     # A flavour cell ([flavour.NAME]): its flavour's name and the cell it is built FROM (base_image = that cell's
     # image); None for every plain cell.
     flavour: str | None = None
-    base: "Cell | None" = field(default=None, hash=False, compare=False, repr=False)
+    base: Cell | None = field(default=None, hash=False, compare=False, repr=False)
     files: tuple[tuple[str, str], ...] = ()   # (folder in the repository, path in the image)
     cmd: tuple[str, ...] = ()                 # the image's default CMD ('' = the base's)
     sdists: tuple[str, ...] = ()              # the only packages its lock may take as source archives (no wheel)

@@ -18,12 +18,10 @@ from dataclasses import dataclass, field
 
 from common import atomic, launch
 from common.errors import UsageError
-from trainbox.training import config as cfg
-from common import atomic, launch
 from trainbox import helpcache
 from trainbox.run import outputs, preemption, ranks, resume, runsummary
+from trainbox.training import config as cfg
 from trainbox.training import runner, sftlib
-from common.errors import UsageError
 
 
 @dataclass

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.errors import UsageError
 from trainbox.run import outputs, preemption, ranks, resume
 from trainbox.training import attention, data, hostgc, leanmlp, losshead, sftloss, speed, throughput
 from trainbox.training import config as cfg
