@@ -78,6 +78,31 @@ class Wheelhouse:
             p.unlink(missing_ok=True)
 
 
+def cpu_torch_wheel(cell) -> str | None:
+    """The wheel a CPU-torch cell's Dockerfile looks for in its wheelhouse (the template's check: torch V+cpu is on no
+    index the cell names), as a glob; None for other cells."""
+    if getattr(cell, "torch_variant", None) != "cpu" or "torch" not in (getattr(cell, "pins", None) or {}):
+        return None
+    return f"torch-{cell.pins['torch']}+cpu-*.whl"
+
+
+def check_cpu_torch(cells, wheelhouse: str | None, build_args, repo_wheelhouse: Path | None = None) -> None:
+    """Refuses, before any lock or build step, a CPU-torch cell whose torch wheel is in neither --wheelhouse DIR nor
+    the repository's wheelhouse/ while no TORCH_INDEX_URL build arg names an index: its Dockerfile would stop there
+    after the base stage's minutes, with the whole RUN step in the message."""
+    if "TORCH_INDEX_URL" in build_args:
+        return
+    folders = [Path(wheelhouse)] if wheelhouse else []
+    folders.append(repo_wheelhouse if repo_wheelhouse is not None else ROOT / WHEELHOUSE)
+    for cell in cells:
+        pattern = cpu_torch_wheel(cell)
+        if pattern and not any(f.is_dir() and any(f.glob(pattern)) for f in folders):
+            raise UserError(f"cell {cell.tag} needs the wheel {pattern}, which is on no default index, and no "
+                            "wheelhouse has it", fix="run `python -m devenv.buildinputs --wheelhouse .cache/wheels` "
+                            "and add --wheelhouse .cache/wheels, as `make build` does; or --build-arg "
+                            "TORCH_INDEX_URL=URL")
+
+
 # ---------------------------------------------------------------------------------------------- failure reporting
 _TLS = re.compile(r"CERTIFICATE_VERIFY_FAILED|certificate verify failed|invalid peer certificate|UnknownIssuer|"
                   r"self[- ]signed certificate", re.I)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from builder import enroot, lock, publish, report
 from builder.docker import check_engine, choose_builder, platform_arch
-from builder.engine import BuildResult, TagJournal, build_cell, build_context, refuse_emulated_compile
+from builder.engine import (BuildResult, TagJournal, build_cell, build_context, check_cpu_torch,
+                            refuse_emulated_compile)
 from builder.errors import UserError
 from builder.options import BuildOptions
 
@@ -26,6 +27,7 @@ def build_cells(cells, opts: BuildOptions) -> int:
                         fix="install Docker's buildx plugin (docker/setup-buildx-action in CI), or build without them")
     if not quiet:
         print(f"builder: {builder.kind} ({builder.cli})", flush=True)
+    check_cpu_torch(cells, opts.wheelhouse, opts.build_args)   # before the lock step and the base stage's minutes
     # The lock step: every missing or stale lock of the selection is resolved before the first build.
     lock.ensure([c for c in cells if hasattr(c, "venv")], root=opts.output_dir, overrides=dict(opts.index_overrides),
                 frozen=opts.frozen, quiet=quiet, bases=dict(opts.bases))

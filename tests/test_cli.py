@@ -310,3 +310,36 @@ def test_no_engine_names_make_engine(tmp_path):
     assert len(err) == 1 and err[0].startswith("error: no Docker engine answers at unix:///nonexistent/trainbox.sock")
     assert "`make engine`" in err[0]
     assert "DEPRECATED" not in p.stdout + p.stderr and "lock:" not in p.stdout
+
+
+@pytest.mark.parametrize("extra, reaches_lock", [
+    ([], False),
+    (["--wheelhouse", "{wh}"], True),
+    (["--build-arg", "TORCH_INDEX_URL=http://127.0.0.1:9/whl"], True),
+])
+def test_a_cpu_torch_build_without_its_wheel_is_one_short_line(tmp_path, monkeypatch, capsys, extra, reaches_lock):
+    """Issue 64 case 3: `build.py --cell smoke --base debian:bookworm=...` without --wheelhouse stopped in the deps
+    stage after the base stage's minutes, its message the whole RUN step (1,500 characters). Now one short line naming
+    --wheelhouse, before the lock step; with the wheel, or an index for it, the build goes on."""
+    from builder import engine, lock, pipeline
+    from builder.errors import UserError
+
+    wh = tmp_path / "wheels"
+    wh.mkdir()
+    (wh / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"")
+    monkeypatch.setattr(engine, "ROOT", tmp_path)          # the repository's wheelhouse/: empty here
+    monkeypatch.setattr(pipeline, "choose_builder", lambda kind: types.SimpleNamespace(kind="buildkit", cli="docker"))
+    monkeypatch.setattr(pipeline, "check_engine", lambda builder: None)
+
+    def lock_step(*a, **k):
+        raise UserError("reached the lock step")
+    monkeypatch.setattr(lock, "ensure", lock_step)
+    rc = cli.main(["--cell", "smoke", "--arch", "x86_64", "--base", "debian:bookworm=local/b:1",
+                   "--output-dir", str(tmp_path / "o"), *(a.format(wh=wh) for a in extra)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("error: "), err
+    if reaches_lock:
+        assert "reached the lock step" in err
+    else:
+        assert "cell smoke-x86_64 needs the wheel torch-2.13.0+cpu-*.whl" in err and "--wheelhouse" in err
+        assert len(err) < 300, len(err)
