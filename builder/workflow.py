@@ -444,14 +444,18 @@ def check(folder: Path = WORKFLOWS, matrix_path: str | Path = DEFAULT_MATRIX) ->
 
 @reports_user_errors
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["plan"]:
-        p = argparse.ArgumentParser(prog="python -m builder.workflow plan",
-                                    description="print the build and publish matrices as GitHub step outputs "
-                                                "(matrix=..., publish=..., any=...)")
-        p.add_argument("--matrix", default=str(DEFAULT_MATRIX))
-        p.add_argument("--changed", type=Path, help="file listing the changed paths, one a line (a pull request)")
-        a = p.parse_args(argv[1:])
+    p = argparse.ArgumentParser(prog="python -m builder.workflow", description=__doc__.splitlines()[0])
+    p.add_argument("--matrix", default=str(DEFAULT_MATRIX))
+    p.add_argument("--output-dir", default=str(WORKFLOWS), help="where build.yml, lock.yml and pins.yml go")
+    p.add_argument("--check", action="store_true", help="exit 1 with a diff if a file is stale")
+    sub = p.add_subparsers(dest="command", title="commands (without one: write the workflows)", metavar="COMMAND")
+    plan_help = "print the build and publish matrices as GitHub step outputs (matrix=..., publish=..., any=...)"
+    pp = sub.add_parser("plan", help=plan_help, description=plan_help)
+    # SUPPRESS: a --matrix given before `plan` is kept unless plan's own is given
+    pp.add_argument("--matrix", default=argparse.SUPPRESS)
+    pp.add_argument("--changed", type=Path, help="file listing the changed paths, one a line (a pull request)")
+    a = p.parse_args(sys.argv[1:] if argv is None else argv)
+    if a.command == "plan":
         if a.changed and not a.changed.is_file():
             raise UserError(f"no file {a.changed}", fix="pass the output of `git diff --name-only BASE HEAD`")
         include = plan(a.changed.read_text().splitlines() if a.changed else None, a.matrix)
@@ -462,11 +466,6 @@ def main(argv: list[str] | None = None) -> int:
         print("publish=" + json.dumps({"include": publish_rows(include, a.matrix)}, separators=(",", ":")))
         print("any=" + ("true" if include else "false"))
         return 0
-    p = argparse.ArgumentParser(prog="python -m builder.workflow", description=__doc__.splitlines()[0])
-    p.add_argument("--matrix", default=str(DEFAULT_MATRIX))
-    p.add_argument("--output-dir", default=str(WORKFLOWS), help="where build.yml, lock.yml and pins.yml go")
-    p.add_argument("--check", action="store_true", help="exit 1 with a diff if a file is stale")
-    a = p.parse_args(argv)
     if a.check:
         diff = check(Path(a.output_dir), a.matrix)
         if diff:
@@ -476,7 +475,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     write(Path(a.output_dir), a.matrix)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
