@@ -110,7 +110,8 @@ def test_bad_matrix_exit_2_one_line_nothing_written(tmp_path, name, mode):
 @pytest.mark.parametrize("args, needle", [
     (["--arch", "ppc64le", "--list"], "--arch 'ppc64le' is not in the matrix"),
     (["nope", "--list"], "no cell named 'nope'"),
-    (["--cuda", "12.8", "--list"], "the selection matches no cell"),
+    (["--cuda", "12.8", "--list"], "--cuda 12.8 matches no cell: excluded by rule "),
+    (["smoke", "--cuda", "13.0", "--list"], "the selection matches no cell"),   # no rule: the filters exclude it
     (["--base", "justone", "--dry-run"], "expected OLD=NEW"),
     (["--matrix", "/nonexistent/m.toml", "--list"], "cannot read the matrix"),
 ])
@@ -343,3 +344,16 @@ def test_a_cpu_torch_build_without_its_wheel_is_one_short_line(tmp_path, monkeyp
     else:
         assert "cell smoke-x86_64 needs the wheel torch-2.13.0+cpu-*.whl" in err and "--wheelhouse" in err
         assert len(err) < 300, len(err)
+
+
+@pytest.mark.parametrize("e", [e for e in M.exclusions if e.attention is None], ids=lambda e: e.describe())
+def test_an_excluded_combination_names_its_rule_and_explain(e, tmp_path, capsys):
+    """Issue 64 case 7: asking for a combination the rules exclude (an excluded CUDA 12.6/12.8 cell) said only "the
+    selection matches no cell". Every excluded arch/CUDA/GPU combination of the matrix, asked for by its filters: one
+    line naming the rule's id, this combination's reason and --explain; nothing written."""
+    args = [a for flag, v in (("--arch", e.arch), ("--cuda", e.cuda), ("--gpu", e.gpu)) if v for a in (flag, v)]
+    assert cli.main([*args, "--dry-run", "--output-dir", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "matches no cell" in err, err
+    assert f"rule {e.rule}: " in err and e.detail in err and "python build.py --explain" in err, err
+    assert not (tmp_path / "o").exists()

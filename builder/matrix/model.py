@@ -65,7 +65,8 @@ class Exclusion:
     gpu: str | None
     attention: str | None
     rule: str
-    reason: str
+    reason: str   # the rule's reason, then this combination's own detail in parentheses
+    detail: str = ""   # that detail alone ("no vLLM 0.31.0 build for torch variant cu126"): a short error names it
 
     def describe(self) -> str:
         parts = [f"arch={self.arch or '*'}", f"cuda={self.cuda or '*'}", f"gpu={self.gpu or '*'}"]
