@@ -569,7 +569,9 @@ def test_smoke_image_fits_enroot_and_pyxis(smoke_root):
     """Issue #5 item 3, checked on the exported rootfs: what enroot/pyxis need from the image."""
     env = _environment(smoke_root)
     assert env["PATH"].split(":")[0] == "/opt/venv/bin"
-    assert env["NVIDIA_VISIBLE_DEVICES"] == "all" and "compute" in env["NVIDIA_DRIVER_CAPABILITIES"].split(",")
+    # a CPU image: no NVIDIA_* (enroot's NVIDIA hook would fail on a host without NVIDIA's container library; GPU
+    # images set them: tests/test_render.py)
+    assert not [k for k in env if k.startswith("NVIDIA_")], env
     assert env["PYTORCH_VERSION"]  # pyxis/enroot's PyTorch hook keys on it
     assert env["PYTHONPATH"] == "/opt/trainbox"
     assert _exists_in(smoke_root, "/bin/sh")  # pyxis runs `sh` (/bin may be a symlink: merged /usr)
