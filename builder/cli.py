@@ -182,7 +182,8 @@ def plan_lines(cells: list[Cell], bases, paths: dict, root: Path = ROOT, overrid
         default = indexes.url(c, "default", overrides) or "the installer's default index"
         for name in ["default", *indexes.needed(c)]:
             lines.append(f"   index {name}: {indexes.redact(indexes.url(c, name, overrides)) or default}")
-        lines.append(f"   tags: {' '.join(engine.cell_refs(c, registry))}{' (pushed)' if registry else ''}")
+        local = f", and locally {' '.join(engine.cell_refs(c))}" if registry else ""
+        lines.append(f"   tags: {' '.join(engine.cell_refs(c, registry))}{' (pushed)' if registry else ''}{local}")
         st = lock.state(c, root)
         locks = " + ".join(str(p) for p, _ in lock.wanted(c))
         if st == "fresh":

@@ -454,7 +454,8 @@ def build_cell(cell, *, builder: Builder, context: Path = ROOT, registry: str | 
                no_cache: bool = False, quiet: bool = False, index_overrides: dict[str, str] | None = None,
                extra_args: dict[str, str] | None = None, native_builder: bool = False,
                buildx_builder: str | None = None, journal: TagJournal | None = None,
-               cache_from: tuple[str, ...] = (), cache_to: str | None = None) -> BuildResult:
+               cache_from: tuple[str, ...] = (), cache_to: str | None = None,
+               local_too: bool = False) -> BuildResult:
     bases = bases or {}
     dockerfile = Path(cell.dockerfile)
     if not dockerfile.is_absolute():
@@ -481,8 +482,11 @@ def build_cell(cell, *, builder: Builder, context: Path = ROOT, registry: str | 
         raise UserError(f"cell {cell.tag}: the built image says architecture {img.architecture}, expected {want} "
                         f"(is the base {build_args.get('BASE_IMAGE', base)} multi-arch?)")
     res.image_id, res.size, res.layers = image_id, int(img.size), len(img.root_fs.layers or [])
-    res.refs = cell_refs(cell, registry)
-    for ref in res.refs:  # only now: a failed build above never moved a tag
+    res.refs = cell_refs(cell, registry)   # what a push sends
+    # LOCAL_TOO (build.py's builds): with --registry the plain local name too, so `docker run trainbox:TAG` works after
+    # `make build` (it found no such image: issue 64 case 1); the journal puts it back when the run's push fails.
+    local = [r for r in cell_refs(cell) if r not in res.refs] if registry and local_too else []
+    for ref in [*res.refs, *local]:  # only now: a failed build above never moved a tag
         if journal is not None:
             journal.tag(image_id, ref)
         else:

@@ -43,7 +43,7 @@ def build_cells(cells, opts: BuildOptions) -> int:
                                  quiet=quiet, index_overrides=dict(opts.index_overrides),
                                  extra_args=dict(opts.build_args), native_builder=opts.native_builder,
                                  buildx_builder=opts.buildx_builder, journal=journal,
-                                 cache_from=opts.cache_from, cache_to=opts.cache_to)
+                                 cache_from=opts.cache_from, cache_to=opts.cache_to, local_too=True)
                 results.append(res)
                 if opts.sqsh:
                     enroot.export_image(res.refs[0], Path(opts.sqsh) / f"{cell.tag}.sqsh",

@@ -357,3 +357,31 @@ def test_an_excluded_combination_names_its_rule_and_explain(e, tmp_path, capsys)
     assert err.count("\n") == 1 and err.startswith("error: ") and "matches no cell" in err, err
     assert f"rule {e.rule}: " in err and e.detail in err and "python build.py --explain" in err, err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_registry_build_also_tags_the_local_name(monkeypatch, capsys):
+    """Issue 64 case 1: after `make build` (--push --registry REG/trainbox) `docker run trainbox:smoke-x86_64` found no
+    image: only REG/trainbox:TAG was tagged. build.py's builds now tag the plain local names too; only the registry's
+    refs are pushed. The engine is a stand-in recording tags."""
+    from builder import engine, lock, pipeline, publish
+
+    tagged, pushed = [], []
+    image = types.SimpleNamespace(id="sha256:built", architecture="amd64", size=1,
+                                  root_fs=types.SimpleNamespace(layers=["sha256:l"]))
+    client = types.SimpleNamespace(image=types.SimpleNamespace(
+        inspect=lambda ref: image, exists=lambda ref: False, tag=lambda iid, ref: tagged.append(ref),
+        remove=lambda ref, prune=False: None))
+    monkeypatch.setattr(pipeline, "choose_builder",
+                        lambda kind: types.SimpleNamespace(kind="buildkit", cli="docker", client=lambda: client))
+    monkeypatch.setattr(pipeline, "check_engine", lambda builder: None)
+    monkeypatch.setattr(lock, "ensure", lambda *a, **k: None)
+    monkeypatch.setattr(engine, "build_image", lambda **k: ("sha256:built", []))
+    monkeypatch.setattr(publish, "push_all", lambda cells, results, *a, **k: pushed.extend(results[0].refs))
+    monkeypatch.setattr(pipeline.report, "emit", lambda *a, **k: None)
+    repo = "127.0.0.1:5555/trainbox"
+    assert cli.main(["smoke-x86_64", "--push", "--registry", repo, "--quiet",
+                     "--build-arg", "TORCH_INDEX_URL=http://127.0.0.1:9/never-asked"]) == 0, capsys.readouterr().err
+    cell = M.select(["smoke-x86_64"])[0]
+    tags = [cell.tag, *cell.version_tags]
+    assert pushed == [f"{repo}:{t}" for t in tags]
+    assert sorted(tagged) == sorted([*pushed, *(f"trainbox:{t}" for t in tags)])
