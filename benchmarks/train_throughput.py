@@ -5,7 +5,8 @@
     python benchmarks/train_throughput.py sft --shape gemma2-1b --kinds mix # Gemma 2 (softcaps, window), 1.27 B
     python benchmarks/train_throughput.py sft --shape gpt-oss-2b --kinds mix # gpt-oss (sinks, window, MoE 8x top-2)
     python benchmarks/train_throughput.py sft --shape mixtral-2b --kinds mix # Mixtral (MoE 8x top-2, SwiGLU experts)
-    python benchmarks/train_throughput.py qlora [--steps 20]                # plain PEFT+bitsandbytes vs trainbox qlora (8B)
+    python benchmarks/train_throughput.py sft --shape llama-8b --batch 2 --max-length 1024 --runs 2  # 8B, one GPU
+    python benchmarks/train_throughput.py qlora [--steps 20] [--unsloth-site DIR]  # plain PEFT+bnb, Unsloth, trainbox (8B)
     python benchmarks/train_throughput.py grpo  [--steps 12] [--plain vllm|defaults]  # trl grpo vs trainbox grpo (1B)
     python benchmarks/train_throughput.py check                             # packed == alone with the GPU's kernel
     python benchmarks/train_throughput.py memory [--steps 6]                # 8B full sft on one GPU: peak memory
@@ -143,6 +144,8 @@ def flops_per_token(model: Path, lens: list[int]) -> float:
 
 MEASURE = '''
 import json, os, time
+if os.environ.get("BENCH_FIRST_IMPORT"):  # Unsloth patches transformers and TRL on import: it must come first
+    __import__(os.environ["BENCH_FIRST_IMPORT"])
 _out = os.environ.get("BENCH_MEASURE")
 if _out and os.environ.get("RANK", "0") != "0":  # several processes: one file per rank, joined by run()
     _out = f"{_out}.rank{os.environ['RANK']}"
@@ -165,9 +168,31 @@ if _out:
     class _Measure(TrainerCallback):
         def __init__(self, trainer):
             self.trainer, self.marks, self.losses, self.num_tokens, self.rewards = trainer, [], [], [], []
+            self.series, self.device_peak = {}, 0  # GRPO: completion lengths, sampler log-prob diagnostics
+        def on_train_begin(self, args, state, control, **kw):
+            # Wrapped here, on the instance, once every __init__ has run: a library that replaces training_step
+            # as its trainer is made (Unsloth) stays counted.
+            from collections.abc import Mapping
+            import torch
+            tr, inner = self.trainer, self.trainer.training_step
+            def training_step(model, inputs, *a, **k):
+                # Real tokens of this micro-batch, summed on the GPU (no host sync): the mask where there is
+                # padding, every position of a padding-free (flattened) batch.
+                if isinstance(inputs, Mapping):  # GRPO: raw prompts; its tokens come from the logged num_tokens
+                    n = (inputs["attention_mask"].sum() if "attention_mask" in inputs
+                         else torch.tensor(inputs["input_ids"].numel()))
+                    n = n.to(inputs["input_ids"].device, torch.int64)
+                    tr._bench_tokens = n if not hasattr(tr, "_bench_tokens") else tr._bench_tokens + n
+                return inner(model, inputs, *a, **k)
+            tr.training_step = training_step
         def on_step_end(self, args, state, control, **kw):
             import torch
-            ev = torch.cuda.Event(enable_timing=True); ev.record()
+            ev = None
+            if torch.cuda.is_available():  # CPU smoke runs: wall time only
+                ev = torch.cuda.Event(enable_timing=True); ev.record()
+                if os.environ.get("BENCH_DEVICE_MEM"):  # what the whole process holds (vLLM's pool included)
+                    free, total = torch.cuda.mem_get_info()
+                    self.device_peak = max(self.device_peak, total - free)
             tokens = getattr(self.trainer, "_bench_tokens", None)
             self.marks.append((state.global_step, ev, tokens.clone() if tokens is not None else torch.zeros(()),
                                time.perf_counter()))
@@ -178,45 +203,49 @@ if _out:
                 self.rewards.append((state.global_step, logs["reward"]))
             if logs and "num_tokens" in logs:  # GRPO: prompt + completion tokens so far (its batches are rollouts)
                 self.num_tokens.append((state.global_step, logs["num_tokens"]))
+            for k, v in (logs or {}).items():
+                if k.startswith(("completions/", "sampling/")) and isinstance(v, (int, float)):
+                    self.series.setdefault(k, []).append((state.global_step, v))
+            if os.environ.get("BENCH_EACH_STEP") and len(self.marks) >= 2:  # a run cut short keeps its steps so far
+                self.dump(args)
         def on_train_end(self, args, state, control, **kw):
+            self.dump(args, complete=True)
+        def dump(self, args, complete=False):
             import torch
-            torch.cuda.synchronize()
             m = self.marks
             skip = int(os.environ.get("BENCH_SKIP", "5"))
             a, b = m[min(skip, len(m) - 2)], m[-1]
-            secs = a[1].elapsed_time(b[1]) / 1000
+            if a[1] is not None:
+                torch.cuda.synchronize()
+                secs = a[1].elapsed_time(b[1]) / 1000
+            else:
+                secs = b[3] - a[3]
+            cuda = torch.cuda.is_available()
             tok = int((b[2] - a[2]).item())
             phases = {}
             for end, name, d in _phases:  # per step, over the same steady window as `seconds`
                 if a[3] < end <= b[3]:
                     phases[name] = phases.get(name, 0.0) + d / max(1, b[0] - a[0])
             json.dump({"steps": b[0] - a[0], "seconds": secs, "real_tokens": tok,
-                       "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-                       "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30, "losses": self.losses,
+                       "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+                       "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
+                       "peak_device_gib": self.device_peak / 2**30, "losses": self.losses,
                        "num_tokens": self.num_tokens, "rewards": self.rewards, "phases": phases,
+                       "series": self.series,
                        "gradient_checkpointing": bool(args.gradient_checkpointing),
                        "packing": bool(getattr(args, "packing", False)),
                        "padding_free": bool(getattr(args, "padding_free", False)),
                        "liger": bool(getattr(args, "use_liger_kernel", False) or getattr(args, "trainbox_liger", False)),
                        "attn": str(getattr(self.trainer.model.config, "_attn_implementation", "?")),
-                       "param_dtype": str(next(self.trainer.model.parameters()).dtype)}, open(_out, "w"))
+                       "param_dtype": str(next(self.trainer.model.parameters()).dtype), "complete": complete},
+                      open(_out + ".tmp", "w"))
+            os.replace(_out + ".tmp", _out)  # whole or not at all: a run killed mid-write keeps the last figures
 
-    _init, _step = transformers.Trainer.__init__, transformers.Trainer.training_step
+    _init = transformers.Trainer.__init__
     def __init__(self, *a, **k):
         _init(self, *a, **k)
         self.add_callback(_Measure(self))
-    def training_step(self, model, inputs, *a, **k):
-        # Real tokens of this micro-batch, summed on the GPU (no host sync): the mask where there is padding,
-        # every position of a padding-free (flattened) batch.
-        import torch
-        if not isinstance(inputs, dict):  # GRPO: raw prompts; its tokens come from the logged num_tokens
-            return _step(self, model, inputs, *a, **k)
-        n = inputs["attention_mask"].sum() if "attention_mask" in inputs else torch.tensor(inputs["input_ids"].numel())
-        n = n.to(inputs["input_ids"].device, torch.int64)
-        self._bench_tokens = n if not hasattr(self, "_bench_tokens") else self._bench_tokens + n
-        return _step(self, model, inputs, *a, **k)
     transformers.Trainer.__init__ = __init__
-    transformers.Trainer.training_step = training_step
 '''
 
 
@@ -241,21 +270,36 @@ def split_env(extra: list[str]) -> tuple[dict, list[str]]:
     return env, [t for t in extra if not ENV_ITEM.fullmatch(t)]
 
 
-def run(label: str, argv: list[str], work: Path, log: Path, extra_env: dict | None = None) -> dict:
+def run(label: str, argv: list[str], work: Path, log: Path, extra_env: dict | None = None,
+        timeout: float | None = None) -> dict:
+    """One measured run; `timeout` (seconds): past it the run and its children (a launcher's, which hold the GPU) are
+    killed and the run counts as failed, with the figures of the steps it finished where BENCH_EACH_STEP=1 wrote
+    them ("cut": True)."""
     env, out = measured_env(work, label)
     env.update(extra_env or {})
     t = time.time()
     with open(log, "a") as f:
         f.write(f"\n===== {label}: {' '.join(argv)}\n")
         f.flush()
-        r = subprocess.run(argv, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+        proc = subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            import psutil
+
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            proc.kill()
+            proc.wait()
+            code = f"killed after {timeout:.0f} s"
     if "--output_dir" in argv:  # only the figures are kept: four 8B runs' saved weights (32 GB each) fill a disk
         shutil.rmtree(argv[argv.index("--output_dir") + 1], ignore_errors=True)
-    if r.returncode != 0 or not out.is_file():
-        print(f"{label}: FAILED (exit {r.returncode}); see {log}", flush=True)
+    if code != 0 or not out.is_file():
+        print(f"{label}: FAILED (exit {code}); see {log}", flush=True)
         os.system(f"tail -n 30 {log}")
         # What was measured up to the end of training (a failed save comes after it) is still reported.
-        return {**(json.loads(out.read_text()) if out.is_file() else {}), "label": label, "failed": True}
+        return {**(json.loads(out.read_text()) if out.is_file() else {}), "label": label, "failed": True,
+                "cut": isinstance(code, str)}
     res = json.loads(out.read_text())
     ranks = [json.loads(p.read_text()) for p in sorted(out.parent.glob(out.name + ".rank*"))]
     if ranks:  # several processes: real tokens/s per GPU is the mean of the ranks' own rates; peak is the largest
@@ -275,8 +319,13 @@ def peak_tflops() -> float:
     return peak(torch.cuda.get_device_name()) or 989.4
 
 
+def usable(res: dict) -> bool:
+    """Figures to report: a finished run's, or those a run cut at its timeout wrote for the steps it finished."""
+    return "seconds" in res and res.get("steps", 0) > 0 and (not res.get("failed") or res.get("cut", False))
+
+
 def show(res: dict, fpt: float, peak: float) -> dict:
-    if res.get("failed"):
+    if not usable(res):
         return res
     res["tokens_per_s"] = res.get("per_gpu_tokens_per_s") or res["real_tokens"] / res["seconds"]  # per GPU
     res["mfu"] = fpt * res["tokens_per_s"] / (peak * 1e12)
@@ -284,7 +333,8 @@ def show(res: dict, fpt: float, peak: float) -> dict:
     print(f"  {res['label']:<28} {res['tokens_per_s']:>9,.0f} real tok/s  MFU {100 * res['mfu']:5.1f} %  "
           f"peak {res['peak_gib']:5.1f} GiB  attn={res['attn']} packing={res['packing']} "
           f"padding_free={res['padding_free']} ckpt={res['gradient_checkpointing']} liger={res['liger']} "
-          f"params={res['param_dtype']}", flush=True)
+          f"params={res['param_dtype']}" + (f" (cut at its timeout after {res['steps']} timed steps)"
+                                             if res.get("cut") else ""), flush=True)
     return res
 
 
@@ -305,7 +355,7 @@ def sft(a) -> None:
     shape = a.shape or ("llama-1b" if a.nproc == 1 else "llama-8b")
     model = make_model(work / shape, shape)
     peak = peak_tflops()
-    common = sft_common(model)
+    common = sft_common(model, a.max_length, a.batch)
     py = sys.executable
     launch_trl = ["--accelerate_config", "fsdp2", "--num_processes", str(a.nproc)] if a.nproc > 1 else []
     launch_ours = ["--nproc-per-node", str(a.nproc)] if a.nproc > 1 else []
@@ -320,7 +370,7 @@ def sft(a) -> None:
 
     results = {}
     for kind in a.kinds:
-        lens = lengths(kind, a.steps * 8 * 6 * a.nproc, 2048)
+        lens = lengths(kind, a.steps * a.batch * 6 * a.nproc, a.max_length)
         data = write_chat(work / f"data-{kind}", lens)
         fpt = flops_per_token(model, lens)
         print(f"# sft {shape} {kind}: {len(lens)} rows, median {sorted(lens)[len(lens) // 2]} tokens, "
@@ -414,31 +464,90 @@ Trainer(model=model, args=args, train_dataset=ds,
 
 
 def qlora(a) -> None:
+    """The 8B shape, QLoRA r16 on all linear layers, batch 4, max length 1024, same rows and steps on every side: a
+    plain PEFT + bitsandbytes script, `trainbox qlora` (its defaults) and Unsloth (benchmarks/unsloth_sides.py sft:
+    FastLanguageModel 4-bit + its LoRA, gradient checkpointing and SFT trainer, packing), each kind in an order the
+    next kind reverses; first `trainbox qlora` under TRAINBOX_GPU_FREE_GIB=11 (a 12 GB card: the memory plan must
+    choose what fits), which also warms the GPU and the page cache of the 16 GB model for the timed runs."""
     work = Path(a.work)
     log = work / "qlora.log"
-    model = make_model(work / "llama-8b", "llama-8b")
-    peak = peak_tflops()
-    lens = lengths("mix", a.steps * 4 * 4, 1024)
-    data = write_chat(work / "data-qlora", lens)
-    fpt = flops_per_token(model, lens)
+    rows, max_len = a.steps * 4 * 4, 1024
+    kinds = {kind: write_chat(work / f"data-qlora-{kind}", lengths(kind, rows, max_len)) for kind in a.kinds}
     script = work / "plain_qlora.py"
     script.write_text(PLAIN_QLORA)
-    print(f"# qlora: {len(lens)} rows capped at 1024, median {sorted(lens)[len(lens) // 2]} tokens", flush=True)
-    plain = [sys.executable, str(script), str(model), str(data / "train.jsonl"), str(work / "o-plain"), str(a.steps),
-             "1024"]
-    ours = [sys.executable, "-m", "trainbox", "qlora", "--model_name_or_path", str(model), "--dataset",
-            str(data / "train.jsonl"), "--output_dir", str(work / "o-ours"), "--max_steps", str(a.steps),
-            "--max_length", "1024", "--per_device_train_batch_size", "4", "--logging_steps", "1", "--save_strategy",
-            "no", "--report_to", "none", "--seed", "0", "--resume", "never", "--disable_tqdm", "true"]  # fmt: skip
+    model = work / "llama-8b"
+    py = sys.executable
+
+    def plain(data, out):
+        return [py, str(script), str(model), str(data / "train.jsonl"), str(out), str(a.steps), str(max_len)]
+
+    def ours(data, out):
+        return [py, "-m", "trainbox", "qlora", "--model_name_or_path", str(model), "--dataset",
+                str(data / "train.jsonl"), "--output_dir", str(out), "--max_steps", str(a.steps),
+                "--max_length", str(max_len), "--per_device_train_batch_size", "4", "--logging_steps", "1",
+                "--save_strategy", "no", "--report_to", "none", "--seed", "0", "--resume", "never",
+                "--disable_tqdm", "true"]  # fmt: skip
+
+    def unsloth(data, out):
+        return [py, str(ROOT / "benchmarks" / "unsloth_sides.py"), "sft", str(model), str(data / "train.jsonl"),
+                str(out), "--steps", str(a.steps), "--max-length", str(max_len), "--batch", "4", "--rank", "16",
+                "--packing", a.unsloth_packing]
+
+    # Unsloth needs TRL <= 1.15 and patches transformers on import: its own site (--unsloth-site) and the hook
+    # importing it first; the other sides keep the inherited PYTHONPATH (TRL 1.16, Liger).
+    site = [a.unsloth_site] if a.unsloth_site else [os.environ.get("PYTHONPATH", "")]
+    unsloth_env = {"BENCH_FIRST_IMPORT": "unsloth", "PYTHONPATH": os.pathsep.join([str(work / "_measure"), str(ROOT),
+                                                                                   *site])}
+    sides = {"plain": (plain, {}), "ours": (ours, {}), "unsloth": (unsloth, unsloth_env)}
+    first = next(iter(kinds))
+    plan = ([("12gb", first, "ours", {"TRAINBOX_GPU_FREE_GIB": "11"})] if a.small_gpu else [])
+    for i, kind in enumerate(kinds):
+        order = [w for w in ("plain", "unsloth", "ours") if w in a.sides]
+        plan += [(f"{kind}-{who}", kind, who, {}) for who in (order if i % 2 == 0 else order[::-1])]
+    if a.dry_run:
+        for label, kind, who, env in plan:
+            fn, side_env = sides[who]
+            print(f"{label}: {' '.join(f'{k}={v}' for k, v in {**side_env, **env}.items())} "
+                  f"{shlex.join(fn(kinds[kind], work / f'o-{label}'))}")
+        return
+    make_model(model, "llama-8b")
+    peak = peak_tflops()
+    fpt = {kind: flops_per_token(model, lengths(kind, rows, max_len)) for kind in kinds}
+    for kind in kinds:
+        lens = lengths(kind, rows, max_len)
+        print(f"# qlora 8B {kind}: {rows} rows capped at {max_len}, median {sorted(lens)[len(lens) // 2]} tokens; "
+              f"sides {', '.join(a.sides)}", flush=True)
     results = {}
-    for i, (who, argv) in enumerate([("plain", plain), ("ours", ours), ("ours", ours), ("plain", plain)][: a.runs]):
-        results[f"{who}-{i}"] = show(run(f"qlora-{who}-{i}", argv, work, log), fpt, peak)
-    o = [r for k, r in results.items() if k.startswith("ours") and "tokens_per_s" in r]
-    p = [r for k, r in results.items() if k.startswith("plain") and "tokens_per_s" in r]
-    if o and p:
-        ot, pt = sum(r["tokens_per_s"] for r in o) / len(o), sum(r["tokens_per_s"] for r in p) / len(p)
-        print(f"SUMMARY qlora 8B: ours {ot:,.0f} vs plain {pt:,.0f} real tok/s = {ot / pt:.2f}x; peak ours "
-              f"{max(r['peak_gib'] for r in o):.2f} GiB vs plain {max(r['peak_gib'] for r in p):.2f} GiB", flush=True)
+    for label, kind, who, env in plan:
+        fn, side_env = sides[who]
+        start = log.stat().st_size if log.is_file() else 0
+        timed = {"BENCH_EACH_STEP": "1"} if a.run_timeout else {}
+        results[label] = show(run(f"qlora-{label}", fn(kinds[kind], work / f"o-{label}"), work, log,
+                                  {**side_env, **env, **timed}, a.run_timeout), fpt[kind], peak)
+        if label == "12gb":
+            text = log.read_text(errors="replace")[start:]
+            planned = re.findall(r"^\[trainbox\] ((?:memory plan|gradient checkpointing|precision|packing).*)$", text,
+                                 re.M)
+            r = results[label]
+            print("SUMMARY qlora 8B in 12 GB (TRAINBOX_GPU_FREE_GIB=11): "
+                  + ("FAILED" if r.get("failed") else
+                     f"trained {r['steps']} timed steps, {r['tokens_per_s']:,.0f} real tok/s, peak allocated "
+                     f"{r['peak_gib']:.2f} GiB, reserved {r['peak_reserved_gib']:.2f} GiB "
+                     f"({'within' if r['peak_reserved_gib'] <= 11 else 'OVER'} 11 GiB)")
+                  + "".join(f"\n    {line}" for line in planned), flush=True)
+    print("QLORA kind     side       real tok/s  peak GiB  packing  ckpt", flush=True)
+    for kind in kinds:
+        for who in a.sides:
+            r = results.get(f"{kind}-{who}", {})
+            print(f"QLORA {kind:<8} {who:<9} " + (f"{r['tokens_per_s']:>11,.0f} {r['peak_gib']:>9.2f}  "
+                                                 f"{str(r['packing']):<7}  {r['gradient_checkpointing']}"
+                                                 if "tokens_per_s" in r else "     FAILED"), flush=True)
+        o, u = results.get(f"{kind}-ours", {}), results.get(f"{kind}-unsloth", {})
+        p = results.get(f"{kind}-plain", {})
+        if "tokens_per_s" in o:
+            vs = [f"{o['tokens_per_s'] / r['tokens_per_s']:.2f}x {name} at {o['peak_gib']:.2f} vs "
+                  f"{r['peak_gib']:.2f} GiB" for name, r in (("unsloth", u), ("plain", p)) if "tokens_per_s" in r]
+            print(f"SUMMARY qlora 8B {kind}: ours " + "; ".join(vs), flush=True)
     json.dump(results, open(work / "qlora-results.json", "w"), indent=1, default=str)
 
 
@@ -650,6 +759,8 @@ def main() -> None:
                     help="grpo: the plain run is TRL's GRPOTrainer with vLLM colocate (what TRL's docs show; the "
                          "default where vllm imports) or with its defaults (transformers generate)")
     ap.add_argument("--runs", type=int, default=4, help="how many of plain, ours, ours, plain")
+    ap.add_argument("--batch", type=int, default=8, help="sft: per-device micro-batch (rows), both sides")
+    ap.add_argument("--max-length", type=int, default=2048, help="sft: tokens per row (the longest), both sides")
     ap.add_argument("--reward", choices=["gsm8k", "low-words"], default="gsm8k",
                     help="grpo: the notebook's five gsm8k rewards (a random model scores ~0 on them) or low_words, "
                          "one a random model learns within tens of steps (to compare reward curves)")
@@ -660,6 +771,18 @@ def main() -> None:
                          "nosleep='--vllm_enable_sleep_mode false'; upper-case NAME=VALUE items set the run's "
                          "environment instead, e.g. keep='TRAINBOX_MLP_RECOMPUTE=0' (repeatable; not in the ours "
                          "average)")
+    ap.add_argument("--sides", nargs="+", default=["plain", "unsloth", "ours"], choices=["plain", "unsloth", "ours"],
+                    help="qlora: which sides run (each once per kind)")
+    ap.add_argument("--unsloth-site", default=os.environ.get("BENCH_UNSLOTH_SITE"),
+                    help="qlora: the folder Unsloth and its TRL <= 1.15 are installed in (pip --target), the "
+                         "Unsloth side's PYTHONPATH instead of the inherited one (default: $BENCH_UNSLOTH_SITE)")
+    ap.add_argument("--unsloth-packing", choices=["true", "false"], default="true",
+                    help="qlora: SFTConfig(packing=...) on the Unsloth side (default true: it packs)")
+    ap.add_argument("--no-12gb", dest="small_gpu", action="store_false",
+                    help="qlora: skip the first run, trainbox qlora under TRAINBOX_GPU_FREE_GIB=11")
+    ap.add_argument("--dry-run", action="store_true", help="qlora: write the data, print each run's command, stop")
+    ap.add_argument("--run-timeout", type=float, default=None,
+                    help="qlora: seconds a run may take; past it the run is killed and its steps so far reported")
     ap.add_argument("--no-loss-check", dest="loss_check", action="store_false")
     ap.add_argument("--no-warmup", dest="warmup", action="store_false",
                     help="sft, grpo: no warm-up process first (the first --skip steps of every run are not timed "

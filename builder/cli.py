@@ -69,7 +69,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--sqsh", nargs="?", const="out", metavar="DIR", help="also export .sqsh files (enroot)")
     b.add_argument("--sqsh-compression", choices=["lzo", "zstd", "zstd-max", "gzip", "lz4", "xz"],
                    help="mksquashfs compressor (default zstd: faster, smaller; lzo: enroot's own, for a cluster whose "
-                        "squashfs reader lacks zstd, README says how to check)")
+                        "squashfs reader lacks zstd; docs/journeys/slurm.md says how to check)")
     b.add_argument("--sqsh-block-size", metavar="SIZE", help="mksquashfs block size, e.g. 1M (default: mksquashfs's)")
     b.add_argument("--use-enroot", action="store_true", help="export with the real `enroot import`")
     return p

@@ -8,8 +8,8 @@ Our own path (no enroot needed, the usual build host) repeats enroot's `docker::
 
 Our default compression is zstd (level 3), not enroot's lzo: on the smoke image it is several times faster to write
 and under half the size (benchmarks/sqsh_export.py); every squashfs reader of the last years has it (kernel
-CONFIG_SQUASHFS_ZSTD since 4.14, squashfs-tools/unsquashfs since 4.4, squashfuse built with zstd; README says how to
-check a cluster). `--compression lzo` writes exactly what enroot writes.
+CONFIG_SQUASHFS_ZSTD since 4.14, squashfs-tools/unsquashfs since 4.4, squashfuse built with zstd;
+docs/journeys/slurm.md says how to check a cluster). `--compression lzo` writes exactly what enroot writes.
 
 Beside every X.sqsh go X.sqsh.sha256 (`sha256sum -c` format) and X.sqsh.cdx.json (the image's SBOM, builder.sbomgen):
 all three are staged under temporary names and renamed together, signals held, the .sqsh last, so a failed or
@@ -416,8 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("image", help="local image reference, e.g. trainbox:smoke-cpu")
     p.add_argument("dest", help="output file, ending in .sqsh")
     p.add_argument("--compression", default=DEFAULT_COMPRESSION, choices=list(COMPRESSION_OPTIONS),
-                   help="zstd (default): faster and smaller, needs a zstd-capable reader (README: how to check); "
-                        "lzo = enroot's own (-comp lzo -noD), for clusters without zstd")
+                   help="zstd (default): faster and smaller, needs a zstd-capable reader (docs/journeys/slurm.md: "
+                        "how to check); lzo = enroot's own (-comp lzo -noD), for clusters without zstd")
     p.add_argument("--block-size", default=None, help="mksquashfs block size, e.g. 1M (default 128K)")
     p.add_argument("--enroot", action="store_true", help="run the real `enroot import` (must be installed)")
     p.add_argument("--arch", default=None, help="fail unless the image is this architecture (amd64, arm64)")

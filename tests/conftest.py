@@ -55,7 +55,7 @@ def slurm2(slurm_cluster):
 
 # What the whole suite (engine tests included) took of the disk at its peak over its start, Debian packages already
 # installed: images, build cache, .sqsh files, rootfs trees, venvs, caches (a CI-like rehearsal, 2026-11-28: 20.1 GB).
-DISK_NEEDED_GB = 20  # README's "Set up" gives the same figure
+DISK_NEEDED_GB = 20  # docs/getting-started.md gives the same figure
 
 
 def pytest_report_header(config):

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+import docsfiles
+
 from trainbox.run import exitdeadline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,5 +140,5 @@ def test_a_non_main_rank_is_bounded_from_the_final_meeting_on(tmp_path):
 
 
 def test_the_readme_states_the_deadline_the_code_keeps():
-    text = " ".join((ROOT / "README.md").read_text().split())
+    text = " ".join(docsfiles.text().split())
     assert f"has not exited {exitdeadline.EXIT_GRACE_S:.0f} s later" in text

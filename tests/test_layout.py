@@ -16,8 +16,9 @@ PACKAGE = "builder"
 
 
 def user_entry_modules() -> set[str]:
-    """What a user runs: build.py, and each `python -m builder.X` that the README or the Makefile shows."""
-    text = (ROOT / "README.md").read_text() + (ROOT / "Makefile").read_text()
+    """What a user runs: build.py, and each `python -m builder.X` that the docs (README, docs/) or the Makefile show."""
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), ROOT / "Makefile"]
+    text = "".join(p.read_text() for p in docs)
     return {"build"} | {f"{PACKAGE}.{m}" for m in re.findall(rf"-m {PACKAGE}\.(\w+)", text)}
 
 

@@ -230,3 +230,61 @@ def test_plan_for_70b_on_2_nodes_of_8_and_8b_on_one_24gb_card(tmp_path):
     assert "does not fit" in one_card.stdout and "GPUs like these" in one_card.stdout
     assert "trainbox qlora" in one_card.stdout
     assert r.returncode == 2 and r.stderr.startswith("error: --gpu-memory 'banana'")
+
+
+# ------------------------------------------------------------ one GPU: smaller AdamW moments (issue 60)
+def one_gpu_8b(states=("bf16", "8bit"), **kw):
+    return job(F8, batch=2, max_length=1024, masters_ok=True, states_ok=states, **kw)
+
+
+@pytest.mark.parametrize("free,masters,states", [(139.2, True, "bf16"), (77.7, False, "8bit")], ids=["h200", "80gb"])
+def test_8b_on_one_gpu_keeps_bf16_weights_without_checkpointing(free, masters, states):
+    plan = memplan.decide(one_gpu_8b(), int(free * GIB))
+    s = plan.settings
+    assert (s.checkpointing, s.masters, s.states) == (False, masters, states)
+    assert plan.terms["total"] <= memplan.usable(int(free * GIB))
+    assert "float32 weights" not in plan.line()
+    assert ("8-bit AdamW states" if states == "8bit" else "bf16 AdamW states") in plan.line()
+
+
+def test_without_torchao_the_h200_still_keeps_masters_and_the_80gb_card_is_refused():
+    assert memplan.decide(one_gpu_8b(states=("bf16",)), int(139.2 * GIB)).settings.states == "bf16"
+    with pytest.raises(UsageError):
+        memplan.decide(one_gpu_8b(states=("bf16",)), int(77.7 * GIB))
+
+
+def test_exact_rungs_come_before_stochastic_rounding_and_smaller_states_only_when_allowed():
+    rungs = memplan.ladder(one_gpu_8b())
+    sr = [i for i, r in enumerate(rungs) if r.states == "8bit" and not r.masters]
+    exact = [i for i, r in enumerate(rungs) if r.masters and r.batch == rungs[sr[0]].batch]
+    assert sr and max(exact) < min(sr)  # masters kept (checkpointing too) before giving them up
+    plain = memplan.ladder(job(F8, batch=2, max_length=1024, masters_ok=True))
+    assert plain and {r.states for r in plain} == {"float32"}
+    sizes = {st: memplan.estimate(one_gpu_8b(), S(False, masters=True, states=st, batch=2))["total"]
+             for st in ("float32", "bf16", "8bit")}
+    assert sizes["float32"] > sizes["bf16"] > sizes["8bit"]  # each rung holds less than the one before
+
+
+def test_a_model_that_fits_exactly_is_planned_as_before():
+    assert memplan.decide(job(F1, masters_ok=True, states_ok=("bf16", "8bit")), int(78 * GIB)).settings == S(
+        False, masters=True, batch=8)
+
+
+def test_choose_precision_takes_transformers_torchao_optimizer_for_stochastic_rounding(monkeypatch):
+    monkeypatch.setattr(memplan, "lowbit_reason", lambda: None)
+    args = sft_args(per_device_train_batch_size=2, max_length=1024, bf16=True, optim_args=None)
+    model_args = SimpleNamespace(dtype=None, load_in_4bit=False)
+    config.set_explicit(model_args, set())
+    line, masters_off = speed.choose_memory(args, F8, 1, int(77.7 * GIB), masters_ok=True)
+    assert "stochastic rounding" in line and masters_off
+    prec = speed.choose_precision(args, model_args, True, 1, masters_off)
+    assert str(getattr(args.optim, "value", args.optim)) == "adamw_torch_8bit"
+    assert "bf16_stochastic_round=True" in args.optim_args and model_args.dtype == "bfloat16"
+    assert "stochastic rounding" in prec and not args.trainbox_master_weights
+
+
+def test_an_optimizer_you_set_is_never_swapped_for_smaller_states(monkeypatch):
+    args = sft_args(per_device_train_batch_size=2, max_length=1024, optim="adamw_torch_fused")
+    assert speed.job_for(args, F8, 1, masters_ok=True).states_ok == ()
+    args = sft_args(per_device_train_batch_size=2, max_length=1024)
+    assert "bf16" in speed.job_for(args, F8, 1, masters_ok=True).states_ok

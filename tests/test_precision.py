@@ -190,7 +190,7 @@ def test_a_group_the_kernel_left_runs_op_by_op_and_the_others_are_not_stepped_tw
     opt = MasterWeights([{"params": [a]}, {"params": [b]}], inner=torch.optim.AdamW, lr=1e-2, weight_decay=0.0)
     calls = []
 
-    def fake_step(inner, group, weights, grads, masters, scale):
+    def fake_step(inner, group, weights, grads, masters, scale, **kw):
         calls.append(masters[0])
         return len(calls) == 1  # the first group "updated" (left as it was), the second refused
 
@@ -203,3 +203,73 @@ def test_a_group_the_kernel_left_runs_op_by_op_and_the_others_are_not_stepped_tw
     assert torch.equal(opt.masters[0][0], torch.full((4,), 1.0))  # not stepped again by the inner optimizer
     assert opt.masters[0][0] not in opt.inner.state
     assert (opt.masters[1][0] < 2.0).all() and torch.equal(b, opt.masters[1][0].to(torch.bfloat16))
+
+
+# ------------------------------------------------------------ torchao's 8-bit AdamW as the inner optimizer (issue 60)
+def test_8bit_inner_steps_the_float32_masters_as_torchao_steps_float32_weights():
+    """The memory plan's masters + 8-bit rung: MasterWeights over bf16 weights with torchao's AdamW8bit inside gives
+    the masters torchao's own trajectory on float32 weights fed the same gradients (one weight at a time, each
+    stepped once), and the LR schedule reaches torchao's tensor learning rate."""
+    AdamW8bit = pytest.importorskip("torchao.optim").AdamW8bit
+    torch.manual_seed(0)
+    shapes = [(64, 64), (4096,)]  # >= 4096 elements: 8-bit states (smaller ones stay float32 in torchao)
+    refs = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    ours = [torch.nn.Parameter(r.detach().to(torch.bfloat16)) for r in refs]
+    opt_ref = AdamW8bit(refs, lr=1e-3, weight_decay=0.01)
+    opt = MasterWeights(ours, inner=AdamW8bit, lr=1e-3, weight_decay=0.01)
+    for m, r in zip(opt.masters[0], refs):
+        m.copy_(r.detach())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+    sched_ref = torch.optim.lr_scheduler.LambdaLR(opt_ref, lambda step: 1.0 / (1 + step))
+    for i in range(6):
+        gen = torch.Generator().manual_seed(i)
+        for r, p in zip(refs, ours):
+            g = torch.randn(r.shape, generator=gen).to(torch.bfloat16)
+            r.grad, p.grad = g.float(), g
+        opt_ref.step()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        sched_ref.step()
+    assert float(opt.inner.param_groups[0]["lr"]) == pytest.approx(1e-3 / 6)  # the last step's, filled in
+    assert type(opt.inner.state[opt.masters[0][0]]["exp_avg"]).__name__ == "OptimState8bit"
+    for m, r, p in zip(opt.masters[0], refs, ours):
+        torch.testing.assert_close(m, r.detach(), rtol=0, atol=1e-6)
+        torch.testing.assert_close(p.float(), r.detach().to(torch.bfloat16).float())
+
+
+# ------------------------------------------------------------ bf16 moments with stochastic rounding (issue 60)
+def test_stochastic_rounding_to_bf16_is_unbiased_and_lands_on_neighbours():
+    from trainbox.training import masterstep
+
+    x = torch.full((100_000,), 1.0 + 2**-10)  # 1/8 of the way from bf16's 1.0 to its next value, 1 + 2**-7
+    r = masterstep.round_bf16(x, torch.Generator().manual_seed(0)).float()
+    assert set(r.unique().tolist()) == {1.0, 1.0 + 2**-7}
+    assert abs(r.mean().item() - x[0].item()) < 2e-5  # round-to-nearest would give 1.0: a bias of 1e-3
+    neg = masterstep.round_bf16(-x, torch.Generator().manual_seed(0)).float()
+    torch.testing.assert_close(neg, -r)  # the magnitude rounds alike for either sign
+
+
+def test_bf16_moments_follow_float32_adamw_and_are_bf16():
+    torch.manual_seed(0)
+    ref = torch.nn.Parameter(torch.randn(4096))
+    ours = torch.nn.Parameter(ref.detach().to(torch.bfloat16))
+    opt_ref = torch.optim.AdamW([ref], lr=1e-3, weight_decay=0.01)
+    opt = MasterWeights([ours], inner=torch.optim.AdamW, moments=torch.bfloat16, lr=1e-3, weight_decay=0.01)
+    opt.masters[0][0].copy_(ref.detach())
+    start = ref.detach().clone()
+    for i in range(50):
+        g = torch.randn(4096, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+        ref.grad, ours.grad = g.float(), g
+        opt_ref.step()
+        opt.step()
+    state = opt.inner.state[opt.masters[0][0]]
+    assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
+    moved = (ref.detach() - start).norm()
+    assert (opt.masters[0][0] - ref.detach()).norm() < 0.01 * moved  # within 1 % of the distance travelled
+    saved = opt.state_dict()
+    again = MasterWeights([torch.nn.Parameter(ours.detach().clone())], inner=torch.optim.AdamW,
+                          moments=torch.bfloat16, lr=1e-3, weight_decay=0.01)
+    again.load_state_dict(saved)
+    assert again.steps == opt.steps == 50
+    assert again.inner.state[again.masters[0][0]]["exp_avg"].dtype == torch.bfloat16

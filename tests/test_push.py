@@ -64,6 +64,17 @@ def test_cli_push_prints_digests_that_the_registry_serves(pushed):
     assert "pushed MB" in pushed["stdout"]  # the table
 
 
+def test_the_pushed_images_run_by_their_registry_name(pushed):
+    """What getting-started.md tells a user after `make build`: with --registry the builds carry the registry's name
+    only (REG/REPO:TAG), so that is the name to `docker run`; the bare REPO:TAG was never made."""
+    ref = f"{pushed['repo']}:smoke-x86_64"
+    for args in (["--help"], ["doctor"]):
+        r = docker("run", "--rm", ref, *args, check=False)
+        assert r.returncode == 0 and r.stdout.strip(), r.stdout + r.stderr
+    bare = pushed["repo"].rsplit("/", 1)[1] + ":smoke-x86_64"
+    assert docker("image", "inspect", bare, check=False).returncode != 0
+
+
 def test_every_pushed_image_carries_its_sbom(pushed):
     """build.py --push attaches each image's SBOM (read from the image) as an OCI referrer of the pushed manifest."""
     from builder import referrers

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+import docsfiles
+
 from builder.errors import UserError
 from builder.slurm import JobSpec, render, write
 from common import launch
@@ -179,9 +181,8 @@ def test_the_host_ray_pin_is_the_gpu_stacks():
     assert f"ray=={gpu.pins['ray']}" in dev
 
 
-def test_the_readme_ray_job_command_writes_its_script(tmp_path):
-    readme = re.sub(r"\\\n\s*", "", (ROOT / "README.md").read_text())
-    cmd = next(ln.strip() for ln in readme.splitlines() if "--entrypoint ray" in ln and ln.startswith("python"))
+def test_the_docs_ray_job_command_writes_its_script(tmp_path):
+    cmd = next(c for c in docsfiles.commands() if "--entrypoint ray" in c and c.startswith("python"))
     assert cmd.endswith(" && sbatch ray.sh")
     r = subprocess.run(["bash", "-c", cmd.removesuffix(" && sbatch ray.sh")], cwd=tmp_path, capture_output=True,
                        text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(ROOT),

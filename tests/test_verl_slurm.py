@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+import docsfiles
+
 from builder.errors import UserError
 from builder.matrix import load_matrix
 from builder.slurm import JobSpec, render, write
@@ -112,9 +114,8 @@ def test_the_cli_writes_a_verl_job(tmp_path):
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "pyxis or bare" in r.stderr, r.stderr
 
 
-def test_the_readme_verl_job_command_writes_its_script(tmp_path):
-    readme = re.sub(r"\\\n\s*", "", (ROOT / "README.md").read_text())
-    cmd = next(ln.strip() for ln in readme.splitlines() if "--entrypoint verl-ppo" in ln and ln.startswith("python"))
+def test_the_docs_verl_job_command_writes_its_script(tmp_path):
+    cmd = next(c for c in docsfiles.commands() if "--entrypoint verl-ppo" in c and c.startswith("python"))
     assert cmd.endswith(" && sbatch ppo.sh")
     r = subprocess.run(["bash", "-c", cmd.removesuffix(" && sbatch ppo.sh")], cwd=tmp_path, capture_output=True,
                        text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(ROOT),

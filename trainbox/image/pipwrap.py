@@ -6,7 +6,8 @@ user requested (constraint) torch==2.13.0 ... To fix this you could try to ...")
 both streams piped and passed through line by line until that block starts; the block is held back and, when it names
 a constraint, replaced by one `error:` line (exit 2). Anything else pip prints, and every other pip command (run by
 exec: prompts and progress bars untouched), is pip's own. `python -m pip` (and a notebook's `%pip`, which runs it)
-does not come here: it keeps pip's own message, whose "(constraint)" line names the package (README: Extend an image).
+does not come here: it keeps pip's own message, whose "(constraint)" line names the package (docs/images.md: Extend an
+image).
 """
 from __future__ import annotations
 

@@ -76,6 +76,9 @@ class Job:
     shards: int = 1  # ranks FSDP2 shards over (1: one process per model copy)
     nodes: int = 1
     masters_ok: bool = False  # bf16 weights + float32 masters are possible (one process, a wrapped optimizer)
+    # AdamW's moments may be kept smaller than float32 (masters_ok, --optim not fixed): "bf16" (masterstep.py's
+    # stochastic rounding), "8bit" (torchao's AdamW8bit, where torchao is installed)
+    states_ok: tuple[str, ...] = ()
     extra: int = 0  # bytes beside the trained model (GRPO's reference model)
     tokens: int | None = None  # tokens of one micro-batch when not batch x max_length (GRPO)
     fixed: dict = field(default_factory=dict)  # settings the user chose: checkpointing, reshard, batch
@@ -87,6 +90,9 @@ class Job:
 class Settings:
     checkpointing: bool
     masters: bool = False
+    # AdamW's moments: "float32", "bf16" (with masters) or "8bit" (torchao; without masters: bf16 weights updated
+    # with stochastic rounding)
+    states: str = "float32"
     reshard: bool = True  # FSDP2: reshard after forward
     sync_each_batch: bool = False
     batch: int = 1
@@ -100,11 +106,39 @@ class Settings:
                 parts.append("gradients synchronised every micro-batch" if self.sync_each_batch
                              else "unsharded float32 gradient accumulation")
         elif job.masters_ok or self.masters:
-            parts.append("bf16 weights + float32 masters" if self.masters else "float32 weights")
+            parts.append(self.precision())
         if self.batch != job.batch:
             parts.append(f"micro-batch {self.batch} x {self.grad_accum} accumulation steps "
                          f"(was {job.batch} x {job.grad_accum}: the same tokens per step)")
         return ", ".join(parts)
+
+    def precision(self) -> str:
+        """The weights and optimizer states of one process per model copy, as the plan line names them."""
+        if self.states == "8bit":
+            return ("bf16 weights + float32 masters, 8-bit AdamW states (torchao)" if self.masters
+                    else "bf16 weights with stochastic rounding, 8-bit AdamW states (torchao)")
+        if self.states == "bf16":
+            return "bf16 weights + float32 masters, bf16 AdamW states (stochastic rounding)"
+        return "bf16 weights + float32 masters" if self.masters else "float32 weights"
+
+
+# AdamW's two moments, bytes a parameter: float32, bf16, torchao's 8-bit (a byte an element plus a float32 scale per
+# block of 256)
+STATE_BYTES = {"float32": 8, "bf16": 4, "8bit": 2 + 2 * 4 / 256}
+
+
+def lowbit_reason() -> str | None:
+    """None when torchao's low-bit AdamW can be built here (the rungs that use it are offered), else why not."""
+    import importlib.util
+
+    return None if importlib.util.find_spec("torchao") else "torchao is not installed"
+
+
+def _largest_param(f) -> int:
+    """The largest single weight (the embedding or the LM head, else a layer's biggest matrix, bounded by the
+    layer): what the per-parameter 8-bit step converts to float32 at a time."""
+    head = getattr(f, "vocab", 0) * f.hidden
+    return max(head, f.hidden * max(f.intermediate, f.hidden), 1)
 
 
 def _layer_params(f) -> int:
@@ -130,10 +164,16 @@ def estimate(job: Job, s: Settings) -> dict:
         loss += 2 * min(tokens, losshead.tile_tokens(f.vocab, 2)) * f.vocab
     extra = {"reference model": job.extra} if job.extra else {}
     if not job.fsdp:
-        t = {"weights+grads": 10 * n if s.masters else 8 * n, "optimizer": state_bytes * n,
-             # bf16 gradients kept between micro-batches beside the float32 sums (precision.py): measured +4N
-             "accumulation": 4 * n if s.masters and s.grad_accum > 1 else 0,
-             "activations": acts, "loss head": loss, **extra}
+        if s.states != "float32" and not s.masters:  # bf16 weights and gradients (summed in bf16), 8-bit states
+            t = {"weights+grads": 4 * n, "optimizer": int(STATE_BYTES[s.states] * n)}
+        else:
+            t = {"weights+grads": 10 * n if s.masters else 8 * n,
+                 "optimizer": int(STATE_BYTES[s.states] * n) if s.states != "float32" else state_bytes * n,
+                 # bf16 gradients kept between micro-batches beside the float32 sums (precision.py): measured +4N
+                 "accumulation": 4 * n if s.masters and s.grad_accum > 1 else 0}
+            if s.states == "8bit":  # the per-parameter 8-bit step: one float32 copy of a gradient at a time
+                t["step"] = 4 * _largest_param(f)
+        t.update({"activations": acts, "loss head": loss, **extra})
         t["total"] = sum(t.values())
         return t
     shard = 4 * n // k
@@ -173,7 +213,12 @@ def ladder(job: Job) -> list[Settings]:
     as asked before its splits (smaller ones do less work per kernel and more collectives), then no checkpointing
     before checkpointing (it recomputes every layer: a third of a step), keeping the gathered layers before
     resharding them (one more all-gather per layer in backward), unsharded accumulation before one reduce-scatter
-    per micro-batch, and bf16 weights with float32 masters before the float32 weights (TRL's path)."""
+    per micro-batch, and (one process per model copy) bf16 weights with float32 masters and AdamW's float32 moments
+    (18 bytes a parameter), then with bf16 moments written with stochastic rounding (14; still masterstep.py's one
+    pass), then with torchao's 8-bit moments (12, a slower step), before float32 weights (TRL's path, 16); the loss
+    measured alike on each (benchmarks/precision_rungs.py). Only when every exact rung fails, with
+    checkpointing too, bf16 weights with stochastic rounding and 8-bit states (6 bytes a parameter: an 8B model on an
+    80 GB card): a lossier update is taken after a slower step, not before."""
     fx = job.fixed
     ckpts = [fx["checkpointing"]] if "checkpointing" in fx else [False, True]
     out: list[Settings] = []
@@ -183,6 +228,9 @@ def ladder(job: Job) -> list[Settings]:
         while b > 1 and b % 2 == 0:
             b, g = b // 2, g * 2
             splits.append((b, g))
+    # (masters, states): float32 masters with AdamW's own states, with bf16 ones, with 8-bit ones; float32 weights
+    precisions = ([(True, "float32")] * job.masters_ok + [(True, st) for st in ("bf16", "8bit") if st in job.states_ok]
+                  + [(False, "float32")])
     for b, g in splits:
         for c in ckpts:
             if job.fsdp:
@@ -190,8 +238,9 @@ def ladder(job: Job) -> list[Settings]:
                     for sync in ([False, True] if g > 1 else [False]):
                         out.append(Settings(c, reshard=reshard, sync_each_batch=sync, batch=b, grad_accum=g))
             else:
-                for m in ([True, False] if job.masters_ok else [False]):
-                    out.append(Settings(c, masters=m, batch=b, grad_accum=g))
+                out += [Settings(c, masters=m, states=st, batch=b, grad_accum=g) for m, st in precisions]
+        if "8bit" in job.states_ok and not job.fsdp:  # every master rung failed: bf16 weights, stochastic rounding
+            out += [Settings(c, states="8bit", batch=b, grad_accum=g) for c in ckpts]
     return out
 
 

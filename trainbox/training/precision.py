@@ -19,7 +19,9 @@ Why not the alternatives:
   + AdamW (8) = 16-18.
 - The step: with torch's fused AdamW (the Trainer's default) on a GPU, one kernel reads each gradient, clips it,
   updates the master and both moments and writes the bf16 weight (masterstep.py). Any other optimizer runs as
-  itself on the float32 masters, and the rounded result is copied back.
+  itself on the float32 masters, and the rounded result is copied back. Where the memory plan takes torchao's 8-bit AdamW
+  states (memplan.py: 12 bytes a parameter instead of 18, an 8B model without checkpointing on one H200), that
+  optimizer steps the masters one weight at a time, each bf16 gradient made float32 just before its own update.
 FSDP2 does the same on its own (float32 shards, bf16 all-gathered compute: speed.tune_fsdp), so this is for one
 process per model copy.
 """
@@ -36,8 +38,12 @@ from trainbox.training import masterstep
 class MasterWeights(torch.optim.Optimizer):
     """Wraps `inner` (an optimizer class and its kwargs) around float32 copies of low-precision parameters."""
 
-    def __init__(self, params, inner: type[torch.optim.Optimizer] = torch.optim.AdamW, **kwargs):
+    def __init__(self, params, inner: type[torch.optim.Optimizer] = torch.optim.AdamW,
+                 moments: torch.dtype | None = None, **kwargs):
         super().__init__(params, dict(kwargs))
+        # bf16: AdamW's moments in bf16 with stochastic rounding (masterstep.py), torch's AdamW options otherwise
+        self.moments = moments
+        self.steps = 0  # seeds the stochastic rounding: a different stream each step
         self.masters: list[list[torch.Tensor]] = [
             [p.detach().float().clone() for p in g["params"]] for g in self.param_groups
         ]
@@ -99,10 +105,22 @@ class MasterWeights(torch.optim.Optimizer):
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         for group, igroup in zip(self.param_groups, self.inner.param_groups):
-            # The LR scheduler (and anything else) changes this wrapper's groups: pass the values on.
-            igroup.update({k: v for k, v in group.items() if k != "params"} | {"params": igroup["params"]})
+            # The LR scheduler (and anything else) changes this wrapper's groups: pass the values on. torchao keeps
+            # its learning rate as a tensor (its compiled step reads it): filled, not replaced.
+            for k, v in group.items():
+                if k == "params":
+                    continue
+                if isinstance(igroup.get(k), torch.Tensor) and not isinstance(v, torch.Tensor):
+                    igroup[k].fill_(v)
+                else:
+                    igroup[k] = v
         triples = self._grads()
         left = self._one_pass(triples) if masterstep.usable(self.inner) else triples
+        if left and self.moments is not None:  # torch's own AdamW has no bf16 moments: the kernel's update in ops
+            for igroup, mine in self._by_group(left):
+                masterstep.reference_step(self.inner, igroup, *map(list, zip(*mine)), self.scale, self.moments)
+            left = []
+        self.steps += 1
         if left:
             redo = {id(m) for _, _, m in left}
             self._op_by_op(left, skip=[t for t in triples if id(t[2]) not in redo])
@@ -116,19 +134,27 @@ class MasterWeights(torch.optim.Optimizer):
         """masterstep's kernel, group by group; returns the triples it did not update."""
         if not triples or not masterstep.tensors_ok(*map(list, zip(*triples))):
             return triples
-        by_master = {id(m): (p, g, m) for p, g, m in triples}
         left = []
-        for igroup in self.inner.param_groups:
-            mine = [by_master[id(m)] for m in igroup["params"] if id(m) in by_master]
-            if left or (mine and not masterstep.step(self.inner, igroup, *map(list, zip(*mine)), scale=self.scale)):
+        for i, (igroup, mine) in enumerate(self._by_group(triples)):
+            if left or (mine and not masterstep.step(self.inner, igroup, *map(list, zip(*mine)), scale=self.scale,
+                                                     moments=self.moments, seed=self.steps * 1_000_003 + 7 * i)):
                 left += mine
         return left
+
+    def _by_group(self, triples):
+        """(inner param group, its triples) for each group, in the groups' order."""
+        by_master = {id(m): (p, g, m) for p, g, m in triples}
+        for igroup in self.inner.param_groups:
+            yield igroup, [by_master[id(m)] for m in igroup["params"] if id(m) in by_master]
 
     def _op_by_op(self, triples, skip) -> None:
         """The inner optimizer on the float32 masters of `triples`, the rounded result copied into the weights;
         `skip`: already updated (their float32 sums, if any, are dropped so that the inner step passes them by)."""
         for _, _, m in skip:
             m.grad = None
+        if type(self.inner).__module__.startswith("torchao."):
+            self._one_at_a_time(triples)
+            return
         for _, g, m in triples:
             if m.grad is None:
                 m.grad = g.to(torch.float32, copy=True)
@@ -136,6 +162,21 @@ class MasterWeights(torch.optim.Optimizer):
             torch._foreach_mul_([m.grad for _, _, m in triples], self.scale)
         self.inner.step()
         torch._foreach_copy_([p for p, _, _ in triples], [m for _, _, m in triples])
+
+    def _one_at_a_time(self, triples) -> None:
+        """A per-parameter optimizer (torchao's 8-bit AdamW: its step is one compiled call a weight anyway) given one
+        float32 gradient at a time, so that the float32 copies of bf16 gradients never all exist at once (the
+        memory plan counts one, the largest: memplan's "step" term)."""
+        grads = [(p, m, m.grad if m.grad is not None else g) for p, g, m in triples]
+        for _, _, m in triples:
+            m.grad = None
+        for p, m, g in grads:
+            m.grad = g.to(torch.float32)
+            if self.scale is not None:
+                m.grad.mul_(self.scale)
+            self.inner.step()  # (it passes by the masters whose .grad is None)
+            m.grad = None
+            p.copy_(m)
 
     def zero_grad(self, set_to_none: bool = True):
         super().zero_grad(set_to_none)
@@ -147,10 +188,19 @@ class MasterWeights(torch.optim.Optimizer):
     def state_dict(self):
         # The masters as they are (torch's optimizers don't copy their state either): saved before the next step.
         return {"inner": self.inner.state_dict(), "masters": self.masters,
-                "groups": super().state_dict()["param_groups"]}
+                "groups": super().state_dict()["param_groups"], "steps": self.steps}
 
     def load_state_dict(self, state):
-        self.inner.load_state_dict(state["inner"])
+        if self.moments is None:
+            self.inner.load_state_dict(state["inner"])
+        else:  # torch's loader would make the bf16 moments float32 (its params' dtype): all at once, twice the memory
+            saved = state["inner"]
+            self.inner.load_state_dict({**saved, "state": {}})
+            ids = [i for g in saved["param_groups"] for i in g["params"]]
+            for i, p in zip(ids, [p for g in self.inner.param_groups for p in g["params"]]):
+                if i in saved["state"]:
+                    self.inner.state[p] = {k: v.to(p.device) for k, v in saved["state"][i].items()}
+        self.steps = state.get("steps", 0)
         for ms, saved, group in zip(self.masters, state["masters"], self.param_groups):
             for m, s, p in zip(ms, saved, group["params"]):
                 m.copy_(s.to(m.device))
@@ -173,6 +223,14 @@ def attach(trainer) -> None:
 
 
 def optimizer_for(trainer_cls, args, model) -> tuple[type, dict]:
-    """(MasterWeights, kwargs) wrapping the optimizer the Trainer would build from `args` (e.g. fused AdamW)."""
+    """(MasterWeights, kwargs) wrapping the optimizer the Trainer would build from `args` (e.g. fused AdamW), or
+    torchao's 8-bit AdamW with the same hyper-parameters where the memory plan chose its states
+    (args.trainbox_states "8bit"), or AdamW with bf16 moments ("bf16": masterstep.py's kernel)."""
+    states = getattr(args, "trainbox_states", "float32")
+    if states == "8bit":
+        from torchao.optim import AdamW8bit
+
+        return MasterWeights, {"inner": AdamW8bit, "lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2),
+                               "eps": args.adam_epsilon, "weight_decay": args.weight_decay}
     inner, kwargs = trainer_cls.get_optimizer_cls_and_kwargs(args, model)
-    return MasterWeights, {"inner": inner, **kwargs}
+    return MasterWeights, {"inner": inner, **kwargs, **({"moments": torch.bfloat16} if states == "bf16" else {})}

@@ -120,10 +120,15 @@ def job_for(args, f: ModelFacts, shards: int, *, tokens: int | None = None, mast
         fixed["reshard"] = True  # across nodes memory wins (reshards_after_forward)
     if tokens is not None:
         fixed["batch"] = True  # GRPO's micro-batch is its generation batch: not ours to split
+    # smaller AdamW moments only where master weights could be kept and you left --optim (torchao's 8-bit ones where
+    # torchao is installed)
+    states_ok = (("bf16",) + (("8bit",) if memplan.lowbit_reason() is None else ())
+                 if masters_ok and "optim" not in explicit else ())
     return memplan.Job(f, batch=int(args.per_device_train_batch_size),
                        max_length=int(getattr(args, "max_length", None) or 1024),
                        grad_accum=int(getattr(args, "gradient_accumulation_steps", 1) or 1), optim=_optim_name(args),
-                       shards=shards, nodes=ranks.nodes(), masters_ok=masters_ok, extra=extra, tokens=tokens,
+                       shards=shards, nodes=ranks.nodes(), masters_ok=masters_ok, states_ok=states_ok,
+                       extra=extra, tokens=tokens,
                        fixed=fixed, fsdp=shards > 1, liger=bool(getattr(args, "trainbox_liger", False)
                                                    or getattr(args, "use_liger_kernel", False)))
 
@@ -156,6 +161,7 @@ def choose_memory(args, f: ModelFacts, shards: int, free: int | None, *, tokens:
     plan, line = agreed
     s = plan.settings
     args.gradient_checkpointing = s.checkpointing
+    args.trainbox_states = s.states  # AdamW's moments: choose_precision and precision.optimizer_for read it
     args.trainbox_reshard = s.reshard
     if s.batch != args.per_device_train_batch_size:
         args.per_device_train_batch_size, args.gradient_accumulation_steps = s.batch, s.grad_accum
@@ -164,7 +170,7 @@ def choose_memory(args, f: ModelFacts, shards: int, free: int | None, *, tokens:
         acc.gradient_accumulation_kwargs = dict(acc.gradient_accumulation_kwargs or {}, sync_each_batch=True)
     masters_off = None
     if masters_ok and not s.masters:
-        with_masters = memplan.estimate(job, replace(s, masters=True))["total"]
+        with_masters = memplan.estimate(job, replace(s, masters=True, states="float32"))["total"]
         masters_off = (f"master weights would need {with_masters / GiB:.1f} GiB, over the "
                        f"{memplan.usable(plan.free) / GiB:.1f} GiB usable")
     return line, masters_off
@@ -328,11 +334,27 @@ def choose_precision(args, model_args, on_gpu: bool, shards: int, masters_off: s
     line = _float32_reason(args, model_args, on_gpu, shards)
     if line:
         return line
+    states = getattr(args, "trainbox_states", "float32")
+    if masters_off and states == "8bit":
+        # transformers' own torchao optimizer: bf16 weights updated with stochastic rounding, 8-bit moments
+        from transformers.training_args import OptimizerNames
+
+        model_args.dtype = "bfloat16"
+        args.optim = OptimizerNames.ADAMW_TORCH_8BIT
+        args.optim_args = ",".join(filter(None, [args.optim_args, "bf16_stochastic_round=True"]))
+        return (f"precision: bf16 weights updated with stochastic rounding, torchao's 8-bit AdamW states "
+                f"(adamw_torch_8bit; {masters_off}); no autocast casts")
     if masters_off:
         return f"precision: float32 weights under bf16 autocast (TRL's; {masters_off})"
     model_args.dtype = "bfloat16"
     args.trainbox_master_weights = True
-    step = "; the step in one kernel, masterstep.py" if _optim_name(args) == "adamw_torch_fused" else ""
+    if states == "8bit":
+        step = ", with torchao's 8-bit AdamW states (the memory plan's choice), stepped one weight at a time"
+    elif states == "bf16":
+        step = (", its moments in bf16 with stochastic rounding (the memory plan's choice); the step in one kernel, "
+                "masterstep.py")
+    else:
+        step = "; the step in one kernel, masterstep.py" if _optim_name(args) == "adamw_torch_fused" else ""
     return (f"precision: bf16 weights, float32 master weights in the optimizer ({_optim_name(args)}{step}); "
             "no autocast casts")
 
