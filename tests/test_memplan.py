@@ -44,6 +44,14 @@ MEASURED = [
     # 2 x H200 (137.9 GiB free): the plan left checkpointing off; estimate 117.1 GiB, largest rank 123.8 GiB.
     ("8B, 2 GPUs, GA 1, no ckpt (H200)", F8, dict(shards=2, fsdp=True), S(False, reshard=True, batch=8), 123.8),
 ]
+# One H200, 2026-12-02 (benchmarks/results/sft8b_one_gpu-2026-12-02.txt): the 8B shape, batch 2 x 1024, no
+# checkpointing, the one-GPU rungs with smaller AdamW moments. The estimate counts activations and the gradients as
+# if both lived at once; at the end of backward the activations are gone: these land 7-12 % over, never under.
+MEASURED_ONE_GPU = [
+    ("8B, masters + bf16 moments", S(False, masters=True, states="bf16", batch=2), 89.9),
+    ("8B, masters + 8-bit moments", S(False, masters=True, states="8bit", batch=2), 81.0),
+    ("8B, bf16 stochastic rounding + 8-bit moments", S(False, states="8bit", batch=2), 49.1),
+]
 
 
 def job(f=F8, **kw):
@@ -55,6 +63,13 @@ def job(f=F8, **kw):
 def test_estimate_is_within_10_percent_of_the_measured_peak(name, f, kw, settings, peak):
     est = memplan.estimate(job(f, **kw), settings)["total"] / GIB
     assert abs(est - peak) / peak < 0.10, f"{name}: estimate {est:.1f} GiB vs measured {peak} GiB"
+
+
+@pytest.mark.parametrize("name,settings,peak", MEASURED_ONE_GPU, ids=[m[0] for m in MEASURED_ONE_GPU])
+def test_one_gpu_rungs_estimate_on_the_safe_side_of_the_measured_peak(name, settings, peak):
+    est = memplan.estimate(job(F8, batch=2, max_length=1024, masters_ok=True, states_ok=("bf16", "8bit")),
+                           settings)["total"] / GIB
+    assert peak <= est < 1.13 * peak, f"{name}: estimate {est:.1f} GiB vs measured {peak} GiB"
 
 
 def test_8b_on_2_gpus_takes_what_trl_runs_and_what_was_measured():

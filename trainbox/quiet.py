@@ -5,10 +5,10 @@
 - liger-kernel 0.8.x: "Backend impl '...' for op '...' could not be imported" per alternative backend (other vendors'
   accelerators) whose dependencies are absent; liger still reports a missing implementation on its own when none is
   left for an op.
-- torchao 0.18 at import: "Failed to load .../_C_*.so" for its compiled kernels built for another Python or CUDA
-  (mxfp8, CUTLASS sm90a); trainbox uses only its 8-bit AdamW (Python and Triton), which needs none of them. And
-  torch's "<enum ...> is an Enum subclass and is now natively supported by torch.compile" for each enum torchao
-  registers the old way. Both printed four lines before a trainer's one `error:` line (issue 64's bad-input cases).
+- torchao 0.18 (the memory plan's 8-bit AdamW; transformers imports it at every model build once installed): "Failed
+  to load .../_C_*.so" / "Skipping import of cpp extensions" for its compiled quantization kernels that don't match
+  this torch or machine (the optimizers are torch code and never use them), and torch 2.11+'s "<enum ...> is an Enum
+  subclass and is now natively supported by torch.compile" for the enums torchao still registers as pytree constants.
 `install()` is idempotent; TRAINBOX_VERBOSE=1 keeps everything.
 """
 
@@ -20,8 +20,8 @@ import os
 DROP = {
     "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward from kernels-community",),
     "liger_kernel.backends.registry": ("Backend impl ",),
-    "torchao": ("Failed to load ",),
-    "torch.utils._pytree": ("%s is an Enum subclass and is now natively supported by torch.compile",),
+    "torchao": ("Failed to load ", "Skipping import of cpp extensions"),
+    "torch.utils._pytree": ("%s is an Enum subclass and is now natively supported",),
 }
 _installed = False
 

@@ -167,7 +167,11 @@ def estimate(job: Job, s: Settings) -> dict:
         if s.states != "float32" and not s.masters:  # bf16 weights and gradients (summed in bf16), 8-bit states
             t = {"weights+grads": 4 * n, "optimizer": int(STATE_BYTES[s.states] * n)}
         else:
-            t = {"weights+grads": 10 * n if s.masters else 8 * n,
+            # masters: bf16 weights 2 + float32 masters 4 + the gradients: bf16 as autograd made them (2) where one
+            # micro-batch makes the step and the update reads them where they are (masterstep's kernel, or one weight
+            # at a time), float32 (4) where they are summed or copied whole (the op-by-op path)
+            in_place = s.grad_accum == 1 and (s.states != "float32" or job.optim == "adamw_torch_fused")
+            t = {"weights+grads": (8 if in_place else 10) * n if s.masters else 8 * n,
                  "optimizer": int(STATE_BYTES[s.states] * n) if s.states != "float32" else state_bytes * n,
                  # bf16 gradients kept between micro-batches beside the float32 sums (precision.py): measured +4N
                  "accumulation": 4 * n if s.masters and s.grad_accum > 1 else 0}
