@@ -7,7 +7,7 @@ PY ?= .venv/bin/python
 PIP ?= .venv/bin/pip
 REGISTRY ?= 127.0.0.1:$(or $(TRAINBOX_REGISTRY_PORT),5555)/trainbox
 
-.PHONY: help build setup system-deps test test-fast test-gpu-image engine engine-stop render lock bases workflow pins \
+.PHONY: help build setup system-deps lint test test-fast test-gpu-image engine engine-stop render lock bases workflow pins \
 	slurm slurm-stop bench
 
 help: ## list the targets
@@ -27,8 +27,12 @@ build: system-deps setup engine bases ## install what is missing, then build + p
 # others on the other, while the session images build in the background (tests/conftest.py, tests/enginefix.py).
 TEST_WORKERS ?= 2
 
-test: system-deps setup ## everything: unit, rendered files, real images (starts the engine itself), Slurm
+test: system-deps setup lint ## everything: unit, rendered files, real images (starts the engine itself), Slurm
 	$(PY) -m pytest -ra --durations=40 -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder tests
+
+# Before the suite: an undefined name or a stray import fails here in a second, not in a 40-minute run.
+lint: setup ## Python lint: ruff check with pyproject.toml's [tool.ruff] (pyflakes, syntax, 3.11 upgrades)
+	$(PY) -m ruff check
 
 system-deps: ## the Debian packages above (root; a no-op when all are present)
 	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
@@ -60,7 +64,7 @@ TORCH_INDEX ?= $(shell python3 -c 'import tomllib; print(tomllib.load(open("matr
 	$(PY) -c 'import torch, sys; sys.exit(0 if torch.version.cuda is None else "error: .venv has a CUDA torch build: remove .venv and run make setup again")'
 	touch $@
 
-test-fast: setup ## no engine, no Slurm
+test-fast: setup lint ## no engine, no Slurm
 	$(PY) -m pytest -ra -m "not engine and not slurm" tests
 
 test-gpu-image: setup ## a real CUDA 13 image from the default index (several GB, ~30 min; not in `make test`)

@@ -163,7 +163,7 @@ def lock_bases(cells: list[Cell], root: Path | str = ROOT, quiet: bool = False) 
     if not tags:
         raise UserError("the selected cells build FROM no base the bases lock pins (CPU cells use --base)",
                         fix="select GPU cells, e.g. python build.py --lock-bases --cuda 13.0")
-    today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    today = datetime.datetime.now(datetime.UTC).date().isoformat()
     found = {t: {**inspect(t), "locked": today, "source": "skopeo inspect --raw (python build.py --lock-bases)"}
              for t in tags}
     entries = {**read(root), **found}

@@ -9,7 +9,7 @@ import tomllib
 from pathlib import Path
 from types import MappingProxyType
 
-from builder.errors import UserError, reports_user_errors
+from builder.errors import UserError, reports_user_errors, shorten
 from builder.matrix import DEFAULT_MATRIX, Cell, Matrix, load_matrix
 from builder.options import (BuildOptions, check_buildable, check_dir, check_file_target, check_registry,
                              parse_bases, parse_build_args, parse_secrets)
@@ -182,7 +182,8 @@ def plan_lines(cells: list[Cell], bases, paths: dict, root: Path = ROOT, overrid
         default = indexes.url(c, "default", overrides) or "the installer's default index"
         for name in ["default", *indexes.needed(c)]:
             lines.append(f"   index {name}: {indexes.redact(indexes.url(c, name, overrides)) or default}")
-        lines.append(f"   tags: {' '.join(engine.cell_refs(c, registry))}{' (pushed)' if registry else ''}")
+        local = f", and locally {' '.join(engine.cell_refs(c))}" if registry else ""
+        lines.append(f"   tags: {' '.join(engine.cell_refs(c, registry))}{' (pushed)' if registry else ''}{local}")
         st = lock.state(c, root)
         locks = " + ".join(str(p) for p, _ in lock.wanted(c))
         if st == "fresh":
@@ -284,6 +285,27 @@ def build_options(args, config: dict, out: Path) -> BuildOptions:
         sqsh_block_size=args.sqsh_block_size, use_enroot=args.use_enroot)
 
 
+def no_cell_error(m: Matrix, args) -> UserError:
+    """The error for a selection that matches no cell: where the rules excluded what the filters ask for, the rules'
+    ids and `--explain`, not only `--list`."""
+    def hit(value, wanted):
+        return not wanted or value is None or value in wanted
+    excluded = [e for e in m.exclusions if e.attention is None and not args.names and not args.cell
+                and hit(e.arch, args.arch) and hit(e.cuda, args.cuda) and hit(e.gpu, args.gpu)]
+    if not excluded:
+        return UserError("the selection matches no cell", where=str(args.matrix),
+                         fix="see `python build.py --list`; filters combine with AND")
+    by_rule: dict[str, set[str]] = {}
+    for e in excluded:
+        by_rule.setdefault(e.rule, set()).add(e.detail)
+    asked = " ".join(f"--{k} {' '.join(v)}" for k, v in (("arch", args.arch), ("cuda", args.cuda), ("gpu", args.gpu))
+                     if v)
+    why = "; ".join(f"rule {rule}: {shorten(', '.join(sorted(d for d in details if d)), 120)}"
+                    for rule, details in by_rule.items())
+    return UserError(f"{asked} matches no cell: excluded by {why}", where=str(args.matrix),
+                     fix="`python build.py --explain` says why for each excluded combination")
+
+
 # The modes that each do one whole job: two of them at once would leave one silently ignored (`--lock --dry-run`
 # rewrote the committed lock). --frozen is a build rule: with --dry-run the plan shows it; --lock/--lock-bases write
 # locks, which --frozen forbids.
@@ -316,8 +338,7 @@ def run(argv: list[str] | None = None) -> int:
         return 0
     cells = m.select(names=list(args.names) + list(args.cell), arch=args.arch, cuda=args.cuda, gpu=args.gpu)
     if not cells:
-        raise UserError("the selection matches no cell", where=str(args.matrix),
-                        fix="see `python build.py --list`; filters combine with AND")
+        raise no_cell_error(m, args)
     if args.list:
         cmd_list(m, cells)
         return 0

@@ -75,6 +75,31 @@ class Wheelhouse:
             p.unlink(missing_ok=True)
 
 
+def cpu_torch_wheel(cell) -> str | None:
+    """The wheel a CPU-torch cell's Dockerfile looks for in its wheelhouse (the template's check: torch V+cpu is on no
+    index the cell names), as a glob; None for other cells."""
+    if getattr(cell, "torch_variant", None) != "cpu" or "torch" not in (getattr(cell, "pins", None) or {}):
+        return None
+    return f"torch-{cell.pins['torch']}+cpu-*.whl"
+
+
+def check_cpu_torch(cells, wheelhouse: str | None, build_args, repo_wheelhouse: Path | None = None) -> None:
+    """Refuses, before any lock or build step, a CPU-torch cell whose torch wheel is in neither --wheelhouse DIR nor
+    the repository's wheelhouse/ while no TORCH_INDEX_URL build arg names an index: its Dockerfile would stop there
+    after the base stage's minutes, with the whole RUN step in the message."""
+    if "TORCH_INDEX_URL" in build_args:
+        return
+    folders = [Path(wheelhouse)] if wheelhouse else []
+    folders.append(repo_wheelhouse if repo_wheelhouse is not None else ROOT / WHEELHOUSE)
+    for cell in cells:
+        pattern = cpu_torch_wheel(cell)
+        if pattern and not any(f.is_dir() and any(f.glob(pattern)) for f in folders):
+            raise UserError(f"cell {cell.tag} needs the wheel {pattern}, which is on no default index, and no "
+                            "wheelhouse has it", fix="run `python -m devenv.buildinputs --wheelhouse .cache/wheels` "
+                            "and add --wheelhouse .cache/wheels, as `make build` does; or --build-arg "
+                            "TORCH_INDEX_URL=URL")
+
+
 # ---------------------------------------------------------------------------------------------- failure reporting
 _TLS = re.compile(r"CERTIFICATE_VERIFY_FAILED|certificate verify failed|invalid peer certificate|UnknownIssuer|"
                   r"self[- ]signed certificate", re.I)
@@ -423,7 +448,8 @@ def build_cell(cell, *, builder: Builder, context: Path = ROOT, registry: str | 
                no_cache: bool = False, quiet: bool = False, index_overrides: dict[str, str] | None = None,
                extra_args: dict[str, str] | None = None, native_builder: bool = False,
                buildx_builder: str | None = None, journal: TagJournal | None = None,
-               cache_from: tuple[str, ...] = (), cache_to: str | None = None) -> BuildResult:
+               cache_from: tuple[str, ...] = (), cache_to: str | None = None,
+               local_too: bool = False) -> BuildResult:
     bases = bases or {}
     dockerfile = Path(cell.dockerfile)
     if not dockerfile.is_absolute():
@@ -450,8 +476,11 @@ def build_cell(cell, *, builder: Builder, context: Path = ROOT, registry: str | 
         raise UserError(f"cell {cell.tag}: the built image says architecture {img.architecture}, expected {want} "
                         f"(is the base {build_args.get('BASE_IMAGE', base)} multi-arch?)")
     res.image_id, res.size, res.layers = image_id, int(img.size), len(img.root_fs.layers or [])
-    res.refs = cell_refs(cell, registry)
-    for ref in res.refs:  # only now: a failed build above never moved a tag
+    res.refs = cell_refs(cell, registry)   # what a push sends
+    # LOCAL_TOO (build.py's builds): with --registry the plain local name too, so `docker run trainbox:TAG` works after
+    # `make build` (it found no such image: issue 64 case 1); the journal puts it back when the run's push fails.
+    local = [r for r in cell_refs(cell) if r not in res.refs] if registry and local_too else []
+    for ref in [*res.refs, *local]:  # only now: a failed build above never moved a tag
         if journal is not None:
             journal.tag(image_id, ref)
         else:

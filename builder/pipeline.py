@@ -9,7 +9,8 @@ from pathlib import Path
 
 from builder import enroot, lock, publish, registry, report
 from builder.docker import check_engine, choose_builder, platform_arch
-from builder.engine import BuildResult, TagJournal, build_cell, build_context, refuse_emulated_compile
+from builder.engine import (BuildResult, TagJournal, build_cell, build_context, check_cpu_torch,
+                            refuse_emulated_compile)
 from builder.errors import UserError
 from builder.options import BuildOptions, check_buildable
 
@@ -28,6 +29,7 @@ def build_cells(cells, opts: BuildOptions) -> int:
     check_engine(builder)
     if not quiet:
         print(f"builder: {builder.kind} ({builder.cli})", flush=True)
+    check_cpu_torch(cells, opts.wheelhouse, opts.build_args)   # before the lock step and the base stage's minutes
     # The lock step: every missing or stale lock of the selection is resolved before the first build.
     lock.ensure([c for c in cells if hasattr(c, "venv")], root=opts.output_dir, overrides=dict(opts.index_overrides),
                 frozen=opts.frozen, quiet=quiet, bases=dict(opts.bases))
@@ -43,7 +45,7 @@ def build_cells(cells, opts: BuildOptions) -> int:
                                  quiet=quiet, index_overrides=dict(opts.index_overrides),
                                  extra_args=dict(opts.build_args), native_builder=opts.native_builder,
                                  buildx_builder=opts.buildx_builder, journal=journal,
-                                 cache_from=opts.cache_from, cache_to=opts.cache_to)
+                                 cache_from=opts.cache_from, cache_to=opts.cache_to, local_too=True)
                 results.append(res)
                 if opts.sqsh:
                     enroot.export_image(res.refs[0], Path(opts.sqsh) / f"{cell.tag}.sqsh",

@@ -95,7 +95,7 @@ class Registry:
         self._auth_header: str | None = None
 
     @classmethod
-    def of(cls, ref: str, hub: bool = False) -> tuple["Registry", str]:
+    def of(cls, ref: str, hub: bool = False) -> tuple[Registry, str]:
         host, repo, tag = split_ref(ref, hub)
         return cls(host, repo), tag
 

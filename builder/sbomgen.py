@@ -250,10 +250,10 @@ def _timestamp(created: str | None) -> str:
     if created:
         try:
             t = datetime.datetime.fromisoformat(re.sub(r"(\.\d{6})\d+", r"\1", created.replace("Z", "+00:00")))
-            return t.astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+            return t.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         except ValueError:
             pass
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _version() -> str:

@@ -2,7 +2,8 @@
 
 `python -m builder.slurm --tag TAG --entrypoint sft --config /data/sft.yaml --sqsh /abs/TAG.sqsh --nodes 2
  --gpus-per-node 8 [--partition P] [--time 04:00:00] [--data DIR] [--outputs DIR] [--hf-cache DIR]
- [--mount SRC:DST[:ro]] [--mode pyxis|enroot|bare] [-o job.sh]` writes the script (stdout without -o).
+ [--mount SRC:DST[:ro]] [--mode pyxis|enroot|bare] [-o job.sh] [-- TRAINER OPTIONS]` writes the script (stdout
+without -o); a trainer's options go in its --config YAML (examples/*.yaml), after --, or both.
 Every mode runs one task per node; each task runs the dispatcher (`trainbox ENTRYPOINT ... --nproc-per-node N`),
 whose launcher (common/launch.py, the one home of the rendezvous rule) reads the step's Slurm variables and
 starts torchrun: nothing depends on hooks that may or may not set RANK/LOCAL_RANK in the container, and the script
@@ -208,9 +209,12 @@ def _check(spec: JobSpec) -> None:
     if spec.entrypoint == "ray" and not [a for a in spec.args if a != "--"]:
         raise UserError("--entrypoint ray needs the command the head runs, after --: python -m builder.slurm "
                         "--entrypoint ray ... -- python my_driver.py (ray options first: -- --gpu-free-head -- CMD)")
-    if not spec.config and spec.entrypoint not in NO_CONFIG:
+    if not spec.config and spec.entrypoint not in NO_CONFIG and not [a for a in spec.args if a != "--"]:
+        # a trainer takes its options from a YAML file, from the command line (after --), or both
         raise UserError(f"no --config given: pass the {spec.entrypoint} YAML path "
-                        + ("on the nodes" if spec.mode == "bare" else "as seen inside the image (e.g. /data/x.yaml)"))
+                        + ("on the nodes" if spec.mode == "bare" else "as seen inside the image (e.g. /data/x.yaml)")
+                        + f", or {spec.entrypoint}'s options after -- (e.g. -- --model_name_or_path /models/m "
+                        "--dataset /data/train.jsonl)")
     for k, _ in spec.env:
         if not _ENV_NAME_RE.fullmatch(k):
             raise UserError(f"--env {k!r} is not a variable name")

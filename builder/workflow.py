@@ -170,10 +170,10 @@ def publish_rows(include: list[dict], matrix_path: str | Path = DEFAULT_MATRIX) 
 
 def _test_jobs() -> dict:
     """What gates every build. Hosted runners run the suite without Slurm (its daemons want root and munge; the
-    project's own CI, .ci/run -> `make test`, runs those): `make test-fast` (unit, rendered files, hadolint, actionlint,
-    this file's freshness, the network tests that re-check [facts] against the index: CI=true makes them fail, never
-    skip, when the index can't be reached) and the engine tests against the runner's own Docker (buildx), with a
-    registry and debootstrapped bases started by devenv."""
+    project's own CI, .ci/run -> `make test`, runs those): `make lint` (ruff), `make test-fast` (unit, rendered files,
+    hadolint, actionlint, this file's freshness, the network tests that re-check [facts] against the index: CI=true
+    makes them fail, never skip, when the index can't be reached) and the engine tests against the runner's own Docker
+    (buildx), with a registry and debootstrapped bases started by devenv."""
     return {
         "test": {
             "name": "tests (unit, rendered files, linters, index facts)",
@@ -184,6 +184,8 @@ def _test_jobs() -> dict:
                 {"uses": "actions/setup-python@v5", "with": {"python-version": PYTHON}},
                 {"name": "Generated workflows are what the matrix gives",
                  "run": "python -m pip install -e . && python -m builder.workflow --check\n"},
+                # its own step, so a lint failure is named in the job's log before the suite's minutes
+                {"name": "Python lint (ruff)", "run": "make lint\n"},
                 {"name": "The suite without the engine and Slurm", "run": "make test-fast\n"},
             ],
         },
@@ -442,14 +444,18 @@ def check(folder: Path = WORKFLOWS, matrix_path: str | Path = DEFAULT_MATRIX) ->
 
 @reports_user_errors
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["plan"]:
-        p = argparse.ArgumentParser(prog="python -m builder.workflow plan",
-                                    description="print the build and publish matrices as GitHub step outputs "
-                                                "(matrix=..., publish=..., any=...)")
-        p.add_argument("--matrix", default=str(DEFAULT_MATRIX))
-        p.add_argument("--changed", type=Path, help="file listing the changed paths, one a line (a pull request)")
-        a = p.parse_args(argv[1:])
+    p = argparse.ArgumentParser(prog="python -m builder.workflow", description=__doc__.splitlines()[0])
+    p.add_argument("--matrix", default=str(DEFAULT_MATRIX))
+    p.add_argument("--output-dir", default=str(WORKFLOWS), help="where build.yml, lock.yml and pins.yml go")
+    p.add_argument("--check", action="store_true", help="exit 1 with a diff if a file is stale")
+    sub = p.add_subparsers(dest="command", title="commands (without one: write the workflows)", metavar="COMMAND")
+    plan_help = "print the build and publish matrices as GitHub step outputs (matrix=..., publish=..., any=...)"
+    pp = sub.add_parser("plan", help=plan_help, description=plan_help)
+    # SUPPRESS: a --matrix given before `plan` is kept unless plan's own is given
+    pp.add_argument("--matrix", default=argparse.SUPPRESS)
+    pp.add_argument("--changed", type=Path, help="file listing the changed paths, one a line (a pull request)")
+    a = p.parse_args(sys.argv[1:] if argv is None else argv)
+    if a.command == "plan":
         if a.changed and not a.changed.is_file():
             raise UserError(f"no file {a.changed}", fix="pass the output of `git diff --name-only BASE HEAD`")
         include = plan(a.changed.read_text().splitlines() if a.changed else None, a.matrix)
@@ -460,11 +466,6 @@ def main(argv: list[str] | None = None) -> int:
         print("publish=" + json.dumps({"include": publish_rows(include, a.matrix)}, separators=(",", ":")))
         print("any=" + ("true" if include else "false"))
         return 0
-    p = argparse.ArgumentParser(prog="python -m builder.workflow", description=__doc__.splitlines()[0])
-    p.add_argument("--matrix", default=str(DEFAULT_MATRIX))
-    p.add_argument("--output-dir", default=str(WORKFLOWS), help="where build.yml, lock.yml and pins.yml go")
-    p.add_argument("--check", action="store_true", help="exit 1 with a diff if a file is stale")
-    a = p.parse_args(argv)
     if a.check:
         diff = check(Path(a.output_dir), a.matrix)
         if diff:
@@ -474,7 +475,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     write(Path(a.output_dir), a.matrix)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -313,7 +313,7 @@ def _signals_flag() -> list[str]:
     return ["--signals-to-handle", TORCHRUN_SIGNALS] if torchrun_has_option("--signals-to-handle") else []
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def torchrun_has_option(option: str) -> bool:
     """Asked of torchrun's own argument parser: an option it doesn't know stays among the leftovers."""
     from torch.distributed.run import get_args_parser

@@ -109,11 +109,16 @@ def _tiny_project(tmp_path):
     return proj
 
 
+# These builds stop before the deps stage: an index named for smoke's CPU torch passes the check that its wheel is
+# somewhere (pipeline: engine.check_cpu_torch) without fetching it.
+NO_WHEEL = ["--build-arg", "TORCH_INDEX_URL=http://127.0.0.1:9/never-asked"]
+
+
 def test_cli_bad_base_exits_2_with_one_line(engine):  # noqa: F811
     # through the real CLI: a cell whose base cannot be resolved -> exit 2, one error line naming cell and step
     missing = f"{engine['registry']}/trainbox/no-such-base:nope"
     r = subprocess.run([sys.executable, "build.py", "--cell", "smoke", "--arch", "x86_64", "--quiet",
-                        "--base", f"debian:bookworm={missing}"], cwd=ROOT, capture_output=True, text=True,
+                        "--base", f"debian:bookworm={missing}", *NO_WHEEL], cwd=ROOT, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     err = [ln for ln in r.stderr.splitlines() if ln.strip()]
@@ -128,7 +133,7 @@ def test_legacy_builder_is_refused_with_one_line(engine):  # noqa: F811
     # --builder legacy stops before any build step with one line and the way out (no image, no tag)
     before = _image_id("trainbox:smoke-x86_64")
     r = subprocess.run([sys.executable, "build.py", "--cell", "smoke", "--arch", "x86_64", "--quiet", "--builder",
-                        "legacy"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                        "legacy", *NO_WHEEL], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     err = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(err) == 1 and "smoke-x86_64" in err[0] and "RUN --mount=type=cache" in err[0], err

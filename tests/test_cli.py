@@ -110,7 +110,8 @@ def test_bad_matrix_exit_2_one_line_nothing_written(tmp_path, name, mode):
 @pytest.mark.parametrize("args, needle", [
     (["--arch", "ppc64le", "--list"], "--arch 'ppc64le' is not in the matrix"),
     (["nope", "--list"], "no cell named 'nope'"),
-    (["--cuda", "12.8", "--list"], "the selection matches no cell"),
+    (["--cuda", "12.8", "--list"], "--cuda 12.8 matches no cell: excluded by rule "),
+    (["smoke", "--cuda", "13.0", "--list"], "the selection matches no cell"),   # no rule: the filters exclude it
     (["--base", "justone", "--dry-run"], "expected OLD=NEW"),
     (["--matrix", "/nonexistent/m.toml", "--list"], "cannot read the matrix"),
 ])
@@ -221,7 +222,7 @@ def test_dry_run_of_a_cu129_hopper_cell_needs_no_argument():
     assert p.returncode == 0, p.stderr
     out = p.stdout
     assert "missing required" not in out.lower() and "(required)" not in out
-    head = f"TORCH_INDEX_URL=https://download.pytorch.org/whl/cu129 VLLM_INDEX_URL=https://wheels.vllm.ai/0.31.0/cu129 "
+    head = "TORCH_INDEX_URL=https://download.pytorch.org/whl/cu129 VLLM_INDEX_URL=https://wheels.vllm.ai/0.31.0/cu129 "
     assert f"build args: {head}FLASH_INDEX_URL=https://download.pytorch.org/whl/cu126 VCS_REF=" in out
     for name in ("default", "torch", "vllm", "flash"):
         assert f"   index {name}: " in out
@@ -313,3 +314,77 @@ def test_no_engine_names_make_engine(tmp_path):
     assert len(err) == 1 and err[0].startswith("error: no Docker engine answers at unix:///nonexistent/trainbox.sock")
     assert "`make engine`" in err[0]
     assert "DEPRECATED" not in p.stdout + p.stderr and "lock:" not in p.stdout
+
+
+@pytest.mark.parametrize("extra, reaches_lock", [
+    ([], False),
+    (["--wheelhouse", "{wh}"], True),
+    (["--build-arg", "TORCH_INDEX_URL=http://127.0.0.1:9/whl"], True),
+])
+def test_a_cpu_torch_build_without_its_wheel_is_one_short_line(tmp_path, monkeypatch, capsys, extra, reaches_lock):
+    """Issue 64 case 3: `build.py --cell smoke --base debian:bookworm=...` without --wheelhouse stopped in the deps
+    stage after the base stage's minutes, its message the whole RUN step (1,500 characters). Now one short line naming
+    --wheelhouse, before the lock step; with the wheel, or an index for it, the build goes on."""
+    from builder import engine, lock, pipeline
+    from builder.errors import UserError
+
+    wh = tmp_path / "wheels"
+    wh.mkdir()
+    (wh / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"")
+    monkeypatch.setattr(engine, "ROOT", tmp_path)          # the repository's wheelhouse/: empty here
+    monkeypatch.setattr(pipeline, "choose_builder", lambda kind: types.SimpleNamespace(kind="buildkit", cli="docker"))
+    monkeypatch.setattr(pipeline, "check_engine", lambda builder: None)
+
+    def lock_step(*a, **k):
+        raise UserError("reached the lock step")
+    monkeypatch.setattr(lock, "ensure", lock_step)
+    rc = cli.main(["--cell", "smoke", "--arch", "x86_64", "--base", "debian:bookworm=local/b:1",
+                   "--output-dir", str(tmp_path / "o"), *(a.format(wh=wh) for a in extra)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("error: "), err
+    if reaches_lock:
+        assert "reached the lock step" in err
+    else:
+        assert "cell smoke-x86_64 needs the wheel torch-2.13.0+cpu-*.whl" in err and "--wheelhouse" in err
+        assert len(err) < 300, len(err)
+
+
+@pytest.mark.parametrize("e", [e for e in M.exclusions if e.attention is None], ids=lambda e: e.describe())
+def test_an_excluded_combination_names_its_rule_and_explain(e, tmp_path, capsys):
+    """Issue 64 case 7: asking for a combination the rules exclude (an excluded CUDA 12.6/12.8 cell) said only "the
+    selection matches no cell". Every excluded arch/CUDA/GPU combination of the matrix, asked for by its filters: one
+    line naming the rule's id, this combination's reason and --explain; nothing written."""
+    args = [a for flag, v in (("--arch", e.arch), ("--cuda", e.cuda), ("--gpu", e.gpu)) if v for a in (flag, v)]
+    assert cli.main([*args, "--dry-run", "--output-dir", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "matches no cell" in err, err
+    assert f"rule {e.rule}: " in err and e.detail in err and "python build.py --explain" in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_registry_build_also_tags_the_local_name(monkeypatch, capsys):
+    """Issue 64 case 1: after `make build` (--push --registry REG/trainbox) `docker run trainbox:smoke-x86_64` found no
+    image: only REG/trainbox:TAG was tagged. build.py's builds now tag the plain local names too; only the registry's
+    refs are pushed. The engine is a stand-in recording tags."""
+    from builder import engine, lock, pipeline, publish
+
+    tagged, pushed = [], []
+    image = types.SimpleNamespace(id="sha256:built", architecture="amd64", size=1,
+                                  root_fs=types.SimpleNamespace(layers=["sha256:l"]))
+    client = types.SimpleNamespace(image=types.SimpleNamespace(
+        inspect=lambda ref: image, exists=lambda ref: False, tag=lambda iid, ref: tagged.append(ref),
+        remove=lambda ref, prune=False: None))
+    monkeypatch.setattr(pipeline, "choose_builder",
+                        lambda kind: types.SimpleNamespace(kind="buildkit", cli="docker", client=lambda: client))
+    monkeypatch.setattr(pipeline, "check_engine", lambda builder: None)
+    monkeypatch.setattr(lock, "ensure", lambda *a, **k: None)
+    monkeypatch.setattr(engine, "build_image", lambda **k: ("sha256:built", []))
+    monkeypatch.setattr(publish, "push_all", lambda cells, results, *a, **k: pushed.extend(results[0].refs))
+    monkeypatch.setattr(pipeline.report, "emit", lambda *a, **k: None)
+    repo = "127.0.0.1:5555/trainbox"
+    assert cli.main(["smoke-x86_64", "--push", "--registry", repo, "--quiet",
+                     "--build-arg", "TORCH_INDEX_URL=http://127.0.0.1:9/never-asked"]) == 0, capsys.readouterr().err
+    cell = M.select(["smoke-x86_64"])[0]
+    tags = [cell.tag, *cell.version_tags]
+    assert pushed == [f"{repo}:{t}" for t in tags]
+    assert sorted(tagged) == sorted([*pushed, *(f"trainbox:{t}" for t in tags)])

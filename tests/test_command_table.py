@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from common import commands
-from trainbox import dispatch
 from trainbox.run import notebook
 
 ROOT = Path(__file__).resolve().parents[1]

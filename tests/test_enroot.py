@@ -418,7 +418,7 @@ def _export_as_host(host: str, image: str, dest: Path, **kw) -> subprocess.Popen
     """An export running under another host name (its own UTS namespace), in this pid space: how a second node
     writing into the same shared folder looks from here, except that its pids are ours to see."""
     cmd = [PY, "-m", "builder.enroot", image, str(dest), "--compression", "xz", "--block-size", "4K", "--quiet"]
-    return subprocess.Popen(["unshare", "--uts", "sh", "-c", f'hostname "$0" && exec "$@"', host, *cmd], cwd=ROOT,
+    return subprocess.Popen(["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', host, *cmd], cwd=ROOT,
                             stderr=subprocess.PIPE, **kw)
 
 
@@ -569,7 +569,9 @@ def test_smoke_image_fits_enroot_and_pyxis(smoke_root):
     """Issue #5 item 3, checked on the exported rootfs: what enroot/pyxis need from the image."""
     env = _environment(smoke_root)
     assert env["PATH"].split(":")[0] == "/opt/venv/bin"
-    assert env["NVIDIA_VISIBLE_DEVICES"] == "all" and "compute" in env["NVIDIA_DRIVER_CAPABILITIES"].split(",")
+    # a CPU image: no NVIDIA_* (enroot's NVIDIA hook would fail on a host without NVIDIA's container library; GPU
+    # images set them: tests/test_render.py)
+    assert not [k for k in env if k.startswith("NVIDIA_")], env
     assert env["PYTORCH_VERSION"]  # pyxis/enroot's PyTorch hook keys on it
     assert env["PYTHONPATH"] == "/opt/trainbox"
     assert _exists_in(smoke_root, "/bin/sh")  # pyxis runs `sh` (/bin may be a symlink: merged /usr)

@@ -60,7 +60,7 @@ def test_the_rendered_stage_builds_from_the_devel_image_and_the_runtime_copies_o
     assert f"ARG BUILD_IMAGE={cell.build_image}" in text and cell.build_image.endswith("-devel-ubuntu24.04")
     stage = text.split("AS fabric-plugin", 1)[1].split("\nFROM ", 1)[0]
     for commit in (LIBFABRIC, OFI):
-        assert f"git fetch -q --depth 1" in stage and commit in stage
+        assert "git fetch -q --depth 1" in stage and commit in stage
         assert f'test "$(git rev-parse HEAD)" = "{commit}"' in stage
     assert "./configure --prefix=/opt/nccl-net --enable-efa=yes" in stage
     assert "--with-libfabric=/opt/nccl-net --with-cuda=/usr/local/cuda --enable-platform-aws --disable-tests" in stage

@@ -3,6 +3,7 @@ finds every lock it installs from (venv, flavour, attention, base digests; a fla
 each missing lock with the workflow that makes it."""
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -112,3 +113,30 @@ def test_lock_yml_writes_the_attention_locks_too(tmp_path, monkeypatch):
     assert {c.attention_lock for c in cells if c.attention_lock} and all(
         lock.is_fresh(c, tmp_path) for c in cells)
     assert not [p for p in lock.frozen_problems(list(cells), tmp_path) if p.kind != "base"]
+
+
+@pytest.mark.parametrize("missing", [(), ("locks/cu130-hopper-x86_64.attention.txt", "locks/cu130-gpu-aarch64.txt")])
+def test_plan_names_every_cell_it_leaves_out_and_the_command_that_locks_it(tmp_path, missing):
+    """Issue 64 case 5, as a property: `python -m builder.workflow plan`'s notices name each cell the plan leaves out,
+    every one in a line that names the lock it waits for and the `python build.py --lock` command that makes it (on
+    the real matrix, and on a copy with a venv lock and an attention lock removed, so some cells are always out)."""
+    matrix = ROOT / "matrix.toml"
+    if missing:
+        matrix = _tree(tmp_path)
+        for path in missing:
+            (tmp_path / path).unlink()
+    r = subprocess.run([sys.executable, "-m", "builder.workflow", "plan", "--matrix", str(matrix)], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    out = dict(line.split("=", 1) for line in r.stdout.splitlines())
+    planned = {t for job in json.loads(out["matrix"])["include"] for t in job["cells"].split()}
+    left_out = {c.tag for c in load_matrix(matrix).cells} - planned
+    if missing:
+        assert {"cu130-hopper-x86_64", "cu130-ampere-aarch64", "cu130-hopper-x86_64-verl"} <= left_out
+    named = set()
+    for line in r.stderr.splitlines():
+        assert line.startswith("::notice::not built: "), line
+        tags = line.removeprefix("::notice::not built: ").split(" (", 1)[0].split(", ")
+        assert "locks/" in line and "`python build.py --lock " in line, line
+        named |= set(tags)
+    assert named == left_out, (sorted(left_out - named), sorted(named - left_out))

@@ -27,7 +27,7 @@ from packaging.requirements import Requirement
 
 from test_fuzz_inputs import toml_str
 from test_fuzz_matrix import mutate, paths   # the matrix fuzzer's document mutations
-from builder import bases, cli, enroot, matrix, pins, publish, reference, referrers, registry, sbom, sbomgen
+from builder import bases, cli, enroot, pins, publish, reference, referrers, registry, sbom, sbomgen
 from builder.errors import UserError
 from builder.matrix import load_matrix
 from builder.matrix.grammar import PACKAGE

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest

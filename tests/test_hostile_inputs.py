@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -56,8 +57,14 @@ def make_files(tmp_path: Path) -> Path:
     return tmp_path
 
 
-# (entrypoint, args, what the one line must say). {m} = the tiny model, {t} = this test's folder.
+# (entrypoint, args, what the one line must say). {m} = the tiny model, {n} = a copy of it whose tokenizer has no chat
+# template, {t} = this test's folder.
 CASES = [
+    # the commonest mistake (issue 64: a NameError traceback and exit 1 once sftlib lost its UsageError import)
+    ("sft", [], "no dataset given: pass --dataset PATH"),
+    ("qlora", [], "no dataset given: pass --dataset PATH"),
+    ("qlora", ["--model_name_or_path", "{n}", "--dataset", "{t}/good.jsonl"], "has no chat template"),
+    ("sft", ["--model_name_or_path", "{n}", "--dataset", "{t}/good.jsonl"], "has no chat template"),
     ("sft", ["--dataset", "{t}/good.jsonl", "--output_dir", "{t}/a_file"], "is a file, not a folder"),
     ("sft", ["--dataset", "{t}/good.jsonl", "--output_dir", "{t}/a_file/sub"], "is a file, not a folder"),
     ("qlora", ["--dataset", "{t}/good.jsonl", "--output_dir", "/proc/trainbox"], "under /proc"),
@@ -83,8 +90,20 @@ CASES = [
 ]
 
 
+def without_chat_template(model: Path, folder: Path) -> Path:
+    """A copy of MODEL whose tokenizer has no chat template (a base model's)."""
+    out = folder / "no-chat-template"
+    shutil.copytree(model, out)
+    (out / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
+
+
 def run_case(tiny_model, files: Path, name: str, args: list[str]) -> subprocess.CompletedProcess:
-    argv = [a.format(t=files, m=tiny_model) for a in args]
+    nochat = without_chat_template(tiny_model, files) if any("{n}" in a for a in args) else None
+    argv = [a.format(t=files, m=tiny_model, n=nochat) for a in args]
     if "--model_name_or_path" not in argv:
         argv = ["--model_name_or_path", str(tiny_model), *argv]
     if "--output_dir" not in argv:
@@ -148,7 +167,7 @@ def test_fuzzed_options_parse_or_are_one_usage_error(name, pairs):
         argv += [opt, v]
     try:
         parse(name, argv)
-    except UsageError as e:
+    except UsageError:
         pass  # the dispatcher prints it on one line (dispatch.run_main); any other exception fails the test
     except SystemExit as e:  # --help only
         assert e.code == 0

@@ -195,3 +195,22 @@ def test_write_goes_through_a_symlink_and_keeps_the_mode(pip_env, tmp_path):  # 
     assert 'vllm_torch = { "0.31.0" = "2.13.0", "0.33.0" = "2.14.0" }' in real.read_text()
     assert stat.S_IMODE(real.stat().st_mode) == 0o640
     assert [p.name for p in real.parent.iterdir()] == ["matrix.toml"]   # no temporary left beside it
+
+
+def test_a_new_flavours_unknown_sdist_is_one_line_naming_flavour_and_package(tmp_path, monkeypatch, capsys):
+    """Issue 64 case 8: `sdists = ["no-such-package"]` in a flavour with no lock yet passes --list (no lock says what
+    it installs), but `build.py --lock` and the build's own lock step, the first step that resolves it, refuse it in
+    one line naming the flavour and the package, and write no lock."""
+    from builder import cli
+
+    doc = with_flavour(sdists=["no-such-package"])
+    m = load(tmp_path, doc)
+    cell = next(c for c in m.cells if c.flavour == "x")
+    base_lock = (ROOT / "locks" / "smoke-x86_64.txt").read_text()
+    monkeypatch.setattr(lock, "_uv", lambda *a, **k: base_lock)   # what uv resolves: no such package in it
+    out = tmp_path / "out"
+    rc = cli.main(["--matrix", str(tmp_path / "matrix.toml"), "--lock", cell.tag, "--output-dir", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("error: "), err
+    assert "flavour.x.sdists" in err and "'no-such-package'" in err, err
+    assert not (out / cell.lock).exists()

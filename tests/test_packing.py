@@ -10,7 +10,7 @@ from trainbox.training import attention, varlenattn
 
 @pytest.fixture(scope="module")
 def model_and_examples(tiny_model):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
     texts = ["How many clips did Natalia sell altogether in April and May? #### 72",

@@ -91,7 +91,7 @@ def test_accumulated_gradient_is_the_float32_sum_of_the_micro_batches(n_micro):
     the weights alone would do) is measurably worse."""
     g = torch.Generator().manual_seed(n_micro)
     micro = [torch.randn(4096, generator=g).to(torch.bfloat16) for _ in range(n_micro)]
-    exact = sum(((x / n_micro).double() for x in micro))  # the bf16 gradients autograd hands over, summed exactly
+    exact = sum((x / n_micro).double() for x in micro)  # the bf16 gradients autograd hands over, summed exactly
     ours = torch.nn.Parameter(torch.randn(4096, generator=g).to(torch.bfloat16))
     opt = MasterWeights([ours], inner=torch.optim.AdamW, lr=1e-3)
     plain = torch.nn.Parameter(ours.detach().clone())

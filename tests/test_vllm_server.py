@@ -7,7 +7,6 @@ answers vLLM's /health, put in through TRAINBOX_VLLM_SERVE_CMD exactly where `tr
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
 import subprocess

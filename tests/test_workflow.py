@@ -90,6 +90,7 @@ def test_tests_gate_every_build_and_push():
     build = jobs["build"]
     assert {"test", "test-engine", "plan"} <= set(build["needs"])
     assert "make test-fast" in _runs(jobs["test"])                       # unit, rendered files, linters, facts
+    assert "make lint" in _runs(jobs["test"])                            # ruff: an undefined name fails in a second
     assert "python -m builder.workflow --check" in _runs(jobs["test"])    # the workflows themselves are fresh
     engine = _runs(jobs["test-engine"])
     assert 'pytest -ra -m "engine and not slurm" tests' in engine and "sudo -E make engine" in engine
@@ -247,3 +248,18 @@ def test_actionlint_catches_a_broken_workflow(tmp_path):
     r = subprocess.run([_actionlint(), "-no-color", str(path)], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 1
     assert "matrx" in r.stdout and "bulid" in r.stdout
+
+
+def test_help_lists_the_plan_command():
+    """Issue 64 case 6: `--help` left out `plan`, the command build.yml's plan job runs: each command the generated
+    workflows run is listed with its one-line help, and answers its own --help."""
+    r = subprocess.run([sys.executable, "-m", "builder.workflow", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    runs = "\n".join(_runs(job) for name in workflow.GENERATED for job in _wf(name)["jobs"].values())
+    commands = set(re.findall(r"python -m builder\.workflow ([a-z]+)", runs))
+    assert "plan" in commands
+    for name in commands:
+        assert re.search(rf"^\s+{name}\s+\S", r.stdout, re.M), r.stdout
+        sub = subprocess.run([sys.executable, "-m", "builder.workflow", name, "--help"], cwd=ROOT,
+                             capture_output=True, text=True)
+        assert sub.returncode == 0 and f"usage: python -m builder.workflow {name}" in sub.stdout, sub.stderr

@@ -68,7 +68,8 @@ def build_matrix(path: Path, data: dict) -> Matrix:
             hit = rules_mod.check_cell(ctx, arch=arch, cuda=cuda, gpu=gpu, attention=attention, variant=variant,
                                        stack_pins=stacks[expand["stack"]])
             if hit:
-                exclusions.append(Exclusion(arch, cuda, gpu, None, hit[0], f"{rule_table[hit[0]]} ({hit[1]})"))
+                exclusions.append(Exclusion(arch, cuda, gpu, None, hit[0], f"{rule_table[hit[0]]} ({hit[1]})",
+                                            hit[1]))
                 continue
             name = templating.fill(naming["cell_name"], f"{f}: naming.cell_name", cuda=cuda,
                                    cuda_nodot=cuda.replace(".", ""), gpu=gpu, arch=arch)
@@ -83,7 +84,7 @@ def build_matrix(path: Path, data: dict) -> Matrix:
                 hit = rules_mod.check_attention(ctx, gpu=gpu, attention=attention)
                 if hit:
                     exclusions.append(Exclusion(None, None, gpu, attention, hit[0],
-                                                f"{rule_table[hit[0]]} ({hit[1]})"))
+                                                f"{rule_table[hit[0]]} ({hit[1]})", hit[1]))
 
     # where each cell comes from: one name is one image (a manifest list over its arches), so one source
     origin = {c.tag: f"[expand] cuda {c.cuda} gpu {c.gpu}" for c in cells}

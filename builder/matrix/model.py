@@ -65,7 +65,8 @@ class Exclusion:
     gpu: str | None
     attention: str | None
     rule: str
-    reason: str
+    reason: str   # the rule's reason, then this combination's own detail in parentheses
+    detail: str = ""   # that detail alone ("no vLLM 0.31.0 build for torch variant cu126"): a short error names it
 
     def describe(self) -> str:
         parts = [f"arch={self.arch or '*'}", f"cuda={self.cuda or '*'}", f"gpu={self.gpu or '*'}"]
@@ -114,7 +115,7 @@ class Cell:
     # A flavour cell ([flavour.NAME]): its flavour's name and the cell it is built FROM (base_image = that cell's
     # image); None for every plain cell.
     flavour: str | None = None
-    base: "Cell | None" = field(default=None, hash=False, compare=False, repr=False)
+    base: Cell | None = field(default=None, hash=False, compare=False, repr=False)
     files: tuple[tuple[str, str], ...] = ()   # (folder in the repository, path in the image)
     cmd: tuple[str, ...] = ()                 # the image's default CMD ('' = the base's)
     sdists: tuple[str, ...] = ()              # the only packages its lock may take as source archives (no wheel)

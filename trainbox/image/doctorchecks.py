@@ -8,8 +8,8 @@ never change it. Tests feed these functions facts; doctor.py gathers the real on
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 from trainbox.image import fabric, imageinfo
 from trainbox.training import attention

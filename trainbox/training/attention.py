@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from importlib import metadata
-from typing import Callable
 
 from common import errors
 from trainbox.training import flexattn, varlen_sinks, varlenattn

@@ -15,8 +15,9 @@ import importlib.util
 import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from common.errors import UsageError
 from trainbox import helpcache

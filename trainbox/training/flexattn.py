@@ -324,7 +324,6 @@ def flex_attention_forward(module, query, key, value, attention_mask, dropout: f
     if getattr(module, "is_causal", True) is False:
         raise ValueError(f"{FLEX} is for causal attention; this layer ({type(module).__name__}) is not causal")
     b, h, s, d = query.shape
-    kv = key.shape[2]
     scale = scaling if scaling is not None else d**-0.5
     pos = kwargs.get("position_ids")
     training = bool(getattr(module, "training", False))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from common import commands, errors, launch, pipes
 from trainbox.run import crash, exitdeadline, outputs, preemption, ranks, runlog

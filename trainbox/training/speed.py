@@ -38,7 +38,7 @@ class ModelFacts:
     hidden: int
     intermediate: int
     attn_width: int  # heads x head dim: the width of QK^T and AV
-    attention: "attention.Needs" = None  # windows, softcaps, sinks: what the attention kernel must honour
+    attention: attention.Needs = None  # windows, softcaps, sinks: what the attention kernel must honour
     experts: int = 0  # routed experts per MoE layer (0: dense)
     experts_per_token: int = 0  # MoE: routed experts each token goes through (top-k)
     expert_params: int = 0  # MoE: the routed experts' parameters, all layers (a token uses top-k / experts of them)

@@ -228,7 +228,7 @@ def serve(cmd: list[str], roles: Roles, wait: float, env=None) -> int:
                     conn, peer = ls.accept()
                     conn.settimeout(0.5)
                     print(f"[trainbox] vllm server: trainers connected from {peer[0]}", flush=True)
-                except socket.timeout:
+                except TimeoutError:
                     if time.monotonic() - started > wait:
                         print(f"error: no trainer connected to the lease port {roles.lease_port} within {wait:.0f} s; "
                               "stopping the vLLM server", flush=True)
@@ -238,7 +238,7 @@ def serve(cmd: list[str], roles: Roles, wait: float, env=None) -> int:
                 if conn.recv(64) == b"":
                     print("[trainbox] vllm server: trainers finished, stopping the server", flush=True)
                     return 0
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 print("[trainbox] vllm server: trainers' connection dropped, stopping the server", flush=True)
