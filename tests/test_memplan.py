@@ -229,7 +229,7 @@ def test_plan_for_70b_on_2_nodes_of_8_and_8b_on_one_24gb_card(tmp_path):
     # 16 bytes per parameter over 16 GPUs is 70.6 GB each before any activation: one node more is what fits
     assert two_nodes.returncode == 1, two_nodes.stdout + two_nodes.stderr
     assert "70.6 B parameters (llama) on 2 node(s) x 8 GPU(s)" in two_nodes.stdout
-    assert "it fits with 24 GPUs" in two_nodes.stdout
+    assert "24 GPUs like these" in two_nodes.stdout and "--optim adamw_torch_8bit" in two_nodes.stdout
     assert three_nodes.returncode == 0, three_nodes.stdout + three_nodes.stderr
     assert "memory plan:" in three_nodes.stdout and "usable" in three_nodes.stdout
     assert one_card.returncode == 1, one_card.stdout + one_card.stderr
@@ -302,3 +302,17 @@ def test_an_optimizer_you_set_is_never_swapped_for_smaller_states(monkeypatch):
     assert speed.job_for(args, F8, 1, masters_ok=True).states_ok == ()
     args = sft_args(per_device_train_batch_size=2, max_length=1024)
     assert "bf16" in speed.job_for(args, F8, 1, masters_ok=True).states_ok
+
+
+def test_70b_on_8_h200s_is_told_torchaos_8bit_states_and_they_fit(monkeypatch):
+    """FSDP2 shards float32 weights, gradients and AdamW's moments (16 bytes a parameter over 8 GPUs): a 70B model
+    does not fit 8 H200s; torchao's 8-bit AdamW steps FSDP2's DTensors (bitsandbytes' does not) and then it fits."""
+    monkeypatch.setattr(memplan, "lowbit_reason", lambda: None)
+    f70 = speed.ModelFacts(model_type="llama", params=70_553_706_496, embedding_params=1_050_673_152, layers=80,
+                           hidden=8192, intermediate=28672, attn_width=8192, vocab=128256)
+    j = job(f70, shards=8, fsdp=True, max_length=1024)
+    free = int(139.2 * GIB)
+    with pytest.raises(UsageError) as e:
+        memplan.decide(j, free)
+    assert "--optim adamw_torch_8bit" in str(e.value) and "adamw_bnb_8bit" not in str(e.value)
+    assert memplan.fits(replace(j, optim="adamw_torch_8bit"), free)

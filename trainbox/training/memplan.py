@@ -409,10 +409,11 @@ def advice(job: Job, free: int) -> str:
     """The smallest changes that fit, each checked with this plan: an 8-bit optimizer, more GPUs, or QLoRA (its own
     estimate, qlora_estimate)."""
     options = []
-    # (bitsandbytes' 8-bit optimizers don't step FSDP2's DTensors)
-    if not job.fsdp and _state_bytes(job) > _state_bytes(job, "adamw_bnb_8bit"):
-        if fits(replace(job, optim="adamw_bnb_8bit", optim_args=None, masters_ok=False), free):
-            options.append("--optim adamw_bnb_8bit (8-bit optimizer states)")
+    # bitsandbytes' 8-bit optimizers don't step FSDP2's DTensors; torchao's do (the same 2 bytes a parameter)
+    eight = "adamw_torch_8bit" if job.fsdp else "adamw_bnb_8bit"
+    if (not job.fsdp or lowbit_reason() is None) and _state_bytes(job) > _state_bytes(job, eight):
+        if fits(replace(job, optim=eight, optim_args=None, masters_ok=False, states_ok=()), free):
+            options.append(f"--optim {eight} (8-bit optimizer states" + (", torchao's" if job.fsdp else "") + ")")
     g = more_gpus(job, free)
     if g:
         options.append(f"{g} GPUs like these (FSDP2 shards the weights, gradients and optimizer states: "
