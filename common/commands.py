@@ -28,6 +28,7 @@ TABLE = (
     Command("grpo", "grpo", trainer=True, slurm=True),
     Command("qlora", "qlora", trainer=True),  # no Slurm job script offered yet
     Command("sft", "sft", trainer=True, slurm=True),
+    Command("dpo", "dpo", trainer=True, slurm=True),
     Command("plan", "plan"),
     Command("doctor", "doctor"),
     Command("nccl-check", "nccl_check", slurm=True),

@@ -130,21 +130,28 @@ def test_the_checkout_refuses_the_dummy_it_does_not_list(tmp_path):
     assert job.returncode == 2 and "invalid choice: 'dummy'" in job.stderr
 
 
-def test_the_table_gives_the_lists_it_replaced():
-    """Behaviour unchanged: the names each reader had before the table."""
+def test_every_reader_follows_the_table():
+    """Whatever the table holds: `trainbox --help` lists each public command and no hidden one, the Slurm renderer
+    offers a job for each `slurm` command (with --config for trainers), the notebook helper runs trainers only, and
+    each command's module is where the table says. Adding a command changes none of these lines."""
+    import re
+
     from builder import slurm
 
-    assert commands.names(public=True) == ("jupyter", "grpo", "qlora", "sft", "plan", "doctor", "nccl-check", "ray")
-    assert commands.names(public=False) == ("healthcheck",)
-    assert set(commands.names(trainer=True)) == {"sft", "qlora", "grpo"}
-    assert set(slurm.ENTRYPOINTS) == {"sft", "grpo", "nccl-check", "ray", "verl-ppo", "verl-sft"}
-    assert set(slurm.NO_CONFIG) == {"nccl-check", "ray", "verl-ppo", "verl-sft"}
+    listed = re.findall(r"^  (\S+) ", run(ROOT, "-m", "trainbox", "--help").stdout, flags=re.M)
+    assert listed and set(listed) == set(commands.names(public=True)), listed
+    assert not set(commands.names(public=False)) & set(listed)
+    ours = set(slurm.ENTRYPOINTS) & set(commands.BY_NAME)
+    assert ours == set(commands.names(slurm=True))
+    assert set(slurm.NO_CONFIG) & ours == set(commands.names(slurm=True, trainer=False))
     assert commands.module("ray") == "ray_cluster" and commands.module("nccl-check") == "nccl_check"
     for c in commands.TABLE:
         assert (ROOT / "trainbox" / "cli" / f"{c.module}.py").is_file(), c
         assert (ROOT / commands.path(c.name)).is_file() and commands.qualified(c.name) == f"trainbox.cli.{c.module}"
-    with pytest.raises(ValueError, match=r"^unknown entrypoint 'doctor'; one of grpo, qlora, sft$"):
-        notebook.run("doctor", [], output_dir="/nonexistent")
+    trainers = ", ".join(commands.names(trainer=True))
+    not_trainer = next(c.name for c in commands.TABLE if not c.trainer)
+    with pytest.raises(ValueError, match=rf"^unknown entrypoint '{not_trainer}'; one of {trainers}$"):
+        notebook.run(not_trainer, [], output_dir="/nonexistent")
 
 
 def test_the_table_is_pure_data():

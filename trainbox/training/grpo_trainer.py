@@ -5,7 +5,7 @@ rollouts, or neither) with our callbacks, and a line on what was loaded.
 
 from __future__ import annotations
 
-from trainbox.training import attention, config, grpo_rollouts, hostgc, memplan, speed, throughput
+from trainbox.training import attention, callbacks, config, grpo_rollouts, memplan, speed
 from trainbox.run import ranks
 
 
@@ -147,9 +147,8 @@ def build_trainer(args, model_args, mode, funcs, ds, preempt_cb, padding_free: b
             train_dataset=ds,
             peft_config=get_peft_config(model_args) if mode != "full" else None,
             quantization_config=quant,
-            # Steady steps/s and tokens/s for the summary (no MFU: rollouts are most of a GRPO step's work); the
-            # collector's full passes kept off the steps (hostgc.py).
-            callbacks=[preempt_cb, throughput.Throughput(), hostgc.FrozenHeap()],
+            # The one callback list (callbacks.py); no MFU in the summary: rollouts are most of a GRPO step's work.
+            callbacks=callbacks.standard(preempt_cb),
         )
     except Exception as error:
         grpo_rollouts.explain_engine_failure(args, error)
