@@ -674,9 +674,10 @@ def check(a) -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
+    from trainbox.image import imageinfo
     from trainbox.training import attention
 
-    choice = attention.choose()
+    choice = attention.choose(None, imageinfo.load())  # the image's kernel default, as the trainers take it
     print(choice.line(), flush=True)
     conf = LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
                        num_key_value_heads=2, vocab_size=1000)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 
+from trainbox.image import imageinfo
 from trainbox.training import adapters, dpolib, skeleton
 from trainbox.training import config as cfg
 
@@ -62,7 +63,7 @@ parse = RECIPE.parse
 
 
 def main(argv: list[str]) -> int:
-    return skeleton.main(RECIPE, argv)
+    return skeleton.main(RECIPE, argv, imageinfo.load)
 
 
 if __name__ == "__main__":

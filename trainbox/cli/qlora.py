@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from common.errors import UsageError
 from trainbox import helpcache
 from trainbox.run import outputs, ranks
+from trainbox.image import imageinfo
 from trainbox.training import adapters, sftlib, skeleton
 
 
@@ -109,7 +110,7 @@ parse = RECIPE.parse
 
 
 def main(argv: list[str]) -> int:
-    return skeleton.main(RECIPE, argv)
+    return skeleton.main(RECIPE, argv, imageinfo.load)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 
+from trainbox.image import imageinfo
 from trainbox.training import config as cfg
 from trainbox.training import sftlib, skeleton
 
@@ -35,7 +36,7 @@ parse = RECIPE.parse
 
 
 def main(argv: list[str]) -> int:
-    return skeleton.main(RECIPE, argv)
+    return skeleton.main(RECIPE, argv, imageinfo.load)
 
 
 if __name__ == "__main__":

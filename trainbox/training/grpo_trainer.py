@@ -48,7 +48,7 @@ def choose_sleep_mode(args, planned: bool) -> str:
     return "; vLLM sleep mode on" + (" (the plan saves memory)" if planned else " (no memory plan here)")
 
 
-def choose_policy_forward(script, args, model_args, needs=None) -> list[str]:
+def choose_policy_forward(script, args, model_args, needs=None, image: dict | None = None) -> list[str]:
     """The policy's attention kernel (attention.choose, as sft) and whether its log-prob forward is padding-free;
     sets model_args.attn_implementation and script.padding_free, returns the lines to print.
 
@@ -58,7 +58,7 @@ def choose_policy_forward(script, args, model_args, needs=None) -> list[str]:
     init = args.model_init_kwargs or {}
     requested = (model_args.attn_implementation if "attn_implementation" in config.explicit(model_args)
                  else init.get("attn_implementation"))
-    choice = attention.choose(requested, model=needs or attention.Needs())
+    choice = attention.choose(requested, image, model=needs or attention.Needs())
     model_args.attn_implementation = choice.impl  # our aliases (varlen, fa2, ...) resolved to transformers' names
     if "attn_implementation" in init:
         args.model_init_kwargs = {**init, "attn_implementation": choice.impl}

@@ -100,13 +100,14 @@ def shards(training_args) -> int:
     return 1
 
 
-def tune(model_args, training_args, shards: int, checkpointing: bool = True, packing: str | None = None,
-         memory=None):
+def tune(model_args, training_args, shards: int, image: dict | None, checkpointing: bool = True,
+         packing: str | None = None, memory=None):
     """Attention kernel and speed defaults (speed.py) for this model and GPU, printed once; returns (choice, facts).
-    packing: None (decided), else why this trainer has none; memory: facts -> the memory plan's tokens/extra."""
+    image: the image record (attention.choose); packing: None (decided), else why this trainer has none; memory:
+    facts -> the memory plan's tokens/extra."""
     requested = model_args.attn_implementation if "attn_implementation" in cfg.explicit(model_args) else None
     facts = speed.model_facts(model_args.model_name_or_path, model_args.model_revision)
-    choice = attention.choose(requested, model=facts.attention)
+    choice = attention.choose(requested, image, model=facts.attention)
     lines = speed.apply(training_args, model_args, choice, facts, shards=shards, checkpointing=checkpointing,
                         packing=packing, **(memory(facts) if memory else {}))
     if outputs.is_main_process():

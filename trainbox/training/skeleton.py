@@ -150,8 +150,9 @@ def check_before_launch(recipe: Recipe, options, plan=None) -> None:
     recipe.rows(run, tokenizer, 8)
 
 
-def train(recipe: Recipe, options) -> int:
-    """The steps, in order (the module docstring); the exit code (preempted: preemption.exit_code())."""
+def train(recipe: Recipe, options, image: Callable[[], dict | None]) -> int:
+    """The steps, in order (the module docstring); the exit code (preempted: preemption.exit_code()). `image`
+    reads the image record (the command passes trainbox.image.imageinfo.load: its kernel default)."""
     run = Run.of(recipe, options)
     name, args, model_args = recipe.name, run.args, run.model
     started = time.time()
@@ -168,8 +169,9 @@ def train(recipe: Recipe, options) -> int:
               + (f", resuming from {ckpt}" if ckpt else ""), flush=True)
 
     t = recipe.tuning
-    choice, facts = sftlib.tune(model_args, args, shards=sftlib.shards(args), checkpointing=t.checkpointing,
-                                packing=t.packing, memory=(lambda f: t.memory(run, f)) if t.memory else None)
+    choice, facts = sftlib.tune(model_args, args, shards=sftlib.shards(args), image=image(),
+                                checkpointing=t.checkpointing, packing=t.packing,
+                                memory=(lambda f: t.memory(run, f)) if t.memory else None)
     for line in recipe.notes(run, facts) if recipe.notes else ():
         say(line, name)
     model = recipe.model(run, choice, facts)
@@ -188,7 +190,7 @@ def train(recipe: Recipe, options) -> int:
     return preemption.exit_code()
 
 
-def main(recipe: Recipe, argv: list[str]) -> int:
-    """`trainbox NAME ARGV` for a declared trainer."""
+def main(recipe: Recipe, argv: list[str], image: Callable[[], dict | None]) -> int:
+    """`trainbox NAME ARGV` for a declared trainer; `image` reads the image record (imageinfo.load)."""
     return runner.run_trainer(recipe.name, argv, recipe.parse, lambda o, p: check_before_launch(recipe, o, p),
-                              lambda o: train(recipe, o))
+                              lambda o: train(recipe, o, image))
