@@ -362,22 +362,22 @@ def attach(trainer, opts) -> Profile:
 
 @contextlib.contextmanager
 def patched(opts, found: list):
-    """trainbox.cli.sft's build_trainer wrapped: the trainer it returns gets the profile (appended to `found` with
-    it); restored after. sft.py imported the name from sftlib, so it is replaced where sft.train looks it up."""
-    from trainbox.cli import sft
+    """sftlib's build_trainer wrapped: the trainer it returns gets the profile (appended to `found` with it); restored
+    after. sft's recipe (trainbox/cli/sft.py) looks the name up in sftlib when it builds its trainer."""
+    from trainbox.training import sftlib
 
-    build = sft.build_trainer
+    build = sftlib.build_trainer
 
     def build_trainer(*a, **k):
         trainer = build(*a, **k)
         found.append((trainer, attach(trainer, opts)))
         return trainer
 
-    sft.build_trainer = build_trainer
+    sftlib.build_trainer = build_trainer
     try:
         yield
     finally:
-        sft.build_trainer = build
+        sftlib.build_trainer = build
 
 
 # CPU smoke: a tiny Llama, short rows, small batches (the plumbing, not the numbers).

@@ -8,6 +8,7 @@
     python benchmarks/train_throughput.py sft --shape llama-8b --batch 2 --max-length 1024 --runs 2  # 8B, one GPU
     python benchmarks/train_throughput.py qlora [--steps 20] [--unsloth-site DIR]  # plain PEFT+bnb, Unsloth, trainbox (8B)
     python benchmarks/train_throughput.py grpo  [--steps 12] [--plain vllm|defaults]  # trl grpo vs trainbox grpo (1B)
+    python benchmarks/train_throughput.py dpo   [--steps 20] [--runs 3]     # trl dpo vs trainbox dpo (1B, chat pairs)
     python benchmarks/train_throughput.py check                             # packed == alone with the GPU's kernel
     python benchmarks/train_throughput.py memory [--steps 6]                # 8B full sft on one GPU: peak memory
 
@@ -435,6 +436,83 @@ def summarize_sft(results: dict) -> None:
               f"(trl {pairs[0][0]:.4f}->{pairs[-1][0]:.4f}, ours {pairs[0][1]:.4f}->{pairs[-1][1]:.4f})", flush=True)
 
 
+def write_pairs(path: Path, n: int, max_len: int, seed: int = 0) -> tuple[Path, list[int]]:
+    """Chat preference pairs with long tails: prompt and completions lognormal (medians 120 and 240 words), each
+    pair fitting `max_len`. Returns the folder (train.jsonl) and the token length of every row a batch holds
+    (prompt + chosen, prompt + rejected)."""
+    rng = random.Random(seed)
+    path.mkdir(parents=True, exist_ok=True)
+
+    def draw(median):
+        return max(4, int(rng.lognormvariate(math.log(median), (math.log(1500) - math.log(350)) / 1.645)))
+
+    rows = []
+    with open(path / "train.jsonl", "w") as f:
+        for _ in range(n):
+            p = min(draw(120), max_len // 2)
+            c, r = (min(draw(240), max_len - p - 2 * OVERHEAD) for _ in range(2))
+            text = [" ".join(f"w{rng.randrange(WORDS)}" for _ in range(k)) for k in (p, c, r)]
+            f.write(json.dumps({"prompt": [{"role": "user", "content": text[0]}],
+                                "chosen": [{"role": "assistant", "content": text[1]}],
+                                "rejected": [{"role": "assistant", "content": text[2]}]}) + "\n")
+            rows += [p + c + OVERHEAD, p + r + OVERHEAD]
+    return path, rows
+
+
+def dpo(a) -> None:
+    """`trl dpo` with its defaults vs `trainbox dpo`, one GPU, the Llama-3.2-1B shape (or --shape), long-tailed chat
+    pairs, batch 4 pairs x 2048 tokens on both sides. TRL's DPOTrainer pads and neither side packs, so the two see
+    the same batches: the logged losses (steps 10 and 20) must agree within 1 %. MFU counts the reference forward
+    (8N per token, not 6N)."""
+    work = Path(a.work)
+    log = work / "dpo.log"
+    shape = a.shape or "llama-1b"
+    model = make_model(work / shape, shape)
+    peak = peak_tflops()
+    common = ["--model_name_or_path", str(model), "--max_length", "2048", "--per_device_train_batch_size", "4",
+              "--save_strategy", "no", "--report_to", "none", "--seed", "0", "--disable_tqdm", "true"]
+    data, rows = write_pairs(work / "data-pairs", a.steps * 4 * 2, 2048)
+    fpt = flops_per_token(model, rows) * 8 / 6
+    print(f"# dpo {shape}: {len(rows) // 2} pairs, row median {sorted(rows)[len(rows) // 2]} tokens, "
+          f"{100 * sum(n > 1500 for n in rows) / len(rows):.1f} % over 1,500; {fpt / 1e9:.2f} GFLOP/token", flush=True)
+    py = sys.executable
+
+    def trl(out, steps):
+        return [py, "-m", "trl.cli.main", "dpo", "--dataset_name", str(data), "--output_dir", str(out),
+                "--max_steps", str(steps), *common]
+
+    def ours(out, steps):
+        return [py, "-m", "trainbox", "dpo", "--dataset", str(data / "train.jsonl"), "--output_dir", str(out),
+                "--max_steps", str(steps), "--resume", "never", *common]
+
+    if a.warmup:
+        run("warmup", ours(work / "o-warm", 6), work, log)
+    results = {}
+    order = [("trl", trl, []), ("ours", ours, []), ("ours", ours, []), ("trl", trl, [])][: a.runs]
+    order += [(f"ours+{name}", ours, extra) for name, extra in a.also]
+    for i, (who, fn, extra) in enumerate(order):
+        label = f"pairs-{who}-{i}"
+        env, opts = split_env(extra)
+        results[label] = show(run(label, fn(work / f"o-{label}", a.steps) + opts, work, log, env), fpt, peak)
+    rate = {who: [r["tokens_per_s"] for k, r in results.items() if k.split("-")[1] == who and "tokens_per_s" in r]
+            for who in ("ours", "trl")}
+    if rate["ours"] and rate["trl"]:
+        o, t = (sum(v) / len(v) for v in (rate["ours"], rate["trl"]))
+        print(f"SUMMARY dpo: ours {o:,.0f} vs trl dpo {t:,.0f} real tok/s = {o / t:.2f}x", flush=True)
+    for who in ("ours", "trl"):
+        peaks = [r["peak_gib"] for k, r in results.items() if k.split("-")[1] == who and "peak_gib" in r]
+        if peaks:
+            print(f"SUMMARY dpo {who}: peak {max(peaks):.2f} GiB", flush=True)
+    ref, mine = results.get("pairs-trl-0", {}).get("losses"), results.get("pairs-ours-1", {}).get("losses")
+    if ref and mine:
+        pairs = [(x[1], y[1]) for x, y in zip(ref, mine)]
+        worst = max(abs(x - y) / abs(x) for x, y in pairs)
+        print(f"SUMMARY dpo loss at steps {','.join(str(x[0]) for x in ref[:len(pairs)])}, same batches: max relative "
+              f"difference {100 * worst:.2f} % (trl {pairs[0][0]:.4f}->{pairs[-1][0]:.4f}, ours {pairs[0][1]:.4f}->"
+              f"{pairs[-1][1]:.4f})", flush=True)
+    json.dump(results, open(work / "dpo-results.json", "w"), indent=1, default=str)
+
+
 PLAIN_QLORA = '''
 """A plain PEFT + bitsandbytes QLoRA script, as the PEFT/bitsandbytes docs show it: nf4 + double quant, bf16
 compute, LoRA r16 on all linear layers, gradient checkpointing, paged 8-bit AdamW, padded batches."""
@@ -705,9 +783,10 @@ def check(a) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
+    from trainbox.image import imageinfo
     from trainbox.training import attention
 
-    choice = attention.choose()
+    choice = attention.choose(None, imageinfo.load())  # the image's kernel default, as the trainers take it
     print(choice.line(), flush=True)
     conf = LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
                        num_key_value_heads=2, vocab_size=1000)
@@ -746,7 +825,7 @@ def variant(text: str) -> tuple[str, list[str]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["sft", "qlora", "grpo", "check", "memory"])
+    ap.add_argument("what", choices=["sft", "qlora", "grpo", "dpo", "check", "memory"])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--kinds", nargs="+", default=["mix", "uniform"], choices=["mix", "uniform"])
     ap.add_argument("--nproc", type=int, default=1,
@@ -791,7 +870,7 @@ def main() -> None:
     ap.add_argument("--work", default=tempfile.mkdtemp(prefix="bench-"))
     a = ap.parse_args()
     Path(a.work).mkdir(parents=True, exist_ok=True)
-    {"sft": sft, "qlora": qlora, "grpo": grpo, "check": check, "memory": memory}[a.what](a)
+    {"sft": sft, "qlora": qlora, "grpo": grpo, "dpo": dpo, "check": check, "memory": memory}[a.what](a)
 
 
 if __name__ == "__main__":

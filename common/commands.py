@@ -34,6 +34,7 @@ TABLE = (
     Command("grpo", "grpo", trainer=True, slurm=True, needs=TRAINING),
     Command("qlora", "qlora", trainer=True, needs=(*TRAINING, "peft")),  # no Slurm job script offered yet
     Command("sft", "sft", trainer=True, slurm=True, needs=TRAINING),
+    Command("dpo", "dpo", trainer=True, slurm=True, needs=TRAINING),
     Command("plan", "plan", needs=TRAINING),
     Command("doctor", "doctor"),
     Command("nccl-check", "nccl_check", slurm=True, needs=("torch",)),

@@ -129,21 +129,28 @@ def test_the_checkout_refuses_the_dummy_it_does_not_list(tmp_path):
     assert job.returncode == 2 and "invalid choice: 'dummy'" in job.stderr
 
 
-def test_the_table_gives_the_lists_it_replaced():
-    """Behaviour unchanged: the names each reader had before the table."""
+def test_every_reader_follows_the_table():
+    """Whatever the table holds: `trainbox --help` lists each public command and no hidden one, the Slurm renderer
+    offers a job for each `slurm` command (with --config for trainers), the notebook helper runs trainers only, and
+    each command's module is where the table says. Adding a command changes none of these lines."""
+    import re
+
     from builder import slurm
 
-    assert commands.names(public=True) == ("jupyter", "grpo", "qlora", "sft", "plan", "doctor", "nccl-check", "ray")
-    assert commands.names(public=False) == ("healthcheck",)
-    assert set(commands.names(trainer=True)) == {"sft", "qlora", "grpo"}
-    assert set(slurm.ENTRYPOINTS) == {"sft", "grpo", "nccl-check", "ray", "verl-ppo", "verl-sft"}
-    assert set(slurm.NO_CONFIG) == {"nccl-check", "ray", "verl-ppo", "verl-sft"}
+    listed = re.findall(r"^  (\S+) ", run(ROOT, "-m", "trainbox", "--help").stdout, flags=re.M)
+    assert listed and set(listed) == set(commands.names(public=True)), listed
+    assert not set(commands.names(public=False)) & set(listed)
+    ours = set(slurm.ENTRYPOINTS) & set(commands.BY_NAME)
+    assert ours == set(commands.names(slurm=True))
+    assert set(slurm.NO_CONFIG) & ours == set(commands.names(slurm=True, trainer=False))
     assert commands.module("ray") == "ray_cluster" and commands.module("nccl-check") == "nccl_check"
     for c in commands.TABLE:
         assert (ROOT / "trainbox" / "cli" / f"{c.module}.py").is_file(), c
         assert (ROOT / commands.path(c.name)).is_file() and commands.qualified(c.name) == f"trainbox.cli.{c.module}"
-    with pytest.raises(ValueError, match=r"^unknown entrypoint 'doctor'; one of grpo, qlora, sft$"):
-        notebook.run("doctor", [], output_dir="/nonexistent")
+    trainers = ", ".join(commands.names(trainer=True))
+    not_trainer = next(c.name for c in commands.TABLE if not c.trainer)
+    with pytest.raises(ValueError, match=rf"^unknown entrypoint '{not_trainer}'; one of {trainers}$"):
+        notebook.run(not_trainer, [], output_dir="/nonexistent")
 
 
 def test_the_table_is_pure_data():
@@ -185,3 +192,17 @@ def test_the_list_check_catches_a_planted_list():
     assert name_lists('if name in ["sft", "ray"]:\n    pass\n') == [(1, ["ray", "sft"])]
     assert name_lists('MODULES = {"ray": "ray_cluster", "nccl-check": "nccl_check"}\n') == [(1, ["nccl-check", "ray"])]
     assert name_lists('LOSS = ("grpo", "dr_grpo")\nX = commands.names(trainer=True)\n') == []
+
+
+def test_every_trainer_takes_the_held_stop_signals_first():
+    """The dispatcher holds SIGTERM/SIGUSR1 across its exec of a trainer (dispatch.py); a trainer module that does
+    not take them (preemption.claim_preempt_signals, before its heavy imports) would never see a stop signal."""
+    for name in commands.names(trainer=True):
+        path = ROOT / commands.path(name)
+        tree = ast.parse(path.read_text())
+        guards = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
+        first = guards[0] if guards else None
+        assert first is not None and "claim_preempt_signals" in ast.unparse(first), f"{path}: no claim first"
+        heavy = [n for n in tree.body[: tree.body.index(first)] if isinstance(n, ast.Import | ast.ImportFrom)
+                 and any(a.name.split(".")[0] in ("torch", "transformers", "trl") for a in n.names)]
+        assert not heavy, f"{path}: imports {ast.unparse(heavy[0])} before it takes the stop signals"

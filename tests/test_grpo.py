@@ -869,7 +869,7 @@ def test_policy_forward_choice(tiny_model, gsm8k_file, monkeypatch):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
         args.use_cpu = not gpu  # parsed here without a GPU, the config says CPU
         # attention.choose's own decision on a pretend sm90 GPU where only the kernels in `runs` work.
-        monkeypatch.setattr(attention, "choose", lambda req=None, model=None: attention.decide(
+        monkeypatch.setattr(attention, "choose", lambda req=None, info=None, model=None: attention.decide(
             {"attention_backend": "fa3"}, (9, 0) if gpu else None, lambda n: None if n in runs else "absent", req,
             model=model))
         lines = grpo_trainer.choose_policy_forward(script, args, model_args)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import sidebyside
+from common import commands
 from trainbox import helpcache
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +41,7 @@ def rendered(tmp_path_factory):
     anywhere; sft's with a --config file."""
     pool = sidebyside.pool()
     runs = {}
-    for name in ("sft", "qlora", "grpo"):
+    for name in commands.names(trainer=True):
         cache = tmp_path_factory.mktemp(f"help-{name}") / "cache"
         runs[name] = cache, pool.submit(trainbox, name, "--help", env={"XDG_CACHE_HOME": str(cache)})
     runs["qlora-uncached"] = None, pool.submit(
@@ -54,7 +55,7 @@ def rendered(tmp_path_factory):
     pool.shutdown(wait=True, cancel_futures=True)
 
 
-@pytest.mark.parametrize("name", ["sft", "qlora", "grpo"])
+@pytest.mark.parametrize("name", commands.names(trainer=True))
 def test_second_help_prints_the_same_text_without_importing_trl(rendered, tmp_path, poisoned, name):
     cache, run = rendered[name]
     first = run.result()
@@ -103,11 +104,11 @@ def test_asked_ignores_arguments_after_double_dash():
 
 
 def test_image_build_step_renders_every_trainer_and_nothing_in_a_light_image(tmp_path, monkeypatch):
-    """`python -m trainbox.helpcache` (the Dockerfile's RUN): all three texts kept; without TRL (the light arm64
+    """`python -m trainbox.helpcache` (the Dockerfile's RUN): every trainer's text kept; without TRL (the light arm64
     smoke image: jupyter and doctor only) nothing to render and no failure."""
     monkeypatch.setenv("TRAINBOX_HELP_DIR", str(tmp_path / "help"))
-    assert sorted(helpcache.render_all()) == ["grpo", "qlora", "sft"]  # the command table's trainers
-    assert all(helpcache.load(n) for n in ("sft", "qlora", "grpo"))
+    assert sorted(helpcache.render_all()) == sorted(commands.names(trainer=True))  # the command table's trainers
+    assert all(helpcache.load(n) for n in commands.names(trainer=True))
     import importlib.util
 
     real = importlib.util.find_spec

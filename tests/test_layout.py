@@ -180,7 +180,7 @@ def test_the_in_image_package_has_no_import_cycle():
     """The same rule in trainbox/: commands (cli/) over the trainer library, a run's life and the image's facts;
     none of those imports a command, and no two modules import each other, even inside a function."""
     graph = import_graph(IMAGE)
-    assert f"{IMAGE}.cli.sft" in graph and f"{IMAGE}.training.runner" in graph[f"{IMAGE}.cli.sft"]
+    assert any(n.startswith(f"{IMAGE}.training.") for n in graph[f"{IMAGE}.cli.sft"])  # the graph sees real imports
     found = [sorted(c) for c in cycles(graph)]
     assert not found, f"import circles in {IMAGE}/ (imports inside functions count): {found}"
 

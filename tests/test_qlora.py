@@ -18,9 +18,10 @@ def test_quantized_load_is_nf4_double_quant_bf16_compute(tiny_model):
     import torch
 
     from trainbox.cli import qlora
+    from trainbox.training import adapters
 
     _, _, _, model_args, _ = qlora.parse(["--model_name_or_path", str(tiny_model)])
-    model = qlora.load_quantized(model_args)
+    model = adapters.load_quantized(model_args)
     layers = {n: m for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
     assert {n.rsplit(".", 1)[1] for n in layers} == LINEAR and len(layers) == 2 * len(LINEAR)
     for m in layers.values():

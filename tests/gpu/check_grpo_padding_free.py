@@ -26,6 +26,7 @@ def main() -> int:
     from trl import GRPOConfig, GRPOTrainer
 
     import train_throughput as bench
+    from trainbox.image import imageinfo
     from trainbox.training import attention
     from trainbox.training.grpo_padding_free import PaddingFreeGRPOTrainer
 
@@ -37,7 +38,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="grpo-pf-"))
     bench.make_tokenizer(work)
     tok = AutoTokenizer.from_pretrained(work)
-    choice = attention.choose()
+    choice = attention.choose(None, imageinfo.load())  # the image's kernel default, as the trainers take it
     print(choice.line(), flush=True)
     torch.manual_seed(0)
     conf = LlamaConfig(**bench.SHAPES["llama-1b"], pad_token_id=0, bos_token_id=1, eos_token_id=2)

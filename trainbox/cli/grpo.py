@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 from common import launch
+from trainbox.image import imageinfo
 from trainbox.run import outputs, ranks, resume, runsummary
 from trainbox.training import (config, grpo_data, grpo_options, grpo_rollouts, grpo_trainer, modelfiles, moe, rewards,
                                runner, speed, vllm_server)
@@ -137,7 +138,7 @@ def train(script, args, model_args, checked: Checked) -> int:
     facts = speed.model_facts(model_args.model_name_or_path, model_args.model_revision)
     line = grpo_trainer.choose_checkpointing(args, model_args, checked.mode, script.max_prompt_tokens, facts,
                                              script.static_decode)
-    lines = [line, *grpo_trainer.choose_policy_forward(script, args, model_args, facts.attention)]
+    lines = [line, *grpo_trainer.choose_policy_forward(script, args, model_args, facts.attention, imageinfo.load())]
     if checked.mode == "full":  # (LoRA/QLoRA on MoE experts: not measured with it)
         experts, line = moe.choose(facts)
         if experts:

@@ -16,17 +16,14 @@ from trainbox.run import preemption
 if __name__ == "__main__":  # first, before torch's seconds of imports: a stop signal then is remembered, not a kill
     preemption.claim_preempt_signals()
 
-import os
 import sys
-import time
 from dataclasses import dataclass, field
 
-from common import atomic, launch
 from common.errors import UsageError
 from trainbox import helpcache
-from trainbox.run import outputs, ranks, resume, runsummary
-from trainbox.training import config as cfg
-from trainbox.training import modelfiles, runner, sftlib
+from trainbox.run import outputs, ranks
+from trainbox.image import imageinfo
+from trainbox.training import adapters, modelfiles, sftlib, skeleton
 
 
 @dataclass
@@ -66,154 +63,60 @@ def qlora_defaults(gpu: bool | None = None) -> dict:
     }
 
 
-def parse(argv: list[str], prog: str = "trainbox qlora"):
-    from trl import ModelConfig, SFTConfig
-
-    return cfg.parse_args(
-        (sftlib.DataArguments, QLoRAArguments, launch.LaunchArguments, ModelConfig, SFTConfig),
-        argv,
-        prog=prog,
-        legacy={**cfg.LEGACY_TRAINING, **cfg.LEGACY_SFT},
-        defaults=qlora_defaults(gpu=True if helpcache.asked(argv) else None),
-    )
-
-
-def validate(data_args, model_args, training_args):
-    sftlib.validate(data_args, model_args, training_args)
-    if model_args.load_in_4bit and model_args.load_in_8bit:
+def check(run) -> None:
+    m = run.model
+    if m.load_in_4bit and m.load_in_8bit:
         raise UsageError("--load_in_4bit and --load_in_8bit exclude each other; pick one")
-    if not model_args.use_peft:
+    if not m.use_peft:
         raise UsageError("qlora trains LoRA adapters: --use_peft must stay true (use `sft` for full fine-tuning)")
-    if model_args.dtype not in ("bfloat16", "float16", "float32"):
-        raise UsageError(f"--dtype {model_args.dtype}: qlora needs bfloat16, float16 or float32 (the compute dtype)")
-    modelfiles.check_lora_targets(model_args.model_name_or_path, model_args.model_revision,
-                                  model_args.lora_target_modules)
+    if m.dtype not in ("bfloat16", "float16", "float32"):
+        raise UsageError(f"--dtype {m.dtype}: qlora needs bfloat16, float16 or float32 (the compute dtype)")
+    modelfiles.check_lora_targets(m.model_name_or_path, m.model_revision, m.lora_target_modules)
 
 
-def choose_lora_dropout(model_args, facts) -> str | None:
-    """PEFT puts LoRA on an MoE model's fused expert weights (Mixtral, Qwen3-MoE in transformers 5) through a
-    parameter wrapper that refuses dropout: the default 0.05 would crash there, so MoE models get 0."""
-    if not facts.experts or model_args.lora_dropout == 0 or "lora_dropout" in cfg.explicit(model_args):
-        return None
-    model_args.lora_dropout = 0.0
-    return f"LoRA dropout 0 (MoE, {facts.experts} experts: PEFT's LoRA on fused expert weights takes no dropout)"
+def describe(run) -> str:
+    m, args = run.model, run.args
+    bits = "4-bit " + m.bnb_4bit_quant_type if m.load_in_4bit else ("8-bit" if m.load_in_8bit else "unquantized")
+    return (f"{bits}, LoRA r={m.lora_r} on {m.lora_target_modules}, "
+            f"optim {getattr(args.optim, 'value', args.optim)}")
 
 
-def _peft_config(model_args):
-    from trl import get_peft_config
-
-    model_args.lora_target_modules = modelfiles.peft_targets(model_args.lora_target_modules)
-    return get_peft_config(model_args)
-
-
-def load_quantized(model_args, attn_implementation: str | None = None):
-    import torch
-    from transformers import AutoModelForCausalLM
-    from trl import get_quantization_config
-
-    # TRL's own helper builds the BitsAndBytesConfig from ModelConfig (as `grpo` does): nf4, double quant, compute
-    # dtype = --dtype, storage = --bnb_4bit_quant_storage.
-    quant = get_quantization_config(model_args)
-    # Each rank loads a whole (quantized) copy onto its own device; under FSDP2 the Trainer then shards it.
-    device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
-    return AutoModelForCausalLM.from_pretrained(
-        model_args.model_name_or_path,
-        dtype=getattr(torch, model_args.dtype),
-        quantization_config=quant,
-        device_map={"": device},
-        attn_implementation=attn_implementation or model_args.attn_implementation,
-        revision=model_args.model_revision,
-    )
+def save(run, trainer, tokenizer) -> None:
+    adapters.save_adapter(trainer, run.args.output_dir)
+    if run.extra(QLoRAArguments).merge:
+        trainer.accelerator.wait_for_everyone()
+        if outputs.is_main_process():
+            merged = adapters.save_merged(run.model, run.args.output_dir, tokenizer)
+            print(f"[trainbox] qlora: merged model in {merged}", flush=True)
 
 
-def save_merged(model_args, adapter_dir: str, tokenizer) -> str:
-    """Base in the compute dtype (not quantized) + adapter, merged, written through the one atomic writer (a temp
-    folder, fsynced, swapped in whole)."""
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+def _config():
+    from trl import SFTConfig
 
-    final = os.path.join(adapter_dir, "merged")
-    base = AutoModelForCausalLM.from_pretrained(
-        model_args.model_name_or_path, dtype=getattr(torch, model_args.dtype), revision=model_args.model_revision
-    )
-    merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
-    with atomic.replacing_dir(final) as tmp:
-        merged.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-    return final
+    return SFTConfig
 
 
-def save_adapter(trainer, output_dir: str) -> None:
-    """The adapter (adapter_config.json + weights) as one loadable set. Under FSDP2 only the LoRA weights are gathered
-    (every rank joins each all-gather, the first process writes): a full state dict of the sharded 4-bit base is
-    never built (it hung in accelerate's FULL_STATE_DICT path on 2 GPUs, and it is not what an adapter needs)."""
-    if not trainer.is_fsdp_enabled:
-        trainer.save_model(output_dir)
-        return
-    from torch.distributed.tensor import DTensor
-
-    state = {}
-    for name, p in trainer.model.named_parameters():
-        if p.requires_grad:
-            full = p.full_tensor() if isinstance(p, DTensor) else p.data
-            state[name] = full.detach().to("cpu")
-    if trainer.accelerator.is_main_process:
-        # PeftModel.save_pretrained keeps the adapter's keys (lora_*) and drops the adapter name, as usual.
-        trainer.model.save_pretrained(output_dir, state_dict=state)
-        trainer.processing_class.save_pretrained(output_dir)
-    trainer.accelerator.wait_for_everyone()
-
-
-def train(data_args, q_args, model_args, training_args, name: str = "qlora") -> int:
-    started = time.time()
-    training_args.output_dir = outputs.output_dir(cfg.configured_output_dir(training_args))
-    validate(data_args, model_args, training_args)
-    tokenizer = sftlib.load_tokenizer(model_args.model_name_or_path, training_args)
-    with training_args.main_process_first(local=False, desc="dataset"):
-        train_ds = sftlib.prepare_dataset(data_args, training_args)
-    ckpt = resume.resolve_resume(data_args.resume, training_args.output_dir, training_args, name)
-    choice, facts = sftlib.tune(model_args, training_args, shards=sftlib.shards(training_args), checkpointing=False)
-    dropout = choose_lora_dropout(model_args, facts)
-    peft_config = _peft_config(model_args)
-    if outputs.is_main_process():
-        bits = "4-bit " + model_args.bnb_4bit_quant_type if model_args.load_in_4bit else ("8-bit" if model_args.load_in_8bit else "unquantized")
-        print(
-            f"[trainbox] {name}: model {model_args.model_name_or_path} ({bits}, LoRA r={model_args.lora_r} on "
-            f"{model_args.lora_target_modules}, optim {getattr(training_args.optim, 'value', training_args.optim)}), {len(train_ds)} examples, "
-            f"outputs {training_args.output_dir}" + (f", resuming from {ckpt}" if ckpt else ""),
-            flush=True,
-        )
-        if dropout:
-            print(f"[trainbox] {name}: {dropout}", flush=True)
-    model = load_quantized(model_args, choice.impl)
-    trainer = sftlib.build_trainer(model, training_args, train_ds, tokenizer, peft_config=peft_config)
-    sftlib.finish_tuning(trainer, facts, qlora=True)
-    trainer.train(resume_from_checkpoint=ckpt)
-    if not preemption.was_preempted():
-        save_adapter(trainer, training_args.output_dir)
-        if q_args.merge:
-            trainer.accelerator.wait_for_everyone()
-            if outputs.is_main_process():
-                merged = save_merged(model_args, training_args.output_dir, tokenizer)
-                print(f"[trainbox] {name}: merged model in {merged}", flush=True)
-    runsummary.finish(trainer, training_args.output_dir, started, name)
-    return preemption.exit_code()
+RECIPE = skeleton.Recipe(
+    name="qlora",
+    config=_config,
+    defaults=lambda argv: qlora_defaults(gpu=True if helpcache.asked(argv) else None),
+    extras=(QLoRAArguments,),
+    check=check,
+    rows=lambda run, tokenizer, rows: sftlib.prepare_dataset(run.data, run.args, rows),
+    # gradient checkpointing stays on (qlora's point: a big base in little memory); FSDP2 reshards (memory first)
+    tuning=skeleton.Tuning(checkpointing=False, memory_first=True),
+    notes=lambda run, facts: [adapters.choose_lora_dropout(run.model, facts)],
+    model=lambda run, choice, facts: adapters.load_quantized(run.model, choice.impl),
+    trainer=lambda run, model, ds, tokenizer, callbacks: sftlib.build_trainer(
+        model, run.args, ds, tokenizer, peft_config=adapters.peft_config(run.model), callbacks=callbacks),
+    describe=describe,
+    save=save,
+)
+parse = RECIPE.parse
 
 
 def main(argv: list[str]) -> int:
-    return runner.run_trainer("qlora", argv, parse, _check_before_launch, _train)
-
-
-def _check_before_launch(options, plan) -> None:
-    data_args, _, _, model_args, training_args = options
-    validate(data_args, model_args, training_args)
-    sftlib.check_before_launch(data_args, model_args, training_args)
-
-
-def _train(options) -> int:
-    data_args, q_args, _, model_args, training_args = options
-    return train(data_args, q_args, model_args, training_args)
+    return skeleton.main(RECIPE, argv, imageinfo.load)
 
 
 if __name__ == "__main__":

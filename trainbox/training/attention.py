@@ -320,14 +320,12 @@ def _first(r):
     return r[0] if isinstance(r, tuple) else r
 
 
-def choose(requested: str | None = None, info: dict | None = None, model: Needs = Needs()) -> Choice:
+def choose(requested: str | None, info: dict | None, model: Needs = Needs()) -> Choice:
     """The kernel for this process's GPU (device 0 of what it sees) and a model that needs `model`, registering ours
-    when chosen."""
+    when chosen. `info`: the image record as the caller read it (trainbox.image.imageinfo.load(); None: no record,
+    the best kernel that runs here): the trainer library does not read the image's files itself."""
     import torch
 
-    from trainbox.image import imageinfo
-
-    info = imageinfo.load() if info is None else info
     cc = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
     if requested:  # the same option on every rank: no trials, nothing to agree on
         choice = decide(info, cc, lambda name: None, requested, model)

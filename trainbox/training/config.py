@@ -79,9 +79,13 @@ def _make_parser(dataclass_types: tuple, prog: str):
             raise UsageError(f"{prog}: {message} (see `{prog} --help`)")
 
     parser = _Parser(dataclass_types, prog=prog, allow_abbrev=False)
+    configs = {c.__name__ for t in dataclass_types for c in t.__mro__}  # (grpo parses a GRPOConfig subclass)
     for action in parser._actions:
         if action.dest in CHOICES and action.choices is None:
-            action.choices = CHOICES[action.dest]
+            values = CHOICES[action.dest]
+            if isinstance(values, dict):  # the values of the config class among these (none: argparse's own)
+                values = next((v for k, v in values.items() if k in configs), None)
+            action.choices = values
     parser.add_argument("--config", default=None, help="YAML file with option defaults; command-line options override")
     return parser
 
@@ -330,15 +334,19 @@ RANGES: dict[str, tuple] = {
         "ddp_bucket_cap_mb", "ddp_timeout", "max_tool_calling_iterations", "ref_model_sync_steps",
         "torch_empty_cache_steps", "vllm_max_model_length", "vllm_server_timeout", "vllm_tensor_parallel_size",
         "vllm_server_wait", "repetition_penalty", "temperature", "sapo_temperature_neg", "sapo_temperature_pos",
-        "neftune_noise_alpha", "pad_to_multiple_of", "delta", "nnodes", "nproc_per_node", "max_samples"), ABOVE_0),
+        "neftune_noise_alpha", "pad_to_multiple_of", "delta", "nnodes", "nproc_per_node", "max_samples",
+        "precompute_ref_batch_size", "discopop_tau"), ABOVE_0),
     **dict.fromkeys((
         "learning_rate", "weight_decay", "warmup_steps", "beta", "dataloader_num_workers", "save_total_limit", "seed",
         "data_seed", "max_grad_norm", "eval_delay", "entropy_coef", "entropy_coef_delta", "entropy_coef_max",
         "entropy_coef_min", "entropy_target", "epsilon", "epsilon_high", "num_completions_to_print",
         "off_policy_mask_threshold", "router_aux_loss_coef", "top_k", "vllm_importance_sampling_cap",
         "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min", "vespo_k_neg", "vespo_k_pos",
-        "vespo_lambda_neg", "vespo_lambda_pos", "vllm_server_nodes", "vllm_server_gpus", "node_rank"), AT_LEAST_0),
-    **dict.fromkeys(("min_p", "label_smoothing_factor", "top_entropy_quantile", "ref_model_mixup_alpha"), UNIT),
+        "vespo_lambda_neg", "vespo_lambda_pos", "vllm_server_nodes", "vllm_server_gpus", "node_rank",
+        "f_alpha_divergence_coef", "loss_weights"), AT_LEAST_0),
+    **dict.fromkeys(("min_p", "label_smoothing_factor", "top_entropy_quantile", "ref_model_mixup_alpha", "ld_alpha"),
+                    UNIT),
+    "label_smoothing": (0, 0.5, True, False),  # DPO's: the chance a preference label is flipped (robust, exo_pair)
     **dict.fromkeys(("lora_dropout", "adam_beta1", "adam_beta2"), UNIT_OPEN),
     **dict.fromkeys(("top_p", "vllm_gpu_memory_utilization"), SHARE),
     **dict.fromkeys(("master_port", "vllm_server_port", "vllm_group_port"), PORT),
@@ -361,7 +369,11 @@ CHOICES: dict[str, tuple] = {
     "importance_sampling_level": ("token", "sequence"),
     "multi_objective_aggregation": ("sum_then_normalize", "normalize_then_sum"),
     "scale_rewards": ("group", "batch", "none", True, False),
-    "loss_type": ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"),  # GRPO's
+    # per trainer config where the name means different things (TRL's config class name -> its values)
+    "loss_type": {"GRPOConfig": ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"),
+                  "DPOConfig": ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard",
+                                "aot", "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")},
+    "f_divergence_type": ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"),
     "vllm_importance_sampling_mode": ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
 }
 

@@ -5,7 +5,7 @@ rollouts, or neither) with our callbacks, and a line on what was loaded.
 
 from __future__ import annotations
 
-from trainbox.training import attention, config, grpo_rollouts, hostgc, memplan, speed, throughput
+from trainbox.training import attention, callbacks, config, grpo_rollouts, memplan, speed
 from trainbox.run import ranks
 
 
@@ -48,7 +48,7 @@ def choose_sleep_mode(args, planned: bool) -> str:
     return "; vLLM sleep mode on" + (" (the plan saves memory)" if planned else " (no memory plan here)")
 
 
-def choose_policy_forward(script, args, model_args, needs=None) -> list[str]:
+def choose_policy_forward(script, args, model_args, needs=None, image: dict | None = None) -> list[str]:
     """The policy's attention kernel (attention.choose, as sft) and whether its log-prob forward is padding-free;
     sets model_args.attn_implementation and script.padding_free, returns the lines to print.
 
@@ -58,7 +58,7 @@ def choose_policy_forward(script, args, model_args, needs=None) -> list[str]:
     init = args.model_init_kwargs or {}
     requested = (model_args.attn_implementation if "attn_implementation" in config.explicit(model_args)
                  else init.get("attn_implementation"))
-    choice = attention.choose(requested, model=needs or attention.Needs())
+    choice = attention.choose(requested, image, model=needs or attention.Needs())
     model_args.attn_implementation = choice.impl  # our aliases (varlen, fa2, ...) resolved to transformers' names
     if "attn_implementation" in init:
         args.model_init_kwargs = {**init, "attn_implementation": choice.impl}
@@ -147,9 +147,8 @@ def build_trainer(args, model_args, mode, funcs, ds, preempt_cb, padding_free: b
             train_dataset=ds,
             peft_config=get_peft_config(model_args) if mode != "full" else None,
             quantization_config=quant,
-            # Steady steps/s and tokens/s for the summary (no MFU: rollouts are most of a GRPO step's work); the
-            # collector's full passes kept off the steps (hostgc.py).
-            callbacks=[preempt_cb, throughput.Throughput(), hostgc.FrozenHeap()],
+            # The one callback list (callbacks.py); no MFU in the summary: rollouts are most of a GRPO step's work.
+            callbacks=callbacks.standard(preempt_cb),
         )
     except Exception as error:
         grpo_rollouts.explain_engine_failure(args, error)

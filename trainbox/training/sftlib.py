@@ -1,5 +1,6 @@
-"""The SFT-style trainers' library (sft, qlora): dataset options and rows, tokenizer, checks before launch, speed
-tuning, TRL's SFTTrainer with our callbacks. The commands (sft.py, qlora.py) are thin: parse, train, main.
+"""The SFT-style trainers' library (sft, qlora; dpo shares its checks, tokenizer and tuning): dataset options and
+rows, tokenizer, checks before launch, speed tuning, TRL's SFTTrainer with the one callback list. The run's steps
+are skeleton.py's; the commands (sft.py, qlora.py) only declare their recipes.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from dataclasses import dataclass, field
 
 from common.errors import UsageError
 from trainbox.run import outputs, preemption, ranks, resume
-from trainbox.training import attention, data, hostgc, leanmlp, losshead, modelfiles, sftloss, speed, throughput
+from trainbox.training import attention, callbacks, data, leanmlp, losshead, modelfiles, sftloss, speed, throughput
 from trainbox.training import config as cfg
 
 
@@ -29,11 +30,12 @@ class DataArguments:
     )
 
 
-def load_tokenizer(model_path: str, training_args):
+def load_tokenizer(model_path: str, training_args, chat: bool = True):
+    """The model's tokenizer with a pad token; `chat`: it must have a chat template (conversational rows)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_path)
-    if tok.chat_template is None and getattr(training_args, "chat_template_path", None) is None:
+    if chat and not has_chat_template(tok, training_args):
         raise UsageError(
             f"the tokenizer in {model_path} has no chat template; conversational data needs one "
             "(use an instruct model or --chat_template_path FILE)"
@@ -41,6 +43,10 @@ def load_tokenizer(model_path: str, training_args):
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def has_chat_template(tokenizer, training_args) -> bool:
+    return tokenizer.chat_template is not None or getattr(training_args, "chat_template_path", None) is not None
 
 
 def prepare_dataset(data_args: DataArguments, training_args, rows: int | None = None):
@@ -95,12 +101,16 @@ def shards(training_args) -> int:
     return 1
 
 
-def tune(model_args, training_args, shards: int, checkpointing: bool = True):
-    """Attention kernel and speed defaults (speed.py) for this model and GPU, printed once; returns (choice, facts)."""
+def tune(model_args, training_args, shards: int, image: dict | None, checkpointing: bool = True,
+         packing: str | None = None, memory=None):
+    """Attention kernel and speed defaults (speed.py) for this model and GPU, printed once; returns (choice, facts).
+    image: the image record (attention.choose); packing: None (decided), else why this trainer has none; memory:
+    facts -> the memory plan's tokens/extra."""
     requested = model_args.attn_implementation if "attn_implementation" in cfg.explicit(model_args) else None
     facts = speed.model_facts(model_args.model_name_or_path, model_args.model_revision)
-    choice = attention.choose(requested, model=facts.attention)
-    lines = speed.apply(training_args, model_args, choice, facts, shards=shards, checkpointing=checkpointing)
+    choice = attention.choose(requested, image, model=facts.attention)
+    lines = speed.apply(training_args, model_args, choice, facts, shards=shards, checkpointing=checkpointing,
+                        packing=packing, **(memory(facts) if memory else {}))
     if outputs.is_main_process():
         for line in lines:
             print(f"[trainbox] {line}", flush=True)
@@ -108,21 +118,20 @@ def tune(model_args, training_args, shards: int, checkpointing: bool = True):
 
 
 def build_trainer(model, training_args, train_ds, tokenizer, **extra):
-    """TRL's SFTTrainer with our callbacks (preemption, steady-state throughput, the collector off the step's path);
-    `extra`: peft_config, optimizer."""
+    """TRL's SFTTrainer with the one callback list (callbacks.py); `extra`: peft_config, optimizer, callbacks."""
     from trl import SFTTrainer
 
     # TRL tokenizes and packs inside the constructor, on every rank at once, into one datasets cache (shared by
     # the nodes of a job on shared storage): the first process fills it, the others then read it.
     with training_args.main_process_first(local=False, desc="tokenize and pack"):
-        return SFTTrainer(model=model, args=training_args, train_dataset=train_ds, processing_class=tokenizer,
-                          callbacks=[preemption.PreemptionCallback(), throughput.Throughput(), hostgc.FrozenHeap()],
-                          **extra)
+        extra.setdefault("callbacks", callbacks.standard())
+        return SFTTrainer(model=model, args=training_args, train_dataset=train_ds, processing_class=tokenizer, **extra)
 
 
-def finish_tuning(trainer, facts, qlora: bool = False) -> None:
+def finish_tuning(trainer, facts, qlora: bool = False, loss_head: bool = True) -> None:
     """After the trainer is built: FSDP2 policies on accelerate's plugin, FLOPs per token for the summary's MFU.
-    qlora: checkpointing stays the model's own (PEFT prepared the 4-bit model for it), and memory comes first."""
+    qlora: checkpointing stays the model's own (PEFT prepared the 4-bit model for it), and memory comes first.
+    loss_head: SFT's loss (sftloss, losshead) in TRL's place; False keeps the trainer's own (DPO's fused LM head)."""
     line = speed.tune_fsdp(trainer, activation_checkpointing=not qlora and bool(trainer.args.gradient_checkpointing),
                            memory_first=qlora)
     if line and outputs.is_main_process():
@@ -132,14 +141,19 @@ def finish_tuning(trainer, facts, qlora: bool = False) -> None:
         line = leanmlp.choose(trainer.model, checkpointing=bool(trainer.args.gradient_checkpointing))
         if line and outputs.is_main_process():
             print(f"[trainbox] {line}", flush=True)
-    sftloss.install(trainer)  # before losshead, which runs the loss it finds inside its uniform() marker
-    line = losshead.install(trainer, on_gpu=trainer.args.device.type == "cuda")
-    if line and outputs.is_main_process():
-        print(f"[trainbox] {line}", flush=True)
+    if loss_head:
+        sftloss.install(trainer)  # before losshead, which runs the loss it finds inside its uniform() marker
+        line = losshead.install(trainer, on_gpu=trainer.args.device.type == "cuda")
+        if line and outputs.is_main_process():
+            print(f"[trainbox] {line}", flush=True)
     cb = preemption.find_callback(trainer, throughput.Throughput)
     if cb:
         cb.count = throughput.TokenCount.install(trainer, on_gpu=trainer.args.device.type == "cuda")
+        # A trainer that runs a frozen reference forward beside the policy's (DPO) says so: a forward is a third of
+        # a forward + backward, so 8/6 of the policy's FLOPs per token.
+        ref = getattr(trainer, "trainbox_reference_forward", False)
         cb.flops_per_token = throughput.flops_per_token(facts, throughput.example_lengths(trainer.train_dataset))
+        cb.flops_per_token *= (8.0 / 6.0) if ref else 1.0
 
 
 def check_before_launch(data_args, model_args, training_args) -> None:

@@ -184,9 +184,10 @@ def _optim_name(args) -> str:
 
 
 def job_for(args, f: ModelFacts, shards: int, *, tokens: int | None = None, masters_ok: bool = False,
-            extra: int = 0, attn: str = "") -> memplan.Job:
+            extra: int = 0, split: bool = False, attn: str = "") -> memplan.Job:
     """The memory plan's view of this run (memplan.Job): shape, batch, accumulation, optimizer, layout, and the
-    settings the user fixed (kept by every rung). `attn`: the attention kernel the run loads (transformers'
+    settings the user fixed (kept by every rung). `split`: a micro-batch of `tokens` may still be halved (DPO's
+    pairs: 2 x batch rows), where GRPO's may not. `attn`: the attention kernel the run loads (transformers'
     attn_implementation; "" for a flash kernel)."""
     explicit = cfg.explicit(args)
     fixed: dict = {}
@@ -197,7 +198,7 @@ def job_for(args, f: ModelFacts, shards: int, *, tokens: int | None = None, mast
         fixed["reshard"] = reshard  # the user's own FSDP setting
     elif shards > 1 and reshards_after_forward(memory_first=False):
         fixed["reshard"] = True  # across nodes memory wins (reshards_after_forward)
-    if tokens is not None:
+    if tokens is not None and not split:
         fixed["batch"] = True  # GRPO's micro-batch is its generation batch: not ours to split
     # smaller AdamW moments only where master weights could be kept and you left --optim (torchao's 8-bit ones where
     # torchao is installed)
@@ -214,13 +215,14 @@ def job_for(args, f: ModelFacts, shards: int, *, tokens: int | None = None, mast
 
 
 def choose_memory(args, f: ModelFacts, shards: int, free: int | None, *, tokens: int | None = None,
-                  masters_ok: bool = False, extra: int = 0, attn: str = "") -> tuple[str, str | None]:
+                  masters_ok: bool = False, extra: int = 0, split: bool = False,
+                  attn: str = "") -> tuple[str, str | None]:
     """The memory plan (memplan.py) for this run, agreed by every rank of the job: `free` is this rank's free GPU
     memory (None: CPU); the group plans with the smallest. Sets args.gradient_checkpointing, the FSDP2 settings
     (args.trainbox_reshard, sync_each_batch) and the micro-batch split; returns (the plan's line,
     why master weights are off or None). `tokens`: of one micro-batch (default batch x max_length, SFT's worst case)."""
     explicit = "gradient_checkpointing" in cfg.explicit(args)
-    job = job_for(args, f, shards, tokens=tokens, masters_ok=masters_ok, extra=extra, attn=attn)
+    job = job_for(args, f, shards, tokens=tokens, masters_ok=masters_ok, extra=extra, split=split, attn=attn)
 
     def decide(smallest, seen):
         if smallest is None:
@@ -344,18 +346,22 @@ def choose_packing(args, packed_ok: bool) -> str:
     return f"packing off: {attention.UNPACKED_WHY}; batches are padded"
 
 
-def apply(args, model_args, choice, f: ModelFacts, *, shards: int, checkpointing: bool = True) -> list[str]:
-    """Decide the defaults above on TRL's SFTConfig `args`; returns the lines to print. `checkpointing=False` leaves
-    gradient checkpointing as it is (qlora keeps it on: its point is fitting a big model in little memory)."""
+def apply(args, model_args, choice, f: ModelFacts, *, shards: int, checkpointing: bool = True,
+          packing: str | None = None, **memory) -> list[str]:
+    """Decide the defaults above on TRL's config `args` (SFTConfig, DPOConfig); returns the lines to print.
+    `checkpointing=False` leaves gradient checkpointing as it is (qlora keeps it on: its point is fitting a big model
+    in little memory); `packing`: None decides it, else the line saying why this trainer has none; `memory`: the
+    memory plan's tokens, extra and split (choose_memory)."""
     import torch
 
     on_gpu = torch.cuda.is_available() and not args.use_cpu
-    lines = [choice.line(), choose_packing(args, choice.packed), choose_liger(args, f)]
+    lines = [choice.line(), choose_packing(args, choice.packed) if packing is None else packing,
+             choose_liger(args, f)]
     masters_off = None
     if checkpointing:
         line, masters_off = choose_memory(args, f, shards, memplan.free_memory() if on_gpu else None,
                                           masters_ok=_float32_reason(args, model_args, on_gpu, shards) is None,
-                                          attn=choice.impl)
+                                          attn=choice.impl, **memory)
         lines.append(line)
     else:
         lines.append(f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}"

@@ -54,8 +54,12 @@ def flops_per_token(facts, lengths) -> float:
 
 
 def example_lengths(dataset) -> list[int]:
-    """Token lengths of the examples in a (possibly packed: `seq_lengths`) tokenized dataset."""
+    """Token lengths of the examples in a (possibly packed: `seq_lengths`) tokenized dataset; a preference pair
+    (TRL's DPO columns) is two rows, prompt + chosen and prompt + rejected."""
     cols = getattr(dataset, "column_names", None) or []
+    if {"prompt_ids", "chosen_ids", "rejected_ids"} <= set(cols):
+        return [len(p) + len(c) for key in ("chosen_ids", "rejected_ids")
+                for p, c in zip(dataset["prompt_ids"], dataset[key])]
     if "seq_lengths" in cols:
         return [n for row in dataset["seq_lengths"] for n in row]
     if "input_ids" in cols:
