@@ -30,6 +30,7 @@ TABLE = (
     Command("sft", "sft", trainer=True, slurm=True),
     Command("plan", "plan"),
     Command("doctor", "doctor"),
+    Command("selftest", "selftest"),
     Command("nccl-check", "nccl_check", slurm=True),
     # trainbox/cli/ray.py would shadow the `ray` package for a script run.
     Command("ray", "ray_cluster", slurm=True),
