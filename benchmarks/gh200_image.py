@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from builder import engine as eng, render  # noqa: E402
+from builder.options import BuildOptions  # noqa: E402
+from builder.pipeline import build_cells  # noqa: E402
 from builder.matrix import load_matrix  # noqa: E402
 import enginefix  # noqa: E402
 from gpuvariant import write_test_matrix  # noqa: E402
@@ -61,10 +63,10 @@ def main() -> int:
             cell = m.select([f"{CELL}-{arch}"])[0]
             render.write_cells([cell], root=ctx)
             report = ctx / f"report-{arch}.json"
-            opts = eng.BuildOptions(output_dir=ctx, registry=registry, report=str(report),
-                                    bases={cell.base_image: enginefix.base_ref()})
+            opts = BuildOptions(output_dir=ctx, registry=registry, report=str(report),
+                                bases={cell.base_image: enginefix.base_ref()})
             t0 = time.monotonic()
-            rc = eng.build_cells([cell], opts)
+            rc = build_cells([cell], opts)
             seconds = round(time.monotonic() - t0, 1)    # lock + build + push, the whole run
             rep = json.loads(report.read_text())
             row = {k: rep["cells"][0].get(k) for k in ("tag", "seconds", "size", "layers", "pushed_bytes",

@@ -134,7 +134,8 @@ def test_the_table_gives_the_lists_it_replaced():
     """Behaviour unchanged: the names each reader had before the table."""
     from builder import slurm
 
-    assert commands.names(public=True) == ("jupyter", "grpo", "qlora", "sft", "plan", "doctor", "nccl-check", "ray")
+    assert commands.names(public=True) == ("jupyter", "grpo", "qlora", "sft", "plan", "doctor", "selftest", "nccl-check",
+                                             "ray")
     assert commands.names(public=False) == ("healthcheck",)
     assert set(commands.names(trainer=True)) == {"sft", "qlora", "grpo"}
     assert set(slurm.ENTRYPOINTS) == {"sft", "grpo", "nccl-check", "ray", "verl-ppo", "verl-sft"}

@@ -20,7 +20,8 @@ from test_workflow import _actionlint, _runs
 
 ROOT = Path(__file__).resolve().parents[1]
 # blackwell: hopper's cells wait for their FA3 locks (lock.yml), so the plan builds none of them today
-RUNNERS = 'gpu_runners = { blackwell = { x86_64 = ["self-hosted", "gpu", "b200"], aarch64 = ["self-hosted", "gb200"] } }'
+RUNNERS = ('gpu_runners = { blackwell = { x86_64 = ["self-hosted", "gpu", "b200"], '
+           'aarch64 = ["self-hosted", "gb200"] } }')
 
 
 def _matrix(tmp_path: Path, ci_line: str) -> Path:

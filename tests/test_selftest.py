@@ -32,7 +32,8 @@ def runs(tmp_path_factory):
     a, b = tmp_path_factory.mktemp("whole"), tmp_path_factory.mktemp("fault")
     whole, fault = sidebyside.in_parallel([
         lambda: selftest("--json", tmp=a),
-        lambda: selftest("--only", "attention-sdpa,sft", env={"TRAINBOX_SELFTEST_FAULT": "attention-sdpa"}, tmp=b)])
+        lambda: selftest("--only", "attention-sdpa,train-sft", env={"TRAINBOX_SELFTEST_FAULT": "attention-sdpa"},
+                         tmp=b)])
     return whole, fault, b
 
 
@@ -50,7 +51,7 @@ def test_cpu_selftest_passes_what_runs_and_skips_the_gpu_rows_with_a_reason(runs
         elif name != "driver":
             assert r["status"] == "SKIP" and r["reason"], r
     assert "no GPU" in rows["attention-fa3"]["reason"] and "no GPU" in rows["nccl"]["reason"]
-    assert "loss" in rows["sft"]["reason"] and "reloaded" in rows["qlora"]["reason"]
+    assert "loss" in rows["train-sft"]["reason"] and "reloaded" in rows["train-qlora"]["reason"]
     assert "packed" in rows["attention-flex"]["reason"] and "sinks" in rows["attention-flex"]["reason"]
 
 
@@ -59,9 +60,9 @@ def test_a_planted_fault_fails_its_row_with_the_reason_and_exit_1(runs):
     assert fault.returncode == 1, fault.stdout[-3000:] + fault.stderr[-3000:]
     lines = {ln.split()[0]: ln for ln in fault.stdout.splitlines() if ln.split() and ln.split()[0] in
              selftestchecks.ROWS}
-    assert list(lines) == ["attention-sdpa", "sft"]
+    assert list(lines) == ["attention-sdpa", "train-sft"]
     assert " FAIL " in lines["attention-sdpa"] and "logits off by" in lines["attention-sdpa"], fault.stdout
-    assert " PASS " in lines["sft"]  # the fault is that row's alone
+    assert " PASS " in lines["train-sft"]  # the fault is that row's alone
     assert "selftest: 1 PASS, 1 FAIL, 0 SKIP" in fault.stdout and "FAILED (exit 1)" in fault.stdout
     logs = fault.stdout.split("the children's logs: ")[1].strip()
     assert (Path(logs) / "attention-sdpa.log").is_file()  # kept for the failed row's reader
@@ -108,7 +109,7 @@ def test_cpu_skips_are_known_before_any_child_starts():
     assert set(why) | set(selftestchecks.CPU_ROWS) | {"driver"} == set(selftestchecks.ROWS)
     assert not set(why) & set(selftestchecks.CPU_ROWS)
     gpu = selftestchecks.skips(selftestchecks.ROWS, gpu=True, has_vllm=False, planted=None)
-    assert set(gpu) == {"grpo-vllm", "vllm-engine"} and all("vllm is not installed" == w for w in gpu.values())
+    assert set(gpu) == {"train-grpo-vllm", "vllm-engine"} and all("vllm is not installed" == w for w in gpu.values())
     assert selftestchecks.skips(selftestchecks.ROWS, gpu=True, has_vllm=True, planted=None) == {}
 
 

@@ -40,7 +40,8 @@ def gpu_runners(f: str, data: dict) -> dict[tuple[str, str], tuple[str, ...]]:
         for arch, labels in by_arch.items():
             aw = gw if value is labels else f"{gw}.{arch}"
             if arch not in data.get("arch", {}):
-                raise UserError(f"unknown arch {arch!r}", where=aw, fix=f"choose one of {', '.join(sorted(data['arch']))}")
+                raise UserError(f"unknown arch {arch!r}", where=aw,
+                                fix=f"choose one of {', '.join(sorted(data['arch']))}")
             if not isinstance(labels, list):
                 raise UserError(f"must be an array of runner labels, got {type(labels).__name__}", where=aw)
             for label in str_list(aw, labels):

@@ -27,7 +27,8 @@ from trainbox.image import selftestchecks
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="trainbox selftest", description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+                                epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--only", metavar="ROW[,ROW]", help=f"run only these rows, of: {', '.join(selftestchecks.ROWS)}")
     p.add_argument("--keep", metavar="DIR", help="keep the children's logs, models and data in DIR (default: a "

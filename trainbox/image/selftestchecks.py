@@ -34,7 +34,8 @@ FAULT_ENV = "TRAINBOX_SELFTEST_FAULT"
 ATTENTION = ("fa3", "fa4", "fa2", "varlen", "flex", "sdpa")
 KERNEL_ROWS = tuple(f"attention-{k}" for k in ATTENTION) + ("liger", "bitsandbytes-4bit", "fused-optimizer")
 ROWS = ("driver", *KERNEL_ROWS, *selftesttrain.ROWS, "vllm-engine", "nccl")
-CPU_ROWS = ("attention-sdpa", "attention-flex", "sft", "qlora", "grpo-transformers")  # the rest need a GPU
+# the rows that run without a GPU; the rest need one
+CPU_ROWS = ("attention-sdpa", "attention-flex", "train-sft", "train-qlora", "train-grpo-transformers")
 CHILD_TIMEOUT = 170.0  # seconds: the whole run should stay within 3 minutes on a GPU
 # What a child must not inherit: a launcher's rank variables would make our trainers join (or start) a job.
 DROP = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")

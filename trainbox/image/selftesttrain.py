@@ -21,14 +21,14 @@ from common import errors
 from trainbox.image import tinymodel
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
-ROWS = ("sft", "qlora", "grpo-transformers", "grpo-static", "grpo-vllm")
+ROWS = ("train-sft", "train-qlora", "train-grpo-transformers", "train-grpo-static", "train-grpo-vllm")
 COMMON = ["--logging_steps", "1", "--disable_tqdm", "true", "--report_to", "none", "--dataloader_num_workers", "0",
           "--max_steps", "3", "--save_steps", "3"]
 # Rollout engines: grpo's options that pick each (grpo_rollouts.py), and what each needs.
 ENGINES = {
-    "grpo-transformers": ["--use_vllm", "false", "--static_decode", "false"],
-    "grpo-static": ["--use_vllm", "false", "--static_decode", "true"],
-    "grpo-vllm": ["--use_vllm", "true", "--vllm_mode", "colocate", "--static_decode", "false",
+    "train-grpo-transformers": ["--use_vllm", "false", "--static_decode", "false"],
+    "train-grpo-static": ["--use_vllm", "false", "--static_decode", "true"],
+    "train-grpo-vllm": ["--use_vllm", "true", "--vllm_mode", "colocate", "--static_decode", "false",
                   "--vllm_gpu_memory_utilization", "0.2", "--vllm_max_model_length", "256"],
 }
 # Set by the parent: a file that exists once the vllm-engine row's own vLLM is gone (two engines starting at once on
@@ -38,9 +38,9 @@ VLLM_FREE_ENV = "TRAINBOX_SELFTEST_VLLM_FREE"
 
 def engines(gpu: bool, has_vllm: bool) -> dict[str, str | None]:
     """grpo row -> None when it can run here, else why not (the parent's SKIP reason)."""
-    return {"grpo-transformers": None,
-            "grpo-static": None if gpu else "no GPU here: the static decoder is a CUDA-graphed decode step",
-            "grpo-vllm": (None if gpu and has_vllm else "vllm is not installed" if not has_vllm
+    return {"train-grpo-transformers": None,
+            "train-grpo-static": None if gpu else "no GPU here: the static decoder is a CUDA-graphed decode step",
+            "train-grpo-vllm": (None if gpu and has_vllm else "vllm is not installed" if not has_vllm
                           else "no GPU here: vLLM needs one")}
 
 
@@ -52,10 +52,10 @@ def jobs(work: Path, gpu: bool) -> dict[str, tuple[str, list[str], Path]]:
     out = work / "out"
     sft_like = ["--max_length", "64", "--per_device_train_batch_size", "2", "--learning_rate", "5e-3", *COMMON]
     table = {
-        "sft": ("sft", ["--model_name_or_path", str(model), "--dataset", str(chat), "--output_dir", str(out / "sft"),
-                        *sft_like], out / "sft"),
-        "qlora": ("qlora", ["--model_name_or_path", str(model), "--dataset", str(dolly), "--output_dir",
-                            str(out / "qlora"), "--merge", *sft_like], out / "qlora" / "merged"),
+        "train-sft": ("sft", ["--model_name_or_path", str(model), "--dataset", str(chat), "--output_dir",
+                              str(out / "sft"), *sft_like], out / "sft"),
+        "train-qlora": ("qlora", ["--model_name_or_path", str(model), "--dataset", str(dolly), "--output_dir",
+                                  str(out / "qlora"), "--merge", *sft_like], out / "qlora" / "merged"),
     }
     for row, engine in ENGINES.items():
         table[row] = ("grpo", ["--model_name_or_path", str(model), "--dataset", str(gsm8k), "--preset", "gsm8k",
@@ -94,15 +94,17 @@ def reload(saved: Path, fault: bool) -> str:
 
 
 def one(row: str, command: str, argv: list[str], saved: Path, fault: bool) -> tuple[str, str]:
-    from trainbox.cli import grpo, qlora, sft
+    import importlib
 
-    if row == "grpo-vllm" and os.environ.get(VLLM_FREE_ENV):
+    from common import commands
+
+    if row == "train-grpo-vllm" and os.environ.get(VLLM_FREE_ENV):
         while not os.path.exists(os.environ[VLLM_FREE_ENV]):
             time.sleep(0.5)
-    rc = {"sft": sft, "qlora": qlora, "grpo": grpo}[command].main(argv)
+    rc = importlib.import_module(commands.qualified(command)).main(argv)
     if rc != 0:
         return FAIL, f"`trainbox {command}` exited {rc} (its log is above in the child's output)"
-    out = saved.parent if row == "qlora" else saved
+    out = saved.parent if command == "qlora" else saved
     got = logged(out, "loss")
     if len(got) != 3 or not all(math.isfinite(x) for x in got):
         return FAIL, f"losses {got}: expected 3 finite ones"
@@ -118,7 +120,7 @@ def one(row: str, command: str, argv: list[str], saved: Path, fault: bool) -> tu
         return FAIL, f"saved, but the reload failed: {errors.brief(e)}"
     trend = ("loss " + " -> ".join(f"{x:.3f}" for x in got) if command != "grpo" else
              "losses finite, grad norm " + " -> ".join(f"{x:.3g}" for x in norms))
-    return PASS, f"3 steps, {trend}; saved and reloaded" + (" (merged adapter)" if row == "qlora" else "")
+    return PASS, f"3 steps, {trend}; saved and reloaded" + (" (merged adapter)" if command == "qlora" else "")
 
 
 def main(argv: list[str]) -> int:

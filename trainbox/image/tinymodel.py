@@ -1,8 +1,8 @@
 """Tiny random models and a BPE tokenizer built on the spot (no download), and synthetic data in the real formats:
 what `trainbox selftest` trains and checks kernels on.
 
-A model kind names the attention features it has: `llama` (plain causal), `mistral` (a sliding window), `gemma2` (a sliding window and an
-attention-logit softcap), `gpt-oss` (a sliding window and learned sinks, MoE). Each is the architecture's own
+A model kind names the attention features it has: `llama` (plain causal), `mistral` (a sliding window), `gemma2` (a
+sliding window and an attention-logit softcap), `gpt-oss` (a sliding window and learned sinks, MoE). Each is the architecture's own
 transformers config with its features switched on and small (a window shorter than the rows the checks feed, so a
 kernel that drops it gives other logits). `head_dim` is a parameter: the images' FA3 build keeps head dim 128 only.
 """
@@ -113,6 +113,9 @@ def dolly_data(path: Path, n: int = 16) -> Path:
 
 def gsm8k_data(path: Path, n: int = 8) -> Path:
     """GSM8K's columns (question, answer ending in `#### N`), grpo's `--preset gsm8k`."""
-    return _jsonl(path, [{"question": f"Natalia sold {a} clips in April and {a + 3} in May. How many in all?",
-                          "answer": f"She sold {a} + {a + 3} = <<{a}+{a + 3}={2 * a + 3}>>{2 * a + 3}.\n#### {2 * a + 3}"}
-                         for a in range(2, 2 + n)])
+    rows = []
+    for a in range(2, 2 + n):
+        b, total = a + 3, 2 * a + 3
+        rows.append({"question": f"Natalia sold {a} clips in April and {b} in May. How many in all?",
+                     "answer": f"She sold {a} + {b} = <<{a}+{b}={total}>>{total}.\n#### {total}"})
+    return _jsonl(path, rows)
