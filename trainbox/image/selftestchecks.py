@@ -185,26 +185,31 @@ def run(only: str | None, work: Path, timeout: float = CHILD_TIMEOUT) -> tuple[d
     train_rows = [r for r in todo if r in selftesttrain.ROWS]
     py = sys.executable
     with ThreadPoolExecutor(max_workers=max(2, min(8, (os.cpu_count() or 2) // 2))) as pool:
-        futures = []
+        train = None
         if train_rows:   # first: the longest child
             cmd = [py, "-u", "-m", "trainbox.image.selftesttrain", str(work / "train"), *train_rows,
                    *(["--fault", planted] if planted in train_rows else []), *(["--gpu"] if gpu else [])]
-            futures.append(pool.submit(_child, cmd, {**env, selftesttrain.VLLM_FREE_ENV: str(free)},
-                                       work / "train.log", train_rows, timeout))
-        for r in [r for r in todo if r in KERNEL_ROWS or r == "vllm-engine"]:
-            cmd = [py, "-u", "-m", "trainbox.image.selftestkernels", r, *(["--fault"] if planted == r else [])]
+            train = pool.submit(_child, cmd, {**env, selftesttrain.VLLM_FREE_ENV: str(free)}, work / "train.log",
+                                train_rows, timeout)
 
-            def kernel(cmd=cmd, r=r):
-                try:
-                    return _child(cmd, env, work / f"{r}.log", [r], timeout)
-                finally:
-                    if r == "vllm-engine":
-                        free.touch()
-            futures.append(pool.submit(kernel))
+        def kernel(r: str) -> list[Row]:
+            cmd = [py, "-u", "-m", "trainbox.image.selftestkernels", r, *(["--fault"] if planted == r else [])]
+            return _child(cmd, env, work / f"{r}.log", [r], timeout)
+
+        short = [pool.submit(kernel, r) for r in todo if r in KERNEL_ROWS]
         if "nccl" in todo:
-            futures.append(pool.submit(lambda: [nccl_row(work, planted == "nccl", timeout)]))
-        for f in futures:
+            short.append(pool.submit(lambda: [nccl_row(work, planted == "nccl", timeout)]))
+        for f in short:
             done.update({row.row: row for row in f.result()})
+        # vLLM sizes its cache from the GPU memory free while it profiles: started once the short children, which
+        # free theirs when they end, are gone; grpo's colocated vLLM waits for this one's end (the `free` file).
+        if "vllm-engine" in todo:
+            try:
+                done.update({row.row: row for row in kernel("vllm-engine")})
+            finally:
+                free.touch()
+        if train is not None:
+            done.update({row.row: row for row in train.result()})
     return info, [done[r] for r in rows]
 
 
