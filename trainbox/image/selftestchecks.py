@@ -35,7 +35,8 @@ ATTENTION = ("fa3", "fa4", "fa2", "varlen", "flex", "sdpa")
 KERNEL_ROWS = tuple(f"attention-{k}" for k in ATTENTION) + ("liger", "bitsandbytes-4bit", "fused-optimizer")
 ROWS = ("driver", *KERNEL_ROWS, *selftesttrain.ROWS, "vllm-engine", "nccl")
 # the rows that run without a GPU; the rest need one
-CPU_ROWS = ("attention-sdpa", "attention-flex", "train-sft", "train-qlora", "train-grpo-transformers")
+CPU_ROWS = ("attention-sdpa", "attention-flex", "bitsandbytes-4bit", "train-sft", "train-qlora",
+            "train-grpo-transformers")
 CHILD_TIMEOUT = 170.0  # seconds: the whole run should stay within 3 minutes on a GPU
 # What a child must not inherit: a launcher's rank variables would make our trainers join (or start) a job.
 DROP = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
