@@ -75,7 +75,9 @@ def main() -> int:
                        registry=rep["registry"])
             ref = rep["cells"][0]["refs"][0]
             row["doctor"] = _in_image(ref, cell.platform, "doctor", timeout=a.timeout)
-            row["selftest"] = _in_image(ref, cell.platform, "selftest", "--json", timeout=a.timeout)
+            # children get the whole budget under QEMU (an emulated import of torch alone takes minutes)
+            row["selftest"] = _in_image(ref, cell.platform, "selftest", "--json", "--timeout",
+                                        str(int(a.timeout if row["emulated"] else 170)), timeout=a.timeout)
             out["cells"].append(row)
             print(json.dumps(row, indent=2), flush=True)
     text = json.dumps(out, indent=2) + "\n"

@@ -22,15 +22,19 @@ import tempfile
 import time
 from pathlib import Path
 
+from trainbox.cli.argtypes import OneLineParser, positive
 from trainbox.image import selftestchecks
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="trainbox selftest", description=__doc__.split("\n\n")[0],
+    p = OneLineParser(prog="trainbox selftest", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--only", metavar="ROW[,ROW]", help=f"run only these rows, of: {', '.join(selftestchecks.ROWS)}")
+    p.add_argument("--timeout", type=positive, default=int(selftestchecks.CHILD_TIMEOUT), metavar="SECONDS",
+                   help=f"each child process's limit (default {selftestchecks.CHILD_TIMEOUT:.0f}; more under "
+                   "emulation, e.g. an arm64 image under QEMU)")
     p.add_argument("--keep", metavar="DIR", help="keep the children's logs, models and data in DIR (default: a "
                    "temporary folder, removed)")
     args = p.parse_args(argv)
@@ -41,7 +45,7 @@ def main(argv: list[str]) -> int:
     t0 = time.monotonic()
     rows = None
     try:
-        info, rows = selftestchecks.run(args.only, work)
+        info, rows = selftestchecks.run(args.only, work, args.timeout)
     finally:
         # a failed row's log stays for its reader (the reason names it)
         if not args.keep and not (rows and selftestchecks.exit_code(rows)):
