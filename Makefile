@@ -7,7 +7,7 @@ PY ?= .venv/bin/python
 PIP ?= .venv/bin/pip
 REGISTRY ?= 127.0.0.1:$(or $(TRAINBOX_REGISTRY_PORT),5555)/trainbox
 
-.PHONY: help build setup system-deps lint test test-fast test-gpu-image engine engine-stop render lock bases workflow pins \
+.PHONY: help build setup system-deps lint test test-fast test-gpu-image gh200-image engine engine-stop render lock bases workflow pins \
 	slurm slurm-stop bench
 
 help: ## list the targets
@@ -69,6 +69,9 @@ test-fast: setup lint ## no engine, no Slurm
 
 test-gpu-image: setup ## a real CUDA 13 image from the default index (several GB, ~30 min; not in `make test`)
 	$(PY) -m pytest -ra -s -m gpuimage tests/test_gpu_image.py
+
+gh200-image: engine ## the GH200 cell (cu130-hopper-aarch64) under QEMU beside its x86_64 build: figures, doctor, selftest
+	$(PY) benchmarks/gh200_image.py --json $(or $(TRAINBOX_CACHE),$(HOME)/.cache/trainbox)/gh200-image-figures.json
 
 render: setup ## re-render every cell's Dockerfile into images/
 	$(PY) build.py --dry-run --quiet

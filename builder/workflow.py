@@ -14,7 +14,10 @@ which makes it); each pushed image gets its SBOM (`python -m builder.sbom`, atta
 signed cosign attestation). Then one `publish` job per cell joins its arches into
 a manifest list (`python -m builder.publish manifest`, which refuses when an arch is missing), signs it keylessly
 (cosign, every platform manifest too) and records SLSA provenance for its digest in the registry; one job joins every
-venv job's report into the whole matrix's registry storage (`python -m builder.report`). No job exports `.sqsh` files
+venv job's report into the whole matrix's registry storage (`python -m builder.report`). Where matrix.toml's `[ci]
+gpu_runners` names a GPU runner, a `gpu-test` job per pushed GPU image runs `trainbox selftest --json` in it there
+(pulled by digest) and the publish jobs wait for it; without one, each publish job's log names the GPU images it
+publishes untested (builder/gpugate.py). No job exports `.sqsh` files
 (they are made on the cluster side from the pushed images), so none is signed here.
 flash-wheels.yml (manual + on attention-pin changes): builder/flashwheels.py.
 lock.yml (manual + weekly): re-locks every cell through the indexes and opens a pull request with the changed locks,
@@ -36,7 +39,7 @@ from pathlib import Path, PurePosixPath
 import yaml
 
 from common import atomic
-from builder import flashwheels, lock   # flash-wheels.yml
+from builder import flashwheels, gpugate, lock   # flash-wheels.yml; the GPU gate before publishing
 from builder.actions import INDEX_ENV, PYTHON, setup_steps as _setup_steps
 from builder.errors import UserError, reports_user_errors
 from builder.matrix import DEFAULT_MATRIX, load_matrix
@@ -164,8 +167,9 @@ def publish_rows(include: list[dict], matrix_path: str | Path = DEFAULT_MATRIX) 
     waiting = set(blocked(matrix_path))
     multi = {c.name for c in cells if sum(1 for d in cells if d.name == c.name) > 1}
     names = sorted({c.name for c in cells if c.tag in planned} - {c.name for c in cells if c.tag in waiting})
-    return [{"cell": n, "ref": n if n in multi else next(c.tag for c in cells if c.name == n), "join": n in multi}
-            for n in names]
+    untested = gpugate.untested(include, matrix_path)   # named in the publish log: no GPU runner tested them
+    return [{"cell": n, "ref": n if n in multi else next(c.tag for c in cells if c.name == n), "join": n in multi,
+             "untested": " ".join(untested.get(n, []))} for n in names]
 
 
 def _test_jobs() -> dict:
@@ -214,7 +218,8 @@ def _plan_job() -> dict:
         "name": "which venvs to build",
         "runs-on": "ubuntu-24.04",
         "outputs": {"matrix": "${{ steps.plan.outputs.matrix }}", "any": "${{ steps.plan.outputs.any }}",
-                    "publish": "${{ steps.plan.outputs.publish }}"},
+                    "publish": "${{ steps.plan.outputs.publish }}", "gputest": "${{ steps.plan.outputs.gputest }}",
+                    "gputest_any": "${{ steps.plan.outputs.gputest_any }}"},
         "steps": [
             *_setup_steps(fetch_depth=0),
             {"name": "Every venv on a push; on a pull request those whose inputs changed",
@@ -290,16 +295,19 @@ def _build_job() -> dict:
     }
 
 
-def _publish_job() -> dict:
+def _publish_job(gated: bool) -> dict:
+    """`gated`: [ci] gpu_runners names a runner, so publish waits for the gpu-test jobs (gpugate.py)."""
+    base = f"{PUSHING} && needs.plan.outputs.any == 'true'"
     return {
         "name": "publish ${{ matrix.cell }}: manifest list, signature, provenance",
-        "needs": ["plan", "build"],
-        "if": f"{PUSHING} && needs.plan.outputs.any == 'true'",
+        "needs": ["plan", "build", gpugate.JOB] if gated else ["plan", "build"],
+        "if": gpugate.publish_if(base) if gated else base,
         "runs-on": "ubuntu-24.04",
         "permissions": SIGNING_PERMISSIONS,
         # the cells of the venvs plan built (publish_rows)
         "strategy": {"fail-fast": False, "matrix": "${{ fromJSON(needs.plan.outputs.publish) }}"},
         "steps": [
+            gpugate.untested_step(),
             *_setup_steps(),
             {"uses": "docker/setup-buildx-action@v3"},
             {"uses": "sigstore/cosign-installer@v3"},
@@ -328,7 +336,11 @@ def _publish_job() -> dict:
 
 
 def build_dict(matrix_path: str | Path = DEFAULT_MATRIX) -> dict:
-    jobs: dict = {**_test_jobs(), "plan": _plan_job(), "build": _build_job(), "publish": _publish_job()}
+    gated = gpugate.configured(matrix_path)
+    jobs: dict = {**_test_jobs(), "plan": _plan_job(), "build": _build_job()}
+    if gated:
+        jobs[gpugate.JOB] = gpugate.job(_login_step(), REGISTRY_EXPR, PUSHING)
+    jobs["publish"] = _publish_job(gated)
     # The whole matrix's registry storage: every venv job's report together (each blob once vs the images' sum).
     jobs["storage"] = {
         "name": "registry storage of the whole matrix",
@@ -449,7 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-dir", default=str(WORKFLOWS), help="where build.yml, lock.yml and pins.yml go")
     p.add_argument("--check", action="store_true", help="exit 1 with a diff if a file is stale")
     sub = p.add_subparsers(dest="command", title="commands (without one: write the workflows)", metavar="COMMAND")
-    plan_help = "print the build and publish matrices as GitHub step outputs (matrix=..., publish=..., any=...)"
+    plan_help = ("print the build, publish and GPU-test matrices as GitHub step outputs (matrix=..., publish=..., "
+                 "any=..., gputest=..., gputest_any=...)")
     pp = sub.add_parser("plan", help=plan_help, description=plan_help)
     # SUPPRESS: a --matrix given before `plan` is kept unless plan's own is given
     pp.add_argument("--matrix", default=argparse.SUPPRESS)
@@ -465,6 +478,9 @@ def main(argv: list[str] | None = None) -> int:
         print("matrix=" + json.dumps({"include": include}, separators=(",", ":")))
         print("publish=" + json.dumps({"include": publish_rows(include, a.matrix)}, separators=(",", ":")))
         print("any=" + ("true" if include else "false"))
+        gpu = gpugate.rows(include, a.matrix)
+        print("gputest=" + json.dumps({"include": gpu}, separators=(",", ":")))
+        print("gputest_any=" + ("true" if gpu else "false"))
         return 0
     if a.check:
         diff = check(Path(a.output_dir), a.matrix)

@@ -37,6 +37,7 @@ TABLE = (
     Command("dpo", "dpo", trainer=True, slurm=True, needs=TRAINING),
     Command("plan", "plan", needs=TRAINING),
     Command("doctor", "doctor"),
+    Command("selftest", "selftest"),
     Command("nccl-check", "nccl_check", slurm=True, needs=("torch",)),
     # trainbox/cli/ray.py would shadow the `ray` package for a script run.
     Command("ray", "ray_cluster", slurm=True),

@@ -23,6 +23,8 @@ from enginefix import BUILD_TIMEOUT, ROOT, base_ref, docker, engine_info, instal
 from gpuvariant import write_test_matrix
 
 from builder import engine as eng, lock, render
+from builder.options import BuildOptions
+from builder.pipeline import build_cells
 from devenv import engine as devengine
 from builder.matrix import load_matrix
 
@@ -42,10 +44,10 @@ def built(tmp_path_factory):
     assert not lock.is_fresh(cells[0], ctx)     # missing or stale (python 3.11 here): the build must lock it
     registry = f"{info['registry']}/gpuimage"
     # output_dir=ctx: the build locks into ctx and builds from the repository with ctx's images/ and locks/ laid over
-    args = eng.BuildOptions(output_dir=ctx, registry=registry, report=str(ctx / "report.json"),
-                            bases={cells[0].base_image: base_ref()})
+    args = BuildOptions(output_dir=ctx, registry=registry, report=str(ctx / "report.json"),
+                        bases={cells[0].base_image: base_ref()})
     t0 = time.monotonic()
-    assert eng.build_cells(cells, args) == 0
+    assert build_cells(cells, args) == 0
     seconds = time.monotonic() - t0
     report = json.loads((ctx / "report.json").read_text())
     figures = {"seconds_total": round(seconds, 1), "cells": [

@@ -86,6 +86,23 @@ def test_doctor(smoke_image):  # noqa: F811
     assert "smoke" in json.dumps(report)
 
 
+def test_selftest(smoke_image):  # noqa: F811
+    """`trainbox selftest` in the image, no network: the CPU rows pass, every GPU row is SKIP with its reason; a planted
+    fault fails its row with exit 1."""
+    r = docker("run", "--rm", "--network", "none", *ENV, smoke_image, "selftest", "--json", check=False, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    report = json.loads(r.stdout)
+    rows = {row["row"]: row for row in report["rows"]}
+    assert report["image"]["tag"] == "smoke-x86_64" and rows["driver"]["status"] == "SKIP"
+    assert all(row["status"] == "PASS" for name, row in rows.items() if name.startswith("train-") and
+               row["status"] != "SKIP") and rows["train-sft"]["status"] == "PASS"
+    assert all(row["reason"] for row in rows.values() if row["status"] == "SKIP")
+    assert rows["attention-fa3"]["status"] == rows["nccl"]["status"] == "SKIP"
+    r = docker("run", "--rm", "--network", "none", *ENV, "-e", "TRAINBOX_SELFTEST_FAULT=attention-sdpa", smoke_image,
+               "selftest", "--only", "attention-sdpa", check=False, timeout=900)
+    assert r.returncode == 1 and "FAIL" in r.stdout and "logits off by" in r.stdout, r.stdout[-3000:] + r.stderr
+
+
 def test_grpo_few_steps(smoke_image, mounts, tmp_path):  # noqa: F811
     out = _outdir(tmp_path)
     r = _run(smoke_image, "grpo", ["--model_name_or_path", "/models/tiny", "--dataset", "/data/gsm8k.parquet",

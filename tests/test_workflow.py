@@ -144,7 +144,7 @@ def test_plan_command_writes_step_outputs(tmp_path):
     out = dict(line.split("=", 1) for line in r.stdout.splitlines())
     assert out["any"] == "true"
     assert [i["venv"] for i in yaml.safe_load(out["matrix"])["include"]] == ["smoke-aarch64"]
-    assert yaml.safe_load(out["publish"])["include"] == [{"cell": "smoke", "ref": "smoke", "join": True}]
+    assert yaml.safe_load(out["publish"])["include"] == [{"cell": "smoke", "ref": "smoke", "join": True, "untested": ""}]
     assert all(line.startswith("::notice::not built: ") for line in r.stderr.splitlines()), r.stderr
     changed.write_text("tests/test_workflow.py\n")
     r = subprocess.run([sys.executable, "-m", "builder.workflow", "plan", "--changed", str(changed)], cwd=ROOT,

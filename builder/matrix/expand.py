@@ -9,6 +9,7 @@ from builder import rules as rules_mod
 from builder import templating
 from builder.errors import UserError
 from builder.matrix.axes import check_axes
+from builder.matrix.ci import gpu_runners
 from builder.matrix.fabric import check_fabric
 from builder.matrix.facts import check_facts_tables, check_rule_entries
 from builder.matrix.flavours import flavour_cells
@@ -112,7 +113,8 @@ def build_matrix(path: Path, data: dict) -> Matrix:
                                 "naming.flavour_cell_name {name} and {flavour})")
     if not cells:
         raise UserError("the matrix yields no cells", where=f, fix="see `python build.py --explain`")
-    return Matrix(path=path, cells=tuple(cells), exclusions=tuple(exclusions), rules=rule_table, data=data)
+    return Matrix(path=path, cells=tuple(cells), exclusions=tuple(exclusions), rules=rule_table, data=data,
+                  gpu_runners=gpu_runners(f, data))
 
 
 def _explicit_cells(w, f, data, ctx, naming, vtags, stacks, c) -> list[Cell]:

@@ -174,6 +174,8 @@ class Matrix:
     exclusions: tuple[Exclusion, ...]
     rules: dict
     data: dict = field(hash=False, compare=False, repr=False)
+    # [ci] gpu_runners (ci.py): (GPU generation, arch) -> the labels of a runner that tests those images
+    gpu_runners: dict = field(default_factory=dict, hash=False, compare=False)
 
     def names(self) -> list[str]:
         return sorted({c.name for c in self.cells})

@@ -22,7 +22,7 @@ def cell_table(table: str, own: dict, required: tuple) -> tuple[dict, tuple]:
 
 TOP_KEYS = {"schema": int, "naming": dict, "arch": dict, "cuda": dict, "gpu": dict, "torch_variant": dict,
             "attention": dict, "stack": dict, "facts": dict, "expand": dict, "cell": list, "rule": list, "index": dict,
-            "fabric": dict, "flavour": dict, "extras": dict}
+            "fabric": dict, "flavour": dict, "extras": dict, "ci": dict}
 REQUIRED_TOP = ("schema", "naming", "arch", "gpu", "torch_variant", "attention", "stack", "rule")
 NAMING_KEYS, REQUIRED_NAMING = cell_table("naming", {"tag": str, "cell_name": str, "version_tags": list,
                                                      "flavour_cell_name": str, "flavour_tag": str},
@@ -58,6 +58,8 @@ FABRIC_KEYS = {"packages": list, "env": dict, "plugins": dict}
 PLUGIN_KEYS = {"description": str, "builds": list, "build_packages": list, "packages": list, "env": dict,
                "prefix": str, "library": str, "max_jobs": int}
 PLUGIN_BUILD_KEYS = {"name": str, "source": str, "sha256": str, "configure": list}
+# [ci]: the generated workflow's own settings (ci.py): GPU runners that test pushed images before they are published.
+CI_KEYS = {"gpu_runners": dict}
 _TYPE_NAMES = {str: "a string", int: "an integer", list: "an array", dict: "a table", bool: "a boolean"}
 
 

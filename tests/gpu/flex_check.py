@@ -41,6 +41,10 @@ DEV = "cuda"  # --device cpu: a smoke run of this script's plumbing (compiled wi
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 # name: (zoo entry, config overrides)
+# The model comparison (rows fed single / padded / packed; logits and every gradient against float32 eager) is
+# `trainbox selftest`'s attention check: one home.
+from trainbox.image.selftestkernels import diffs, run  # noqa: E402
+
 MODELS = {
     "gemma2": ("gemma2", {}),
     "gemma2-hd256": ("gemma2", dict(head_dim=256, hidden_size=512, intermediate_size=1024, num_attention_heads=4,
@@ -74,47 +78,6 @@ def build(base: Path, name: str) -> Path:
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
-
-
-def run(model, kind, rows, weights):
-    """(per-row float32 logits, float32 parameter grads) for rows fed as single / padded / packed."""
-    import torch
-
-    model.zero_grad(set_to_none=True)
-    lens, dev = [len(r) for r in rows], rows[0].device
-    if kind == "single":
-        logits = []
-        for r in rows:
-            out = model(r[None]).logits[0].float()
-            (out * weights[: len(r)]).sum().backward()
-            logits.append(out.detach())
-    else:
-        if kind == "padded":
-            ids = torch.zeros(len(rows), max(lens), dtype=torch.long, device=dev)
-            mask = torch.zeros_like(ids)
-            for i, r in enumerate(rows):
-                ids[i, : len(r)], mask[i, : len(r)] = r, 1
-            out = model(ids, attention_mask=mask).logits.float()
-            logits = [out[i, :n] for i, n in enumerate(lens)]
-        else:
-            pos = torch.cat([torch.arange(n, device=dev) for n in lens])[None]
-            out = model(torch.cat(rows)[None], position_ids=pos, use_cache=False).logits[0].float()
-            starts = [sum(lens[:i]) for i in range(len(lens))]
-            logits = [out[a : a + n] for a, n in zip(starts, lens)]
-        sum((x * weights[: len(x)]).sum() for x in logits).backward()
-        logits = [x.detach() for x in logits]
-    grads = {n: p.grad.detach().float() for n, p in model.named_parameters() if p.grad is not None}
-    return logits, grads
-
-
-def diffs(ours, ref) -> tuple[float, float]:
-    import torch
-
-    (lo, go), (lr, gr) = ours, ref
-    logit = max(float((a - b).abs().max()) for a, b in zip(lo, lr))
-    grad = max(float((go.get(n, torch.zeros_like(g)) - g).abs().max() / g.abs().max().clamp_min(1e-12))
-               for n, g in gr.items())
-    return logit, grad
 
 
 def train_steps(model, seq: int) -> int:
