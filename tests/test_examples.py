@@ -21,14 +21,14 @@ def test_every_trainer_has_an_example_and_every_example_a_trainer():
 
 
 def _checks(name, options):
-    """The trainer's own checks on parsed options that read neither the model nor the data."""
-    from trainbox.training import config, grpo_options
+    """The trainer's own checks on parsed options that read neither the model nor the data: a declared trainer's
+    recipe check (skeleton.Recipe), grpo's batch arithmetic."""
+    from trainbox.training import grpo_options, skeleton
 
-    if name == "sft":
-        config.check_full_training(options[2])
-    elif name == "qlora":
-        data_args, _, _, model_args, training_args = options
-        importlib.import_module(commands.qualified(name)).validate(data_args, model_args, training_args)
+    recipe = getattr(importlib.import_module(commands.qualified(name)), "RECIPE", None)
+    if recipe is not None:
+        if recipe.check:
+            recipe.check(skeleton.Run.of(recipe, options))
     elif name == "grpo":
         grpo_options.finalize(options[2], 1)   # the batch arithmetic, then TRL's GRPOConfig's own checks
 
