@@ -1,4 +1,4 @@
-"""Where a decode step of trainbox's static decoder (trainbox/training/static_decode.py) spends its GPU time, and what
+"""Where a decode step of trainbox's static decoder (trainbox/training/grpo/static_decode.py) spends its GPU time, and what
 fused sibling projections (q/k/v, gate/up as one GEMM) and compile modes change (issue 31 item 4).
 
     python benchmarks/decode_probe.py                       # plain vs fused, alternated, then one profiled rollout each
@@ -64,7 +64,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainbox.training.static_decode import StaticDecoder
+    from trainbox.training.grpo.static_decode import StaticDecoder
 
     path = make_model(Path(a.work) / a.shape, a.shape)
     tok = AutoTokenizer.from_pretrained(path)

@@ -81,7 +81,7 @@ def main() -> int:
     import torch
     from torch.nn.attention import flex_attention as fa
 
-    from trainbox.training import flexattn
+    from trainbox.training.kernels import flexattn
 
     dev = torch.device("cuda")
     pos, lens = row(a.tokens, dev)

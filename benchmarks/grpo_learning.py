@@ -75,7 +75,7 @@ def completion(p: dict) -> str:
 
 
 def prompt(p: dict) -> list[dict]:
-    from trainbox.training.rewards import SYSTEM_PROMPT
+    from trainbox.training.grpo.rewards import SYSTEM_PROMPT
 
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": p["question"]}]
 
@@ -99,7 +99,7 @@ def make_tokenizer(rows: list[dict]):
     from transformers import PreTrainedTokenizerFast
 
     from tests.tiny import CHAT_TEMPLATE, SPECIAL
-    from trainbox.training.rewards import SYSTEM_PROMPT
+    from trainbox.training.grpo.rewards import SYSTEM_PROMPT
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -126,7 +126,7 @@ def sample(model, tokenizer, rows: list[dict], device: str, max_new: int) -> dic
     """Temperature-1 samples (as GRPO draws them) on held-out problems: accuracy, EOS share, answer lengths."""
     import torch
 
-    from trainbox.training.rewards import extract_xml_answer
+    from trainbox.training.grpo.rewards import extract_xml_answer
 
     tokenizer.padding_side = "left"
     right, ended, lens = 0, 0, []
@@ -215,7 +215,7 @@ def commands(a, model: Path, data: Path, work: Path, seed: int) -> dict:
     ours = [py, "-m", "trainbox", "grpo", "--dataset", str(data / "train.jsonl"), "--resume", "never",
             "--reward_funcs", "rewards:correctness", *shared]
     trl = [py, "-m", "trl.cli.main", "grpo", "--dataset_name", str(data), "--reward_funcs",
-           "trainbox.training.rewards.correctness", *shared]
+           "trainbox.training.grpo.rewards.correctness", *shared]
     if a.smoke:  # CPU: no bf16 autocast there
         trl += ["--bf16", "false"]
     out = {"trl": trl, "ours": ours}

@@ -6,7 +6,7 @@
 The notebook's settings on every side: the Llama-3.1-8B shape (random init, bf16 on disk, 4-bit nf4 as it loads),
 LoRA r 32 (alpha 32) on the seven projections, 6 generations of one prompt a step, prompts up to 256 tokens,
 completions up to 768 (a random model never ends one: every rollout is 768 tokens), the gsm8k preset's five rewards
-(trainbox.training.rewards), the same prompts (benchmarks/train_throughput.write_prompts) and seed.
+(trainbox.training.grpo.rewards), the same prompts (benchmarks/train_throughput.write_prompts) and seed.
   trl      `trl grpo` with --load_in_4bit --use_peft (TRL's docs), transformers generate; with --vllm, vLLM colocate.
   unsloth  benchmarks/unsloth_sides.py grpo: the notebook's cells 8 and 12 (fast_inference only with --vllm).
   ours     `trainbox grpo --mode qlora` with its defaults for that setup (its rollout engine: vLLM colocate where
@@ -49,7 +49,7 @@ def commands(a, model: Path, data: Path, work: Path) -> dict:
     trl = [py, "-m", "trl.cli.main", "grpo", "--model_name_or_path", str(model), "--dataset_name", str(data),
            "--output_dir", str(work / "o-trl"), "--load_in_4bit", "true", "--use_bnb_nested_quant", "true",
            "--bnb_4bit_quant_type", "nf4", "--use_peft", "true", "--dtype", "bfloat16", *lora, *shared,
-           "--reward_funcs", *[f"trainbox.training.rewards.{r}" for r in REWARDS],
+           "--reward_funcs", *[f"trainbox.training.grpo.rewards.{r}" for r in REWARDS],
            *(["--use_vllm", "true", "--vllm_mode", "colocate"] if a.vllm else [])]
     ours = [py, "-m", "trainbox", "grpo", "--model_name_or_path", str(model), "--dataset", str(data / "train.jsonl"),
             "--output_dir", str(work / "o-ours"), "--mode", "qlora", *lora, *shared, "--max_prompt_tokens",

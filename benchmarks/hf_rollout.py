@@ -9,7 +9,7 @@ Variants (each in one process, in this order):
   bf16      a bfloat16 copy of the weights, dynamic cache
   static    the bfloat16 copy, a static cache of fixed length (prompt budget + completion), transformers' auto-compile
             of the decode step (torch.compile, mode reduce-overhead = CUDA graphs)
-  ours      trainbox's engine (trainbox/training/static_decode.py) on the float32 policy: a bfloat16 decoder copy
+  ours      trainbox's engine (trainbox/training/grpo/static_decode.py) on the float32 policy: a bfloat16 decoder copy
             synced before each rollout, a static cache of fixed rows and length, the prefill uncompiled, then one
             decode step (forward + sampling) compiled once and replayed as a CUDA graph for every token
 Each rollout is 2 prompts x 8 generations x 256 sampled tokens (temperature 1, no end token, as vllm_rollout.py), on
@@ -76,11 +76,11 @@ def child(name: str, model_dir: str, reps: int) -> None:
 
 
 def ours_rollout(model, tok, make_prompts):
-    """The `ours` variant (trainbox/training/static_decode.py): returns rollout(seed) -> (seconds, tokens, distinct),
+    """The `ours` variant (trainbox/training/grpo/static_decode.py): returns rollout(seed) -> (seconds, tokens, distinct),
     the time including the weight sync from the float32 policy that a GRPO step does."""
     import torch
 
-    from trainbox.training.static_decode import StaticDecoder
+    from trainbox.training.grpo.static_decode import StaticDecoder
 
     dec = StaticDecoder(model, max_new=COMPLETION, pad_id=tok.pad_token_id, eos_ids=[])
 

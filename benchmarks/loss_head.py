@@ -1,5 +1,5 @@
 """SFT's loss head alone: TRL's fused LM head (trl.kernels.ChunkedLogProbFunction, what `trl sft` and trainbox sft ran
-before) against trainbox's one-pass head (trainbox/training/losshead.py), forward + backward of SFT's loss
+before) against trainbox's one-pass head (trainbox/training/kernels/losshead.py), forward + backward of SFT's loss
 (-sum of log-probabilities / tokens) on bf16 tensors of a training step's shape.
 
     python benchmarks/loss_head.py                  # 16,371 tokens (a mix step), hidden 2048, 128k vocab
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def heads(softcap):
     from trl.kernels import ChunkedLogProbFunction
 
-    from trainbox.training import losshead
+    from trainbox.training.kernels import losshead
 
     outputs = losshead.OUTPUTS
 

@@ -1,4 +1,4 @@
-"""The master-weight optimizer step alone (trainbox/training/precision.py): the one-pass kernel (masterstep.py) against
+"""The master-weight optimizer step alone (trainbox/training/kernels/precision.py): the one-pass kernel (masterstep.py) against
 the op-by-op path (the bf16 gradient cast to float32, clipping's multiply, torch's fused AdamW, the copy into the bf16
 weights), on every parameter of a train_throughput shape.
 
@@ -30,7 +30,7 @@ import train_throughput as tt  # noqa: E402
 @contextlib.contextmanager
 def op_by_op():
     """precision.py's op-by-op path (the one-pass kernel declared unusable)."""
-    from trainbox.training import masterstep
+    from trainbox.training.kernels import masterstep
 
     real = masterstep.usable
     masterstep.usable = lambda inner: False
@@ -44,7 +44,7 @@ def check(device: str) -> float:
     """The largest relative difference of a master from torch's fused AdamW on float32 copies (see the docstring)."""
     import torch
 
-    from trainbox.training.precision import MasterWeights
+    from trainbox.training.kernels.precision import MasterWeights
 
     torch.manual_seed(0)
     sizes = [(1,), (1023,), (1025,), (3, 700), (4096,), (17, 129)]
@@ -120,7 +120,7 @@ def timed(opt, params, grads, reps: int, events: list) -> None:
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    from trainbox.training.precision import MasterWeights
+    from trainbox.training.kernels.precision import MasterWeights
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="gpt-oss-2b", choices=sorted(tt.SHAPES))
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", help="cuda; cpu runs only the check, through the op-by-op path")
     opts = ap.parse_args(argv)
     if opts.block:
-        from trainbox.training import masterstep
+        from trainbox.training.kernels import masterstep
 
         masterstep.BLOCK, masterstep.WARPS = opts.block
 
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                 timed(opt, params, grads, opts.reps // 2, runs[label])
     torch.cuda.synchronize()
     ms = {k: statistics.median(s.elapsed_time(e) for s, e in v) for k, v in runs.items()}
-    from trainbox.training import masterstep
+    from trainbox.training.kernels import masterstep
 
     print(f"{opts.shape}: {n / 1e9:.2f} B parameters in {len(shapes)} tensors, bf16 weights, float32 masters; "
           f"tile {masterstep.BLOCK} elements, {masterstep.WARPS} warps")

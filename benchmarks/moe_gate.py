@@ -37,7 +37,7 @@ def main() -> None:
     from transformers import GptOssConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
-    from trainbox.training import moe
+    from trainbox.training.kernels import moe
 
     if not torch.cuda.is_available():
         sys.exit("moe_gate.py needs a GPU")

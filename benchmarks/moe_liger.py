@@ -32,7 +32,7 @@ def layer(shape: str, impl: str):
     import torch
     import transformers
 
-    from trainbox.training import moe
+    from trainbox.training.kernels import moe
 
     cls, kw = SHAPES[shape]
     conf = getattr(transformers, cls)(num_hidden_layers=1, num_attention_heads=16, num_key_value_heads=4, **kw)
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     opts = ap.parse_args(argv)
     import torch
 
-    from trainbox.training import moe
+    from trainbox.training.kernels import moe
 
     moe.register()
     for shape in opts.shapes:

@@ -56,7 +56,7 @@ def build(rung: str, lr: float):
     import transformers
     from torchao.optim import AdamW8bit
 
-    from trainbox.training.precision import MasterWeights
+    from trainbox.training.kernels.precision import MasterWeights
 
     torch.manual_seed(0)
     conf = transformers.LlamaConfig(**SHAPE)
@@ -112,7 +112,7 @@ def kernel_check() -> str:
     steps of the same gradients: the masters' largest difference relative to the distance they moved."""
     import torch
 
-    from trainbox.training import masterstep
+    from trainbox.training.kernels import masterstep
 
     out = {}
     for how in ("kernel", "reference"):  # the same start and gradients for both

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 def kernels():
     """label -> fn(q, k, v, sinks, pos, cu, max_len, scale, window): q (tokens, heads, dim) -> (tokens, heads, dim)."""
-    from trainbox.training import flexattn, varlen_sinks
+    from trainbox.training.kernels import flexattn, varlen_sinks
 
     def flex(q, k, v, sinks, pos, cu, max_len, scale, window):
         t = (x.transpose(0, 1)[None] for x in (q, k, v))  # the models' (batch, heads, seq, dim)
@@ -65,7 +65,7 @@ def inputs(tokens: int, heads: int, kv_heads: int, dim: int, dtype, seed: int = 
 
 def reference(q, k, v, sinks, pos, scale, window):
     """float32 dense math: (out, grads of q, k, v, sinks) for loss = sum(out * grad_out)."""
-    from trainbox.training import flexattn
+    from trainbox.training.kernels import flexattn
 
     q, k, v, sinks = (t.float().detach().requires_grad_(True) for t in (q, k, v, sinks))
     docs = flexattn.documents(pos, None, 1, q.shape[0], q.device)

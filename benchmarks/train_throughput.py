@@ -138,9 +138,10 @@ def write_chat(path: Path, lens: list[int], seed: int = 0) -> Path:
 def flops_per_token(model: Path, lens: list[int]) -> float:
     """The trainers' own formula (throughput.flops_per_token: 6N over the parameters a token goes through, MoE top-k
     of E, plus causal attention, windowed layers counting their window) for the model built here."""
-    from trainbox.training import speed, throughput
+    from trainbox.training import modelfacts
+    from trainbox.run import throughput
 
-    return throughput.flops_per_token(speed.model_facts(str(model)), lens)
+    return throughput.flops_per_token(modelfacts.model_facts(str(model)), lens)
 
 
 MEASURE = '''
@@ -315,7 +316,7 @@ def run(label: str, argv: list[str], work: Path, log: Path, extra_env: dict | No
 def peak_tflops() -> float:
     import torch
 
-    from trainbox.training.throughput import peak_tflops as peak
+    from trainbox.run.throughput import peak_tflops as peak
 
     return peak(torch.cuda.get_device_name()) or 989.4
 
@@ -664,7 +665,7 @@ def memory(a) -> None:
 
 def write_prompts(path: Path, rows: int, seed: int = 0) -> Path:
     """GRPO rows as `grpo --preset gsm8k` makes them: the system prompt + a question (prompt messages), an answer."""
-    from trainbox.training.rewards import SYSTEM_PROMPT
+    from trainbox.training.grpo.rewards import SYSTEM_PROMPT
 
     rng = random.Random(seed)
     path.mkdir(parents=True, exist_ok=True)
@@ -704,7 +705,7 @@ def grpo(a) -> None:
     launch_trl = ["--accelerate_config", "multi_gpu", "--num_processes", str(a.nproc)] if a.nproc > 1 else []
     launch_ours = ["--nproc-per-node", str(a.nproc)] if a.nproc > 1 else []
     rewards = ["correctness", "int_format", "strict_format", "soft_format", "xmlcount"]
-    trl_rewards = [f"trainbox.training.rewards.{r}" for r in rewards]
+    trl_rewards = [f"trainbox.training.grpo.rewards.{r}" for r in rewards]
     our_rewards = ",".join(f"rewards:{r}" for r in rewards)
     if a.reward == "low-words":  # importable on both sides: the measured runs have ROOT on PYTHONPATH
         trl_rewards, our_rewards = ["benchmarks.train_throughput.low_words"], "benchmarks.train_throughput:low_words"

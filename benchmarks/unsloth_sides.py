@@ -14,7 +14,7 @@ sft: FastLanguageModel.from_pretrained(load_in_4bit) on the local bf16 model (qu
 on the seven linear projections with Unsloth's gradient checkpointing ("unsloth": activations offloaded), TRL's
 SFTTrainer/SFTConfig as Unsloth patches them (its Llama-3.1 8B notebook's optimizer and schedule), chat `messages`
 rows, packing on by default. grpo: the Llama-3.1 8B GRPO notebook's cells 8 and 12 (images/notebooks/unsloth), on
-local prompts with the gsm8k preset's five rewards (trainbox.training.rewards: the notebook's, the same functions as
+local prompts with the gsm8k preset's five rewards (trainbox.training.grpo.rewards: the notebook's, the same functions as
 the other sides), vLLM (`fast_inference`) only where it imports.
 """
 
@@ -60,7 +60,7 @@ def grpo(a) -> None:
 
     from datasets import load_dataset
 
-    from trainbox.training import rewards
+    from trainbox.training.grpo import rewards
 
     fast = a.fast_inference == "true" or a.fast_inference == "auto" and importlib.util.find_spec("vllm") is not None
     print(f"unsloth grpo: fast_inference={fast} (vllm {'importable' if importlib.util.find_spec('vllm') else 'absent'})",

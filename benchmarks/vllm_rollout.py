@@ -50,7 +50,7 @@ def prompt_ids(model: Path) -> list[list[int]]:
 
 def prompt_rows(tok, seed: int = 0) -> list[list[int]]:
     """prompt_ids with a loaded tokenizer and another draw of questions per seed (hf_rollout.py's rollouts)."""
-    from trainbox.training.rewards import SYSTEM_PROMPT
+    from trainbox.training.grpo.rewards import SYSTEM_PROMPT
 
     rng = random.Random(seed)
     rows = []

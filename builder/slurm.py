@@ -115,7 +115,7 @@ class JobSpec:
     workdir: str | None = None  # bare mode: dir holding trainbox/ and common/ (the repo root)
     env: tuple[tuple[str, str], ...] = ()
     args: tuple[str, ...] = field(default=())  # extra entrypoint options
-    # grpo: the last node(s) run `trl vllm-serve`, the others train (trainbox/training/vllm_server.py)
+    # grpo: the last node(s) run `trl vllm-serve`, the others train (trainbox/training/grpo/vllm_server.py)
     vllm_nodes: int = 0
     module: str | None = None  # verl jobs: the Python module to run (default: VERL_JOBS[entrypoint])
     ray_args: tuple[str, ...] = ()  # verl-ppo: `trainbox ray` options (--num-cpus 8, --gpu-free-head is refused)

@@ -3,7 +3,8 @@ transformers registration of PyTorch's varlen kernel."""
 
 import pytest
 
-from trainbox.training import attention, varlenattn
+from trainbox.training import attention
+from trainbox.training.kernels import varlenattn
 
 
 def record(backend):

@@ -101,9 +101,9 @@ def test_text_prompt_beside_chat_completions_becomes_a_user_message(tmp_path):
 
 def test_memory_plan_counts_the_reference_only_where_one_is_kept(tiny_model):
     from trainbox.cli import dpo
-    from trainbox.training import dpolib, skeleton, speed
+    from trainbox.training import dpolib, modelfacts, skeleton, speed
 
-    facts = speed.model_facts(str(tiny_model))
+    facts = modelfacts.model_facts(str(tiny_model))
     base = ["--model_name_or_path", str(tiny_model), "--output_dir", "/tmp/unused", "--use_cpu", "true"]
     kept = skeleton.Run.of(dpo.RECIPE, dpo.parse(base))
     assert dpolib.memory(kept, facts)["extra"] == 2 * facts.params  # a bf16 copy (one GPU)

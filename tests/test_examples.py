@@ -23,7 +23,8 @@ def test_every_trainer_has_an_example_and_every_example_a_trainer():
 def _checks(name, options):
     """The trainer's own checks on parsed options that read neither the model nor the data: a declared trainer's
     recipe check (skeleton.Recipe), grpo's batch arithmetic."""
-    from trainbox.training import grpo_options, skeleton
+    from trainbox.training import skeleton
+    from trainbox.training.grpo import options as grpo_options
 
     recipe = getattr(importlib.import_module(commands.qualified(name)), "RECIPE", None)
     if recipe is not None:

@@ -1,4 +1,4 @@
-"""trainbox_flex (trainbox/training/flexattn.py) against each model's own eager attention in float32: logits and the
+"""trainbox_flex (trainbox/training/kernels/flexattn.py) against each model's own eager attention in float32: logits and the
 gradients of every parameter (q/k/v/o projections, sinks, experts...) on single rows, a right-padded batch and one
 packed row (each example of the packed row against the same example alone), for Gemma 2 (window + softcap), gpt-oss
 (window + sinks, MoE) and the Llama control, on the tiny zoo models.
@@ -16,7 +16,8 @@ import time
 import pytest
 import torch
 
-from trainbox.training import attention, flexattn, speed
+from trainbox.training import attention, modelfacts, speed
+from trainbox.training.kernels import flexattn
 from zoo import WINDOW, make_zoo_model
 
 ARCHS = ["gemma2", "gpt-oss", "llama3"]
@@ -268,7 +269,7 @@ def test_choice_names_a_fused_kernel_and_packs(zoo, name, kernel):
     sinks) the choice is a fused kernel and training packs: FlexAttention for the softcap, torch's varlen FlashAttention
     for the sinks (varlen_sinks.py), FlexAttention where that can't run; where neither can, eager with the reason; on
     CPU FlexAttention's dense math."""
-    needs = speed.model_facts(str(zoo[name])).attention
+    needs = modelfacts.model_facts(str(zoo[name])).attention
     hopper = {"attention_backend": "fa3"}
     c = attention.decide(hopper, (9, 0), lambda n: None if n in ("varlen", "flex") else "not installed", model=needs)
     assert c.impl == kernel and c.packed

@@ -20,7 +20,8 @@ import pytest
 
 import gloo_ranks
 from trainbox.cli import grpo
-from trainbox.training import grpo_data, grpo_options, grpo_rollouts, grpo_trainer, rewards
+from trainbox.training.grpo import (data as grpo_data, options as grpo_options, rollouts as grpo_rollouts,
+                                    trainer as grpo_trainer, rewards)
 from common.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -339,9 +340,9 @@ def test_the_static_decoder_stands_in_for_installed_vllm_where_it_is_faster(monk
         assert line.startswith("rollouts: vLLM colocate") and why in line and vllm and not static, (why, line)
     # The decoder's cache is sized for --max_prompt_tokens where given (as the memory plan sizes it), 512 if not:
     # a GPU with room for 512-token prompts but not for 64k-token ones keeps vLLM for the latter only.
-    from trainbox.training import speed
+    from trainbox.training import modelfacts
 
-    facts = speed.model_facts(str(tiny_model))
+    facts = modelfacts.model_facts(str(tiny_model))
     _, args, _ = parsed([*base, "--model_name_or_path", str(tiny_model)])
     room = int((16 * facts.params + grpo_rollouts.decoder_bytes(args, facts, 2048)) / grpo_rollouts.STATIC_FITS)
     assert choose(["--max_prompt_tokens", "1024"], total=room)[1:] == (False, True)
@@ -365,7 +366,7 @@ import torch, torch.distributed as dist
 sys.path.insert(0, os.environ["ROOT"])
 dist.init_process_group("gloo")
 from trainbox.cli import grpo
-from trainbox.training import grpo_options, grpo_rollouts
+from trainbox.training.grpo import options as grpo_options, rollouts as grpo_rollouts
 rank = dist.get_rank()
 script, _, raw, model_args = grpo.parse(["--model_name_or_path", os.environ["MODEL"], "--num_generations", "4",
                                          "--per_device_train_batch_size", "4", "--bf16", "false"])
@@ -632,7 +633,7 @@ def test_two_processes_through_torchrun(tiny_model, gsm8k_file, tmp_path):
 
 
 def test_colocated_vllm_share_is_sized_from_the_gpu():
-    from trainbox.training.grpo_rollouts import rollout_memory_share
+    from trainbox.training.grpo.rollouts import rollout_memory_share
 
     gib = 2**30
     assert rollout_memory_share(141 * gib)[0] == 0.17  # H200: 24 GiB of 141
@@ -645,9 +646,9 @@ def test_checkpointing_is_chosen_for_full_and_left_to_trl_for_adapters(tiny_mode
     """TRL turns checkpointing on for GRPO; full fine-tuning decides from the memory estimate (CPU: off, memory is
     not the limit), lora/qlora keep TRL's choice, and the user's flag wins."""
     from trainbox.cli.grpo import parse
-    from trainbox.training.grpo_options import finalize
-    from trainbox.training.grpo_trainer import choose_checkpointing
-    from trainbox.training.speed import model_facts
+    from trainbox.training.grpo.options import finalize
+    from trainbox.training.grpo.trainer import choose_checkpointing
+    from trainbox.training.modelfacts import model_facts
 
     facts = model_facts(str(tiny_model))
 
@@ -683,7 +684,7 @@ def test_static_decoder_rollouts_and_their_fallback_to_transformers(tiny_model, 
     import datasets
     from trl import GRPOConfig
 
-    from trainbox.training import static_decode
+    from trainbox.training.grpo import static_decode
 
     args = GRPOConfig(output_dir=str(tmp_path), num_generations=2, per_device_train_batch_size=4,
                       max_completion_length=5, bf16=False, report_to="none", use_cpu=True, seed=0,
@@ -720,10 +721,11 @@ def test_static_decoder_rollouts_and_their_fallback_to_transformers(tiny_model, 
 def test_the_memory_plan_counts_the_static_decoder(tiny_model, gsm8k_file, tmp_path, monkeypatch):
     """The static decoder's bfloat16 weights and cache come out of the memory the policy's plan may use."""
     from trainbox.cli.grpo import parse
-    from trainbox.training import grpo_trainer, memplan, speed, static_decode
-    from trainbox.training.grpo_options import finalize
+    from trainbox.training import memplan, modelfacts, speed
+    from trainbox.training.grpo import trainer as grpo_trainer, static_decode
+    from trainbox.training.grpo.options import finalize
 
-    facts = speed.model_facts(str(tiny_model))
+    facts = modelfacts.model_facts(str(tiny_model))
     seen = []
     monkeypatch.setattr(memplan, "free_memory", lambda: 40 * 2**30)
     monkeypatch.setattr(speed, "choose_memory", lambda args, facts, **kw: (seen.append(kw["free"]) or ("plan",)))
@@ -745,8 +747,8 @@ def test_colocated_sleep_mode_follows_the_memory_plan(tiny_model, gsm8k_file, tm
     where the plan kept checkpointing off beside vLLM's share, on where it had to save memory or made no plan, and
     the user's choice is kept."""
     from trainbox.cli.grpo import parse
-    from trainbox.training.grpo_options import finalize
-    from trainbox.training.grpo_trainer import choose_sleep_mode
+    from trainbox.training.grpo.options import finalize
+    from trainbox.training.grpo.trainer import choose_sleep_mode
 
     def args_for(*extra, ckpt=False):
         _s, _l, raw, _m = parse(["--model_name_or_path", str(tiny_model), "--dataset", str(gsm8k_file), "--preset",
@@ -781,7 +783,7 @@ def scoring_trainer(tiny_model, tmp_path_factory):
     import datasets
     from trl import GRPOConfig
 
-    from trainbox.training.grpo_padding_free import PaddingFreeGRPOTrainer
+    from trainbox.training.grpo.padding_free import PaddingFreeGRPOTrainer
 
     args = GRPOConfig(output_dir=str(tmp_path_factory.mktemp("pf")), num_generations=2, per_device_train_batch_size=4,
                       max_completion_length=8, bf16=False, report_to="none", use_cpu=True,
@@ -839,7 +841,7 @@ def test_padding_free_falls_back_to_trl_where_it_cannot_pack(scoring_trainer, mo
     import torch
     from trl import GRPOTrainer
 
-    from trainbox.training.grpo_padding_free import packable
+    from trainbox.training.grpo.padding_free import packable
 
     calls = []
     real = GRPOTrainer._get_per_token_logps_and_entropies
@@ -933,7 +935,7 @@ def test_vllm_ratio_from_the_loss_forward_equals_trls_extra_forward(tiny_model, 
     import torch
     from trl import GRPOTrainer
 
-    from trainbox.training.grpo_padding_free import PaddingFreeGRPOTrainer
+    from trainbox.training.grpo.padding_free import PaddingFreeGRPOTrainer
 
     trainer = ratio_trainer(tiny_model, tmp_path, vllm_importance_sampling_mode=mode,
                             vllm_importance_sampling_clip_min=0.7 if mode == "token_truncate" else None,
@@ -986,7 +988,7 @@ def test_vllm_ratio_keeps_trls_forward_where_weights_may_change(tiny_model, tmp_
     assert not later._ratio_from_loss()
     batch = later._generate_and_score_completions([{"prompt": "a b"}] * 4)
     assert "old_per_token_logps" in batch and "importance_sampling_ratio" in batch
-    from trainbox.training.grpo_trainer import describe_ratio
+    from trainbox.training.grpo.trainer import describe_ratio
 
     assert "TRL's old-policy forward" in describe_ratio(later)
     same = ratio_trainer(tiny_model, tmp_path / "b")

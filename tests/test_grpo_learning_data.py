@@ -13,7 +13,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import grpo_learning as gl  # noqa: E402  (benchmarks/ is no package: its folder goes on the path first)
 
-from trainbox.training import rewards  # noqa: E402
+from trainbox.training.grpo import rewards  # noqa: E402
 
 
 def test_worked_lines_reach_the_answer_and_score_right():

@@ -1,4 +1,4 @@
-"""hostgc.FrozenHeap: the objects alive before training and after steps 1 and 3 are frozen out of the collector's
+"""callbacks.FrozenHeap: the objects alive before training and after steps 1 and 3 are frozen out of the collector's
 full passes; TRAINBOX_GC_FREEZE=0 leaves the collector alone. Real sft and grpo trainers carry the callback."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import gc
 
 import pytest
 
-from trainbox.training import hostgc, sftlib
+from trainbox.training import callbacks, sftlib
 
 
 @pytest.fixture(autouse=True)
@@ -28,7 +28,7 @@ def _steps(cb, n):
 
 
 def test_frozen_before_training_and_after_steps_1_and_3():
-    cb = hostgc.FrozenHeap()
+    cb = callbacks.FrozenHeap()
     cb.on_train_begin(None, None, None)
     begun = gc.get_freeze_count()
     assert begun > 0
@@ -38,8 +38,8 @@ def test_frozen_before_training_and_after_steps_1_and_3():
 
 
 def test_off_switch(monkeypatch):
-    monkeypatch.setenv(hostgc.ENV, "0")
-    cb = hostgc.FrozenHeap()
+    monkeypatch.setenv(callbacks.ENV, "0")
+    cb = callbacks.FrozenHeap()
     cb.on_train_begin(None, None, None)
     assert _steps(cb, 4) == [0, 0, 0, 0] and gc.get_freeze_count() == 0
 
@@ -54,7 +54,7 @@ def test_sft_trainers_carry_it(tiny_model, tmp_path):
     args = SFTConfig(str(tmp_path), max_steps=1, report_to="none", use_cpu=True, save_strategy="no")
     trainer = sftlib.build_trainer(AutoModelForCausalLM.from_pretrained(tiny_model), args, rows,
                                    AutoTokenizer.from_pretrained(tiny_model))
-    assert any(isinstance(cb, hostgc.FrozenHeap) for cb in trainer.callback_handler.callbacks)
+    assert any(isinstance(cb, callbacks.FrozenHeap) for cb in trainer.callback_handler.callbacks)
     trainer.train()
     assert gc.get_freeze_count() > 0
 
@@ -64,7 +64,7 @@ def test_grpo_trainers_carry_it(tiny_model, tmp_path):
 
     from trainbox.cli import grpo
     from trainbox.run import preemption
-    from trainbox.training import grpo_options, grpo_trainer
+    from trainbox.training.grpo import options as grpo_options, trainer as grpo_trainer
 
     _, _, raw, model_args = grpo.parse(["--model_name_or_path", str(tiny_model), "--output_dir", str(tmp_path),
                                         "--num_generations", "2", "--per_device_train_batch_size", "2",
@@ -74,6 +74,6 @@ def test_grpo_trainers_carry_it(tiny_model, tmp_path):
                                          [lambda completions, **kw: [0.0] * len(completions)],
                                          datasets.Dataset.from_list([{"prompt": "a b"}] * 2),
                                          preemption.PreemptionCallback())
-    assert any(isinstance(cb, hostgc.FrozenHeap) for cb in trainer.callback_handler.callbacks)
+    assert any(isinstance(cb, callbacks.FrozenHeap) for cb in trainer.callback_handler.callbacks)
     trainer.train()
     assert gc.get_freeze_count() > 0

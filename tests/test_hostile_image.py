@@ -353,7 +353,8 @@ def test_sft_refuses_lora_options_it_would_ignore(tiny_model, tmp_path):
 
 def test_model_options_refused_only_when_set_to_something_else(tiny_model):
     from trainbox.cli import grpo, sft
-    from trainbox.training import config, grpo_options
+    from trainbox.training import config
+    from trainbox.training.grpo import options as grpo_options
     from common.errors import UsageError
 
     *_, model_args, _ = sft.parse(["--model_name_or_path", str(tiny_model), "--use_peft", "false", "--lora_r", "16"])

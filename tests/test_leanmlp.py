@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainbox.training import leanmlp
+from trainbox.training.kernels import leanmlp
 
 
 def _torch_kernels(kind):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from trainbox.training import config, speed
+from trainbox.training import config, modelfacts, speed
 
-FACTS = speed.ModelFacts(model_type="llama", params=10, embedding_params=2, layers=2, hidden=8, intermediate=16,
+FACTS = modelfacts.ModelFacts(model_type="llama", params=10, embedding_params=2, layers=2, hidden=8, intermediate=16,
                          attn_width=8)
 
 

@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from trainbox.training import losshead
+from trainbox.training.kernels import losshead
 
 
 def _inputs(n=300, hidden=24, vocab=1000, seed=0):

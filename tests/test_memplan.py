@@ -18,7 +18,7 @@ import pytest
 import gloo_ranks
 import sidebyside
 from common.errors import UsageError
-from trainbox.training import config, memplan, speed
+from trainbox.training import config, memplan, modelfacts, speed
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -26,7 +26,7 @@ LLAMA_8B = dict(model_type="llama", params=8_030_261_248, embedding_params=525_3
                 intermediate=14336, attn_width=4096, vocab=128256)  # Llama-3.1-8B
 LLAMA_1B = dict(model_type="llama", params=1_235_814_400, embedding_params=0, layers=16, hidden=2048,
                 intermediate=8192, attn_width=2048, vocab=128256)  # Llama-3.2-1B (tied embeddings)
-F8, F1 = speed.ModelFacts(**LLAMA_8B), speed.ModelFacts(**LLAMA_1B)
+F8, F1 = modelfacts.ModelFacts(**LLAMA_8B), modelfacts.ModelFacts(**LLAMA_1B)
 S = memplan.Settings
 
 ONE_GPU = dict(batch=2, max_length=1024, masters_ok=True, states_ok=("bf16", "8bit"))
@@ -153,10 +153,10 @@ AGREE = r'''
 import json, os, sys
 import torch.distributed as dist
 sys.path.insert(0, os.environ["ROOT"])
-from trainbox.training import memplan, speed
+from trainbox.training import memplan, modelfacts, speed
 dist.init_process_group("gloo")
 GIB = 2**30
-facts = speed.ModelFacts(**json.loads(os.environ["FACTS"]))
+facts = modelfacts.ModelFacts(**json.loads(os.environ["FACTS"]))
 job = memplan.Job(facts, batch=8, max_length=2048, shards=2, fsdp=True, liger=True)
 free = int(float(os.environ["FREE"].split(",")[dist.get_rank()]) * GIB)
 def decide(smallest, seen):
@@ -308,7 +308,7 @@ def test_70b_on_8_h200s_is_told_torchaos_8bit_states_and_they_fit(monkeypatch):
     """FSDP2 shards float32 weights, gradients and AdamW's moments (16 bytes a parameter over 8 GPUs): a 70B model
     does not fit 8 H200s; torchao's 8-bit AdamW steps FSDP2's DTensors (bitsandbytes' does not) and then it fits."""
     monkeypatch.setattr(memplan, "lowbit_reason", lambda: None)
-    f70 = speed.ModelFacts(model_type="llama", params=70_553_706_496, embedding_params=1_050_673_152, layers=80,
+    f70 = modelfacts.ModelFacts(model_type="llama", params=70_553_706_496, embedding_params=1_050_673_152, layers=80,
                            hidden=8192, intermediate=28672, attn_width=8192, vocab=128256)
     j = job(f70, shards=8, fsdp=True, max_length=1024)
     free = int(139.2 * GIB)

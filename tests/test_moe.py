@@ -9,7 +9,8 @@ import copy
 import pytest
 import zoo
 
-from trainbox.training import moe, speed
+from trainbox.training import modelfacts
+from trainbox.training.kernels import moe
 
 
 def _model(name):
@@ -53,11 +54,11 @@ def test_same_logits_and_gradients_as_transformers_experts(name):
 def test_sft_gets_it_for_moe_models_only(tmp_path):
     for name in ("gpt-oss", "llama3"):
         _model(name).save_pretrained(tmp_path / name)
-    kwargs, line = moe.choose(speed.model_facts(str(tmp_path / "gpt-oss")))
+    kwargs, line = moe.choose(modelfacts.model_facts(str(tmp_path / "gpt-oss")))
     assert kwargs == {"experts_implementation": moe.NAME} and line.startswith(f"MoE experts: {moe.NAME}")
-    assert moe.choose(speed.model_facts(str(tmp_path / "llama3"))) == ({}, None)
-    facts = speed.model_facts(str(tmp_path / "gpt-oss"))
-    no = speed.ModelFacts(**{**facts.__dict__, "experts_dispatch": "X does not dispatch its experts"})
+    assert moe.choose(modelfacts.model_facts(str(tmp_path / "llama3"))) == ({}, None)
+    facts = modelfacts.model_facts(str(tmp_path / "gpt-oss"))
+    no = modelfacts.ModelFacts(**{**facts.__dict__, "experts_dispatch": "X does not dispatch its experts"})
     assert moe.choose(no) == ({}, "MoE experts: transformers' own (X does not dispatch its experts)")
 
 
@@ -308,7 +309,7 @@ def test_only_compiler_failures_fall_back():
     import torch
     from torch.utils import checkpoint
 
-    from trainbox.training import compilefail
+    from trainbox.training.kernels import compilefail
 
     assert compilefail.is_compiler_failure(RuntimeError("inductor: no kernel for this"))
     assert not compilefail.is_compiler_failure(torch.OutOfMemoryError("CUDA out of memory"))

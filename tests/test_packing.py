@@ -5,7 +5,8 @@ kernel's own check runs on a GPU (benchmarks/train_throughput.py --check)."""
 import pytest
 import torch
 
-from trainbox.training import attention, varlenattn
+from trainbox.training import attention
+from trainbox.training.kernels import varlenattn
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from trainbox.cli import plan
-from trainbox.training import memplan, memterms, speed
+from trainbox.training import memplan, memterms, modelfacts, speed
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -61,7 +61,7 @@ def run_plan(monkeypatch, capsys, *argv, env: dict | None = None) -> tuple[int, 
 
 
 def facts(tmp_path, name, conf):
-    return speed.model_facts(str(write(tmp_path, name, conf)))
+    return modelfacts.model_facts(str(write(tmp_path, name, conf)))
 
 
 # ------------------------------------------------------------------ case 3: MoE activations by experts per token
@@ -177,7 +177,7 @@ def test_gpu_advice_is_whole_nodes_past_one_node(tmp_path, monkeypatch, capsys, 
 
 
 def test_gpu_counts_are_whole_nodes():
-    f = speed.ModelFacts("llama", 8_030_261_248, 525_336_576, 32, 4096, 14336, 4096, vocab=128256)
+    f = modelfacts.ModelFacts("llama", 8_030_261_248, 525_336_576, 32, 4096, 14336, 4096, vocab=128256)
     counts = lambda **kw: list(memplan.gpu_counts(memplan.Job(f, batch=8, max_length=1024, **kw), 40))  # noqa: E731
     assert counts() == [2, 3, 4, 5, 6, 7, 8, 16, 24, 32, 40]
     assert counts(shards=8, fsdp=True) == [16, 24, 32, 40]
@@ -214,7 +214,7 @@ def test_qlora_is_offered_only_where_its_own_estimate_fits(tmp_path, monkeypatch
     small = write(tmp_path, "llama8b-qlora", LLAMA_8B)
     rc, out, _ = run_plan(monkeypatch, capsys, "--model_name_or_path", small, "--gpu-memory", 22.5)
     assert rc == 1 and "trainbox qlora" in out
-    f = speed.model_facts(str(small))
+    f = modelfacts.model_facts(str(small))
     assert memplan.qlora_estimate(memplan.Job(f, batch=8, max_length=1024)) <= memplan.usable(int(22.5 * GIB))
 
 
@@ -289,7 +289,7 @@ def test_the_job_plans_with_the_kernel_it_loads(monkeypatch):
 
     from trainbox.training import config
 
-    f = speed.ModelFacts("llama", 1_235_814_400, 0, 16, 2048, 8192, 2048, vocab=128256, heads=32, kv_width=512)
+    f = modelfacts.ModelFacts("llama", 1_235_814_400, 0, 16, 2048, 8192, 2048, vocab=128256, heads=32, kv_width=512)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     lines = {}
     for attn in ("", "eager"):

@@ -1,4 +1,4 @@
-"""bf16 weights + float32 master weights (trainbox/training/precision.py): updates too small for bf16 are kept, the
+"""bf16 weights + float32 master weights (trainbox/training/kernels/precision.py): updates too small for bf16 are kept, the
 trajectory is fp32 AdamW's, the LR schedule reaches the inner optimizer, and a resumed run continues exactly."""
 
 import io
@@ -6,7 +6,7 @@ import io
 import pytest
 import torch
 
-from trainbox.training.precision import MasterWeights
+from trainbox.training.kernels.precision import MasterWeights
 
 
 def bf16_param(value=1.0, n=4):
@@ -146,7 +146,7 @@ def test_a_real_trainer_clips_and_logs_the_float32_norm(tiny_model, tmp_path):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
-    from trainbox.training import precision
+    from trainbox.training.kernels import precision
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.bfloat16)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -184,7 +184,7 @@ def test_one_micro_batch_keeps_its_gradient_as_autograd_made_it():
 def test_a_group_the_kernel_left_runs_op_by_op_and_the_others_are_not_stepped_twice(monkeypatch):
     """masterstep updates group by group; should one fail (a kernel that does not compile), that group and the
     following ones take the inner optimizer, and the groups it already updated are passed by."""
-    from trainbox.training import masterstep
+    from trainbox.training.kernels import masterstep
 
     a, b = bf16_param(1.0), bf16_param(2.0)
     opt = MasterWeights([{"params": [a]}, {"params": [b]}], inner=torch.optim.AdamW, lr=1e-2, weight_decay=0.0)
@@ -240,7 +240,7 @@ def test_8bit_inner_steps_the_float32_masters_as_torchao_steps_float32_weights()
 
 # ------------------------------------------------------------ bf16 moments with stochastic rounding (issue 60)
 def test_stochastic_rounding_to_bf16_is_unbiased_and_lands_on_neighbours():
-    from trainbox.training import masterstep
+    from trainbox.training.kernels import masterstep
 
     x = torch.full((100_000,), 1.0 + 2**-10)  # 1/8 of the way from bf16's 1.0 to its next value, 1 + 2**-7
     r = masterstep.round_bf16(x, torch.Generator().manual_seed(0)).float()

@@ -7,7 +7,7 @@ tag, 0.001 per trailing character), not by calling the functions under test.
 import pytest
 
 from common.errors import UsageError
-from trainbox.training import rewards
+from trainbox.training.grpo import rewards
 
 FUNCS = {
     "correctness": rewards.correctness,
@@ -92,7 +92,7 @@ def test_notebook_names_are_the_same_functions():
     assert rewards.load("rewards:int_reward_func") is rewards.int_format
     assert rewards.load("rewards:strict_format_reward_func") is rewards.strict_format
     assert rewards.load("rewards:soft_format_reward_func") is rewards.soft_format
-    assert rewards.load("trainbox.training.rewards:xmlcount_reward_func") is rewards.xmlcount
+    assert rewards.load("trainbox.training.grpo.rewards:xmlcount_reward_func") is rewards.xmlcount
     assert [rewards.load(r) for r in rewards.GSM8K] == [
         rewards.xmlcount, rewards.soft_format, rewards.strict_format, rewards.int_format, rewards.correctness
     ]

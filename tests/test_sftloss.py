@@ -1,4 +1,4 @@
-"""SFT's training loss without host syncs (trainbox/training/sftloss.py) against TRL's own compute_loss on the same
+"""SFT's training loss without host syncs (trainbox/training/kernels/sftloss.py) against TRL's own compute_loss on the same
 batches: the same loss, gradients and logged metrics, dense and MoE (the balancing loss), padded and padding-free,
 and a real training run logs numbers, not tensors."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainbox.training import sftloss
+from trainbox.training.kernels import sftloss
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +128,7 @@ def test_the_loss_heads_backward_reads_no_count_on_the_host(padding_free, tiny_m
     graph, and the loss and gradients are TRL's compacting path's (the one-pass head runs on the CPU here)."""
     import trl.trainer.utils as trl_utils
 
-    from trainbox.training import losshead
+    from trainbox.training.kernels import losshead
 
     for name in ("_use_triton", "_ChunkedLogProbFunction"):
         monkeypatch.setattr(trl_utils, name, getattr(trl_utils, name))

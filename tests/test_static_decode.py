@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tiny import make_tokenizer
-from trainbox.training import static_decode
+from trainbox.training.grpo import static_decode
 from zoo import ZOO, make_config
 
 GREEDY = 1e-6  # a temperature at which the Gumbel draw is the argmax (random logits: no near-ties)

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from trainbox.training import throughput
+from trainbox.run import throughput
 
 
 def _pad_to_longest(rows):

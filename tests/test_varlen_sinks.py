@@ -6,7 +6,8 @@ benchmarks/sink_kernels.py run it against float32 eager / dense math on the devi
 import pytest
 import torch
 
-from trainbox.training import attention, flexattn, varlen_sinks, varlenattn
+from trainbox.training import attention
+from trainbox.training.kernels import flexattn, varlen_sinks, varlenattn
 
 LENS = (5, 9, 3)  # one packed row of three examples
 
@@ -122,7 +123,7 @@ def test_rows_the_varlen_kernel_does_not_take_get_the_same_softmax_as_dense_math
 def test_a_compiled_helper_that_fails_to_compile_runs_op_by_op_with_one_line(capsys):
     """compilefail.Fallback (the sinks' compiled forward and backward here, FlexAttention's sinks): a compiler
     failure prints one line and the function runs op by op from then on, never compiled again."""
-    from trainbox.training import compilefail
+    from trainbox.training.kernels import compilefail
 
     def fn(x):
         torch._dynamo.graph_break()  # under fullgraph: an error of the compiler, not of the step

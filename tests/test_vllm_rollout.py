@@ -58,7 +58,7 @@ def test_the_learnable_reward_scores_the_lower_half_share_and_loads_on_both_side
     reference and trainbox's MODULE:FUNCTION alike (reward curves compare the two engines on it)."""
     import importlib
 
-    from trainbox.training import rewards
+    from trainbox.training.grpo import rewards
 
     assert tt.low_words([[{"role": "assistant", "content": "w1 w3999 w10 other"}], "w2000 w1999", "", "no words"]) == [
         2 / 3, 0.5, 0.0, 0.0]

@@ -1,4 +1,4 @@
-"""GRPO with a vLLM server beside the trainers (trainbox/training/vllm_server.py): roles, health wait, lease, teardown.
+"""GRPO with a vLLM server beside the trainers (trainbox/training/grpo/vllm_server.py): roles, health wait, lease, teardown.
 
 No vLLM can run here (no GPU, not installed): the server is a stand-in HTTP process started on 127.0.0.1 that
 answers vLLM's /health, put in through TRAINBOX_VLLM_SERVE_CMD exactly where `trl vllm-serve` would run.
@@ -20,7 +20,7 @@ import pytest
 from builder import slurm as job
 from common import launch
 from common.errors import UsageError
-from trainbox.training import vllm_server
+from trainbox.training.grpo import vllm_server
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -110,7 +110,7 @@ def free_pair() -> int:
 def server_task(tmp_path, port: int, wait: float = 30, standin: str = STANDIN) -> subprocess.Popen:
     """The server node's task: vllm_server.serve with the stand-in in place of `trl vllm-serve`."""
     (tmp_path / "standin.py").write_text(standin)
-    code = (f"import sys; from trainbox.training import vllm_server as v; r = v.Roles('server', '127.0.0.1', {port}); "
+    code = (f"import sys; from trainbox.training.grpo import vllm_server as v; r = v.Roles('server', '127.0.0.1', {port}); "
             f"sys.exit(v.serve(v.serve_command('/m', r), r, {wait}))")
     env = {**os.environ, vllm_server.STANDIN_ENV: f"{sys.executable} {tmp_path / 'standin.py'} {{port}}",
            "PYTHONPATH": str(ROOT)}
@@ -182,7 +182,8 @@ def test_one_node_split_runs_and_stops_the_server(tmp_path, monkeypatch):
 
 def test_grpo_options_point_the_trainers_at_the_server(monkeypatch):
     from trainbox.cli import grpo
-    from trainbox.training import config, grpo_rollouts
+    from trainbox.training import config
+    from trainbox.training.grpo import rollouts as grpo_rollouts
 
     script, launch_args, raw, _ = grpo.parse(["--model_name_or_path", "m", "--vllm_server_gpus", "1"])
     roles = grpo_rollouts.arrange_server(script, raw, launch_args, {"CUDA_VISIBLE_DEVICES": "0,1,2"})

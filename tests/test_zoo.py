@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import sidebyside
-from trainbox.training import attention, speed
+from trainbox.training import attention, modelfacts
 from test_data import write_dolly, write_messages
 from test_grpo import gsm8k_rows, write_jsonl
 from zoo import WINDOW, ZOO, expected_features, make_zoo_model
@@ -42,7 +42,7 @@ def data(tmp_path_factory):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_needs_reads_every_feature_from_the_saved_model(zoo_dir, name):
-    facts = speed.model_facts(str(zoo_dir / name))
+    facts = modelfacts.model_facts(str(zoo_dir / name))
     assert facts.attention.features() == expected_features(name)
     if "window" in expected_features(name):
         assert facts.attention.window == WINDOW
@@ -56,9 +56,9 @@ def test_mfu_counts_the_flops_a_forward_runs(zoo_dir, name):
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import AutoModelForCausalLM
 
-    from trainbox.training import throughput
+    from trainbox.run import throughput
 
-    facts = speed.model_facts(str(zoo_dir / name))
+    facts = modelfacts.model_facts(str(zoo_dir / name))
     # eager experts: a loop of plain matmuls over each expert's tokens, which FlopCounterMode counts (grouped_mm it
     # does not)
     model = AutoModelForCausalLM.from_pretrained(zoo_dir / name, dtype=torch.float32, attn_implementation="eager",
@@ -86,7 +86,7 @@ def test_mfu_counts_the_flops_a_forward_runs(zoo_dir, name):
 def test_no_kernel_that_drops_a_feature_is_picked(zoo_dir, name):
     """On a pretend sm90 where every kernel runs, and where only some do: the pick honours all the model needs, and
     each kernel passed over for the model says which feature it would drop."""
-    needs = speed.model_facts(str(zoo_dir / name)).attention
+    needs = modelfacts.model_facts(str(zoo_dir / name)).attention
     want = expected_features(name)
     for runs in (set(attention.KERNELS), {"varlen", "sdpa", "eager"}, {"fa4", "sdpa", "eager"}):
         c = attention.decide({"attention_backend": "fa3"}, (9, 0), lambda n: None if n in runs else "absent",
@@ -111,7 +111,7 @@ def test_chosen_kernel_gives_eager_logits(zoo_dir, name):
     from transformers import AutoModelForCausalLM
 
     path = zoo_dir / name
-    choice = attention.decide(None, None, lambda n: None, model=speed.model_facts(str(path)).attention)
+    choice = attention.decide(None, None, lambda n: None, model=modelfacts.model_facts(str(path)).attention)
     attention.register(choice.impl)
     ref = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
     ours = AutoModelForCausalLM.from_pretrained(path, attn_implementation=choice.impl).eval()

@@ -28,7 +28,7 @@ def main() -> int:
     import train_throughput as bench
     from trainbox.image import imageinfo
     from trainbox.training import attention
-    from trainbox.training.grpo_padding_free import PaddingFreeGRPOTrainer
+    from trainbox.training.grpo.padding_free import PaddingFreeGRPOTrainer
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=64)

@@ -111,7 +111,8 @@ def model_table(seq: int, impl: str) -> list[dict]:
     from torch._dynamo.utils import counters
     from transformers import AutoModelForCausalLM
 
-    from trainbox.training import attention, flexattn, speed
+    from trainbox.training import attention, modelfacts
+    from trainbox.training.kernels import flexattn
 
     attention.register(impl)
     base = Path(tempfile.mkdtemp(prefix="flexcheck-"))
@@ -141,7 +142,7 @@ def model_table(seq: int, impl: str) -> list[dict]:
         if impl == attention.FLEX:
             why = flexattn.trial(DEV, flex.config.head_dim, torch.bfloat16 if DEV == "cuda" else torch.float32)
         else:
-            why = attention.runtime_usable("varlen", speed.model_facts(str(path)).attention)
+            why = attention.runtime_usable("varlen", modelfacts.model_facts(str(path)).attention)
         trial_s = time.time() - t
         for kind in ("single", "padded", "packed", "train"):
             t = time.time()
@@ -181,7 +182,7 @@ def sync() -> None:
 def kernel_table() -> list[dict]:
     import torch
 
-    from trainbox.training import flexattn
+    from trainbox.training.kernels import flexattn
 
     fa = None
     if DEV != "cuda":  # FlexAttention's unfused reference: torch refuses CPU gradients only at its entry check
@@ -248,7 +249,8 @@ def main() -> int:
     import torch
     import transformers
 
-    from trainbox.training import attention, flexattn, speed
+    from trainbox.training import attention, modelfacts
+    from trainbox.training.kernels import flexattn
 
     os.environ.pop(flexattn.GPU_ENV, None)  # the default choice, its trial included
     if DEV != "cuda":  # smoke run: the compiled path without inductor (no FlexAttention backward on CPU)
@@ -291,7 +293,7 @@ def main() -> int:
     base = Path(tempfile.mkdtemp(prefix="flexchoice-"))
     lines = {}
     for name in ("gemma2", "gpt-oss", "llama3"):
-        needs = speed.model_facts(str(build(base, name))).attention
+        needs = modelfacts.model_facts(str(build(base, name))).attention
         for record in ("fa3", "sdpa"):
             c = attention.choose(None, {"attention_backend": record}, needs)
             lines[f"{name}/{record}"] = {"line": c.line(), "packed": c.packed}

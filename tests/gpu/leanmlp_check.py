@@ -26,7 +26,7 @@ def run(kind: str, tokens: int) -> dict:
     from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
     from transformers import Gemma2Config, LlamaConfig
 
-    from trainbox.training import leanmlp
+    from trainbox.training.kernels import leanmlp
 
     torch.manual_seed(0)
     if kind == "geglu":

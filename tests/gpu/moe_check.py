@@ -1,4 +1,4 @@
-"""trainbox_grouped_mm (trainbox/training/moe.py) on a GPU against float32 eager experts: gpt-oss with the compiled gate
+"""trainbox_grouped_mm (trainbox/training/kernels/moe.py) on a GPU against float32 eager experts: gpt-oss with the compiled gate
 (routing weights folded in), Mixtral and Qwen3-MoE (their own gates), bf16.
 
 Usage: python tests/gpu/moe_check.py [--tokens 4096] [--json FILE]      (torch with CUDA, transformers; no trl)
@@ -43,7 +43,7 @@ def main() -> int:
     import torch
     import transformers
 
-    from trainbox.training import moe
+    from trainbox.training.kernels import moe
 
     if not torch.cuda.is_available():
         sys.exit("moe_check.py needs a GPU")

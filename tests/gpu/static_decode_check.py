@@ -1,4 +1,4 @@
-"""The static decoder (trainbox/training/static_decode.py) on a GPU for every zoo architecture: does its decode step
+"""The static decoder (trainbox/training/grpo/static_decode.py) on a GPU for every zoo architecture: does its decode step
 compile into a CUDA graph (or fall back, said on stderr), and is its greedy decode what a full float32 forward
 predicts (cache, windows, softcaps, sinks, experts)? Also the ms per step of a second, already compiled run.
 
@@ -22,7 +22,7 @@ def main(names: list[str]) -> int:
     from transformers import AutoModelForCausalLM
 
     from tiny import make_tokenizer
-    from trainbox.training.static_decode import StaticDecoder
+    from trainbox.training.grpo.static_decode import StaticDecoder
     from zoo import ZOO, make_config
 
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -55,7 +55,8 @@ def main() -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trainbox.training import attention, speed, varlenattn
+    from trainbox.training import attention, modelfacts
+    from trainbox.training.kernels import varlenattn
     from zoo import ZOO, make_zoo_model
 
     cc = torch.cuda.get_device_capability()
@@ -64,7 +65,7 @@ def main() -> int:
     floor_plain = 0.0
     for name in ZOO:
         path = make_zoo_model(base / name, name)
-        needs = speed.model_facts(str(path)).attention
+        needs = modelfacts.model_facts(str(path)).attention
         # As the Hopper images decide (their record says fa3); the reasons name every kernel passed over.
         choice = attention.choose(None, {"attention_backend": "fa3"}, needs)
         torch.manual_seed(0)

@@ -25,8 +25,10 @@ from dataclasses import dataclass
 from common import launch
 from trainbox.image import imageinfo
 from trainbox.run import outputs, ranks, resume, runsummary
-from trainbox.training import (config, grpo_data, grpo_options, grpo_rollouts, grpo_trainer, modelfiles, moe, rewards,
-                               runner, speed, vllm_server)
+from trainbox.training import config, modelfacts, modelfiles, runner
+from trainbox.training.grpo import (data as grpo_data, options as grpo_options, rollouts as grpo_rollouts,
+                                    trainer as grpo_trainer, rewards, vllm_server)
+from trainbox.training.kernels import moe
 from common.errors import UsageError
 
 PROG = "trainbox grpo"
@@ -135,7 +137,7 @@ def train(script, args, model_args, checked: Checked) -> int:
             + (f"; resuming from {checked.resume}" if checked.resume else ""),
             flush=True,
         )
-    facts = speed.model_facts(model_args.model_name_or_path, model_args.model_revision)
+    facts = modelfacts.model_facts(model_args.model_name_or_path, model_args.model_revision)
     line = grpo_trainer.choose_checkpointing(args, model_args, checked.mode, script.max_prompt_tokens, facts,
                                              script.static_decode)
     lines = [line, *grpo_trainer.choose_policy_forward(script, args, model_args, facts.attention, imageinfo.load())]

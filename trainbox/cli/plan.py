@@ -68,7 +68,7 @@ def compute(argv: list[str]):
     # Here, not at the top: importing sft takes about 4 s (transformers), which `trainbox plan --help` need not pay.
     from trainbox.training import config as cfg
     from trainbox.cli import sft
-    from trainbox.training import attention, speed
+    from trainbox.training import attention, modelfacts, speed
 
     memplan.mode()  # a bad TRAINBOX_MEMORY_PLAN is bad input (exit 2), not a plan that does not fit
     free = memplan.cap(int(gib * memplan.GiB))  # TRAINBOX_GPU_FREE_GIB caps it, as it caps the job's
@@ -81,8 +81,8 @@ def compute(argv: list[str]):
     # The job's view of its layout (speed.job_for and reshards_after_forward read it from the launcher's env).
     os.environ.update(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(per_node))
     shards = world if world > 1 else 1
-    facts = speed.model_facts(model_args.model_name_or_path, model_args.model_revision)
-    masters_ok = shards == 1 and speed._float32_reason(args, model_args, True, shards) is None
+    facts = modelfacts.model_facts(model_args.model_name_or_path, model_args.model_revision)
+    masters_ok = shards == 1 and speed.float32_reason(args, model_args, True, shards) is None
     # the kernel the job loads matters only where it is eager or SDPA (score matrices, masks): the user's choice;
     # unset, the job takes a flash kernel on the GPU
     requested = model_args.attn_implementation if "attn_implementation" in cfg.explicit(model_args) else None

@@ -232,7 +232,7 @@ def optimizer_row(fault: bool = False) -> tuple[str, str]:
 
     if not torch.cuda.is_available():
         return SKIP, f"{NO_GPU}: the fused master-weight step is a Triton kernel (CPU runs torch's AdamW)"
-    from trainbox.training import masterstep
+    from trainbox.training.kernels import masterstep
 
     torch.manual_seed(0)
     shapes = [(4096,), (256, 96), (7,)]

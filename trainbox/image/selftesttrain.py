@@ -24,7 +24,7 @@ PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 ROWS = ("train-sft", "train-qlora", "train-grpo-transformers", "train-grpo-static", "train-grpo-vllm")
 COMMON = ["--logging_steps", "1", "--disable_tqdm", "true", "--report_to", "none", "--dataloader_num_workers", "0",
           "--max_steps", "3", "--save_steps", "3"]
-# Rollout engines: grpo's options that pick each (grpo_rollouts.py), and what each needs.
+# Rollout engines: grpo's options that pick each (grpo/rollouts.py), and what each needs.
 ENGINES = {
     "train-grpo-transformers": ["--use_vllm", "false", "--static_decode", "false"],
     "train-grpo-static": ["--use_vllm", "false", "--static_decode", "true"],

@@ -23,7 +23,7 @@ def _peak_gpu_gib() -> float | None:
 
 
 def _steady(trainer) -> str | None:
-    from trainbox.training.throughput import Throughput   # defines a TrainerCallback: transformers, only at a run's end
+    from trainbox.run.throughput import Throughput  # defines a TrainerCallback: transformers, only at a run's end
 
     cb = preemption.find_callback(trainer, Throughput)
     return cb.summary() if cb else None

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from importlib import metadata
 
 from common import errors
-from trainbox.training import flexattn, varlen_sinks, varlenattn
+from trainbox.training.kernels import flexattn, varlen_sinks, varlenattn
 
 VARLEN = varlenattn.VARLEN
 FLEX = flexattn.FLEX

@@ -38,14 +38,6 @@ def truthy(value: Any) -> bool:
     return str(value).strip().lower() in {"1", "true", "yes", "y", "on"}
 
 
-def switch(raw: str | None, default: bool) -> bool | None:
-    """An on/off environment switch: 1/true/yes/on -> True, 0/false/no/off -> False (any case, spaces ignored),
-    unset or empty -> `default`; None for anything else (the caller says what a value it can't read does)."""
-    value = (raw or "").strip().lower()
-    if not value:
-        return default
-    return True if value in ("1", "true", "yes", "on") else False if value in ("0", "false", "no", "off") else None
-
 
 # Options that transformers 5 / TRL 1.x removed or renamed, translated so that older recipes keep working.
 LEGACY_TRAINING: dict[str, Translator] = {

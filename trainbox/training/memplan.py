@@ -57,7 +57,8 @@ from dataclasses import dataclass, field, replace
 
 from common.errors import UsageError
 from trainbox.run import ranks
-from trainbox.training import losshead, memterms
+from trainbox.training import memterms
+from trainbox.training.kernels import losshead
 
 GiB = 2**30
 FIT = 0.92  # of the free memory: the allocator's fragmentation (expandable segments keep it small)
@@ -73,7 +74,7 @@ MODE_ENV = "TRAINBOX_MEMORY_PLAN"
 class Job:
     """What the plan is for: the model's shape and the run's settings that weigh on memory."""
 
-    facts: object  # speed.ModelFacts
+    facts: object  # modelfacts.ModelFacts
     batch: int  # per-device micro-batch (rows)
     max_length: int  # tokens per row (packed rows are this long)
     grad_accum: int = 1

@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 
 from common.errors import UsageError
 from trainbox.run import outputs, preemption, ranks, resume
-from trainbox.training import attention, callbacks, data, leanmlp, losshead, modelfiles, sftloss, speed, throughput
+from trainbox.training import attention, callbacks, data, modelfacts, modelfiles, speed
+from trainbox.training.kernels import leanmlp, losshead, sftloss
+from trainbox.run import throughput
 from trainbox.training import config as cfg
 
 
@@ -107,7 +109,7 @@ def tune(model_args, training_args, shards: int, image: dict | None, checkpointi
     image: the image record (attention.choose); packing: None (decided), else why this trainer has none; memory:
     facts -> the memory plan's tokens/extra."""
     requested = model_args.attn_implementation if "attn_implementation" in cfg.explicit(model_args) else None
-    facts = speed.model_facts(model_args.model_name_or_path, model_args.model_revision)
+    facts = modelfacts.model_facts(model_args.model_name_or_path, model_args.model_revision)
     choice = attention.choose(requested, image, model=facts.attention)
     lines = speed.apply(training_args, model_args, choice, facts, shards=shards, checkpointing=checkpointing,
                         packing=packing, **(memory(facts) if memory else {}))

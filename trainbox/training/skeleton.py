@@ -20,7 +20,8 @@ from collections.abc import Callable
 
 from common import launch
 from trainbox.run import outputs, preemption, ranks, resume, runsummary
-from trainbox.training import callbacks, moe, precision, runner, sftlib
+from trainbox.training import callbacks, runner, sftlib
+from trainbox.training.kernels import moe, precision
 from trainbox.training import config as cfg
 
 

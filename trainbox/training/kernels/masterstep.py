@@ -30,7 +30,7 @@ import functools
 
 import torch
 
-from trainbox.training import compilefail
+from trainbox.training.kernels import compilefail
 
 BLOCK = 1024  # elements a program updates
 WARPS = 4  # 8 elements a thread: one 16-byte load of bf16, two of float32

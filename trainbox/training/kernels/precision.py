@@ -32,7 +32,7 @@ import functools
 
 import torch
 
-from trainbox.training import masterstep
+from trainbox.training.kernels import masterstep
 
 
 class MasterWeights(torch.optim.Optimizer):

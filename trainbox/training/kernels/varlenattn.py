@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 
-from trainbox.training import flexattn, varlen_sinks
+from trainbox.training.kernels import flexattn, varlen_sinks
 
 VARLEN = "trainbox_varlen"
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 
-from trainbox.training import config
+from trainbox.training.kernels import switches
 
 ENV = "TRAINBOX_MLP_RECOMPUTE"
 
@@ -94,7 +94,7 @@ def setting() -> tuple[bool, str | None]:
     """(on?, a note on the variable): on unless TRAINBOX_MLP_RECOMPUTE is 0/false/no/off; a value that is neither
     leaves it on and says so."""
     raw = os.environ.get(ENV)
-    on = config.switch(raw, default=True)
+    on = switches.switch(raw, default=True)
     return (True, f"{ENV}={raw!r} is neither 0 nor 1: left on") if on is None else (on, None)
 
 

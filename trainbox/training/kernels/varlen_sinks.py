@@ -41,7 +41,7 @@ def sink_grads(dy, y, w):
 def _compiled() -> None:
     """apply_sinks and sink_grads compiled, one kernel or two each (op by op they are about ten over the attention
     output: float32 casts, the gate, products and sums), the token count symbolic from the first call."""
-    from trainbox.training import compilefail
+    from trainbox.training.kernels import compilefail
 
     if "apply" not in _FN:
         _FN["apply"] = compilefail.Fallback(apply_sinks, "attention: the sinks", "applying them op by op",

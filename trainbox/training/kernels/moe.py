@@ -39,7 +39,7 @@ Expert parallelism's sentinel ids (>= num_experts) are not handled: `applies` sa
 
 from __future__ import annotations
 
-from trainbox.training import compilefail
+from trainbox.training.kernels import compilefail
 
 NAME = "trainbox_grouped_mm"
 
@@ -317,7 +317,7 @@ def applies(model_class) -> str | None:
 
 
 def choose(facts) -> tuple[dict, str | None]:
-    """(from_pretrained's extra kwargs, the line to print) for a model with `facts` (speed.ModelFacts): MoE models
+    """(from_pretrained's extra kwargs, the line to print) for a model with `facts` (modelfacts.ModelFacts): MoE models
     whose experts dispatch through transformers' interface get NAME; dense models nothing."""
     if not facts.experts:
         return {}, None

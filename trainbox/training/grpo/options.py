@@ -9,7 +9,8 @@ import dataclasses
 import importlib.util
 from dataclasses import dataclass, field
 
-from trainbox.training import config, vllm_server
+from trainbox.training import config
+from trainbox.training.grpo import vllm_server
 from common.errors import UsageError
 
 MODES = ("full", "lora", "qlora")
@@ -67,7 +68,7 @@ class GRPOScriptArgs:
         default=None,
         metadata={
             "help": "Policy (and reference) log-prob forward on packed rows of only the real tokens "
-            "(grpo_padding_free.py). Default: on where the attention kernel keeps packed sequences apart "
+            "(grpo/padding_free.py). Default: on where the attention kernel keeps packed sequences apart "
             "(FlashAttention, PyTorch varlen; on CPU a block-diagonal mask), off with SDPA on a GPU."
         },
     )
@@ -86,7 +87,7 @@ class GRPOScriptArgs:
         default=0,
         metadata={
             "help": "Run `trl vllm-serve` on the last node of the srun step (one task per node) and train on the "
-            "others with vllm_mode server (trainbox/training/vllm_server.py; ports: vllm_server_port 8000, "
+            "others with vllm_mode server (trainbox/training/grpo/vllm_server.py; ports: vllm_server_port 8000, "
             "vllm_group_port 51216, lease = server port + 1). 0: off."
         },
     )

@@ -143,7 +143,7 @@ def load(ref: str) -> Callable:
         except Exception as exc:  # the user's file: show what broke, not a traceback
             raise UsageError(f"reward function {ref!r}: importing {path} failed: {type(exc).__name__}: {exc}") from exc
     else:
-        if module_ref in ("rewards", "trainbox.training.rewards"):
+        if module_ref in ("rewards", "trainbox.training.rewards", "trainbox.training.grpo.rewards"):
             module = sys.modules[__name__]
         else:
             try:

@@ -4,9 +4,10 @@ prompt format, the columns each reward function reads), prompts longer than max_
 
 from __future__ import annotations
 
-from trainbox.training import data, rewards
+from trainbox.training import data
+from trainbox.training.grpo import rewards
 from common.errors import UsageError
-from trainbox.training.grpo_options import GSM8K_HUB
+from trainbox.training.grpo.options import GSM8K_HUB
 
 
 def reward_refs(script) -> list[str]:

@@ -1,5 +1,5 @@
 """Sampling completions from a causal LM through a static KV cache and one compiled decode step: GRPO's rollouts for
-dense models at full fine-tuning (grpo_rollouts.py decides; vLLM may be absent, as on cu126 images, or slower).
+dense models at full fine-tuning (grpo/rollouts.py decides; vLLM may be absent, as on cu126 images, or slower).
 
 transformers' `generate` with its dynamic cache is CPU-bound on small models (a 1.2B Llama on an H100: 16-33 ms a
 decode step for 16 rows, 4-8 s a GRPO rollout of 256 tokens, TRL's no-vLLM path), and its own static-cache

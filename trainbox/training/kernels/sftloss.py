@@ -13,7 +13,7 @@ both on the same batches: the same loss, gradients and logged metrics.
 
 from __future__ import annotations
 
-from trainbox.training import losshead
+from trainbox.training.kernels import losshead
 
 
 def usable(trainer) -> bool:

@@ -21,7 +21,7 @@ from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 
 from trainbox.run import outputs
-from trainbox.training.static_decode import StaticDecoder, StepNotCompiled
+from trainbox.training.grpo.static_decode import StaticDecoder, StepNotCompiled
 
 
 class StaticDecodeRollouts(GRPOTrainer):

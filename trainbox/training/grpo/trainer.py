@@ -5,7 +5,8 @@ rollouts, or neither) with our callbacks, and a line on what was loaded.
 
 from __future__ import annotations
 
-from trainbox.training import attention, callbacks, config, grpo_rollouts, memplan, speed
+from trainbox.training import attention, callbacks, config, memplan, speed
+from trainbox.training.grpo import rollouts as grpo_rollouts
 from trainbox.run import ranks
 
 
@@ -94,7 +95,7 @@ def describe_model(model) -> str:
 
 
 def describe_ratio(trainer) -> str | None:
-    """Where vLLM's importance-sampling ratio comes from (grpo_is_ratio.py), when vLLM generates."""
+    """Where vLLM's importance-sampling ratio comes from (grpo/is_ratio.py), when vLLM generates."""
     if not (trainer.use_vllm and trainer.vllm_importance_sampling_correction):
         return None
     if trainer._ratio_from_loss():
@@ -105,17 +106,17 @@ def describe_ratio(trainer) -> str | None:
 
 
 def trainer_class(padding_free: bool, static_decode: bool = False):
-    """Our GRPOTrainer: the loss-time importance ratio (grpo_is_ratio.py) over TRL's trainer, padding-free or not,
-    rollouts without vLLM from the static decoder (grpo_static_decode.py) or not."""
-    from trainbox.training.grpo_is_ratio import LossTimeRatio
+    """Our GRPOTrainer: the loss-time importance ratio (grpo/is_ratio.py) over TRL's trainer, padding-free or not,
+    rollouts without vLLM from the static decoder (grpo/static_rollouts.py) or not."""
+    from trainbox.training.grpo.is_ratio import LossTimeRatio
 
     bases = (LossTimeRatio,)
     if static_decode:
-        from trainbox.training.grpo_static_decode import StaticDecodeRollouts
+        from trainbox.training.grpo.static_rollouts import StaticDecodeRollouts
 
         bases += (StaticDecodeRollouts,)
     if padding_free:
-        from trainbox.training.grpo_padding_free import PaddingFreeGRPOTrainer
+        from trainbox.training.grpo.padding_free import PaddingFreeGRPOTrainer
 
         bases += (PaddingFreeGRPOTrainer,)
     return type("TrainboxGRPOTrainer", bases, {})

@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import os
 
-from trainbox.training import config
+from trainbox.training.kernels import switches
 
 ENV = "TRAINBOX_ONE_PASS_LOSS"  # 0: TRL's own head everywhere
 TILE_BYTES = 2**30  # one (tokens x vocabulary) tile of logits, overwritten by their gradient
@@ -75,7 +75,7 @@ def install(trainer, on_gpu: bool) -> str | None:
             or getattr(trainer, "label_smoother", None) is not None
             or getattr(args, "loss_type", "nll") != "nll" or not hasattr(trl_utils, "_ChunkedLogProbFunction")):
         return None
-    on = config.switch(os.environ.get(ENV), default=True)
+    on = switches.switch(os.environ.get(ENV), default=True)
     if on is False:
         return f"loss head: TRL's ({ENV}={os.environ.get(ENV)})"
     if "check" not in _FN:

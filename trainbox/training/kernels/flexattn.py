@@ -31,7 +31,7 @@ import math
 import os
 
 from common import errors
-from trainbox.training import compilefail, config
+from trainbox.training.kernels import switches, compilefail
 
 FLEX = "trainbox_flex"
 BLOCK = 128  # FlexAttention's default block size: the block mask's document ids are padded up to a multiple of it
@@ -401,7 +401,7 @@ def usable(head_dim: int = 64) -> str | None:
         return "this torch has no torch.nn.attention.flex_attention"
     if not torch.cuda.is_available():
         return "no GPU"
-    on = config.switch(os.environ.get(GPU_ENV), default=True)
+    on = switches.switch(os.environ.get(GPU_ENV), default=True)
     if on is False:
         # Off switch. The GPU default rests on tests/gpu/flex_check.py passing on an H100 (torch 2.11): logits and
         # gradients within bf16 eager's bound for Gemma 2, gpt-oss and Llama, 0 graph breaks, no late recompiles.

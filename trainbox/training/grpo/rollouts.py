@@ -10,7 +10,8 @@ import importlib.util
 import os
 
 from common import launch
-from trainbox.training import config, memplan, speed, vllm_server
+from trainbox.training import config, memplan, modelfacts, speed
+from trainbox.training.grpo import vllm_server
 from common.errors import UsageError
 
 
@@ -118,7 +119,7 @@ def static_over_vllm(args, mode: str, model_args, max_prompt_tokens: int | None 
     conf = AutoConfig.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision)
     if conf.get_text_config() is not conf:
         return "a vision-language model"
-    facts = speed.model_facts(model_args.model_name_or_path, model_args.model_revision)
+    facts = modelfacts.model_facts(model_args.model_name_or_path, model_args.model_revision)
     if facts.experts:
         return "MoE experts (their loops do not capture into a CUDA graph)"
     try:
@@ -155,7 +156,7 @@ def training_state_bytes(args, facts) -> int:
 def decoder_bytes(args, facts, max_prompt_tokens: int | None = None) -> int:
     """The static decoder's GPU memory for this run (static_decode.memory_bytes): one cache row per completion of a
     generation batch, prompts up to max_prompt_tokens (512 when unknown)."""
-    from trainbox.training.static_decode import memory_bytes
+    from trainbox.training.grpo.static_decode import memory_bytes
 
     rows = args.per_device_train_batch_size * (args.steps_per_generation or 1)
     return memory_bytes(facts.params, facts.layers, facts.attn_width, rows, max_prompt_tokens or 512,
