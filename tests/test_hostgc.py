@@ -33,7 +33,11 @@ def test_frozen_before_training_and_after_steps_1_and_3():
     begun = gc.get_freeze_count()
     assert begun > 0
     frozen = _steps(cb, 5)
-    assert begun < frozen[0] == frozen[1] < frozen[2] == frozen[3] == frozen[4]  # after steps 1 and 3 only
+    # what each step froze: a step's 1,001 containers at steps 1 and 3 (step 3: steps 2's and 3's), nothing after
+    # steps 2, 4 and 5. Not equality: a frozen object that dies (another test's leftovers let go) leaves the count.
+    grew = [b - a for a, b in zip([begun, *frozen], frozen)]
+    assert grew[0] >= 1000 and grew[2] >= 2000, grew
+    assert all(g < 1000 for g in (grew[1], grew[3], grew[4])), grew
     assert gc.isenabled()  # collections still run, over what the steps make
 
 

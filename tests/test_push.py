@@ -5,11 +5,14 @@ one layer."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import http.server
 import json
 import subprocess
 import sys
+import threading
 import urllib.request
 import uuid
 
@@ -198,10 +201,46 @@ def test_package_change_rebuilds_and_repushes_only_the_last_layer(pushed, tmp_pa
     assert skopeo_digest(f"{pushed['repo']}:smoke-x86_64") == res.digest
 
 
+@contextlib.contextmanager
+def refusing_registry():
+    """A registry that answers the build's reachability check (GET /v2/: 200) and refuses every other request (403:
+    denied, which docker does not retry): the push fails after the build, where the tags must be put back. (A closed
+    port is refused before anything builds: test_cli_edges.)"""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _answer(self):
+            ok = self.command == "GET" and self.path.rstrip("/") == "/v2"
+            self.send_response(200 if ok else 403)
+            self.send_header("Docker-Distribution-API-Version", "registry/2.0")
+            self.send_header("Content-Type", "application/json")
+            body = b"{}" if ok else b'{"errors":[{"code":"DENIED","message":"refused by the test"}]}'
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+
+        do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = _answer
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_a_failed_push_leaves_no_tag(smoke_build, test_base):  # noqa: F811
-    """`--push` to a registry that is not there: exit 2, one line; every registry-prefixed tag the run made is gone
-    and a tag that named another image before the run names it again."""
-    repo = f"127.0.0.1:1/trainbox-dead-{uuid.uuid4().hex[:6]}"
+    """`--push` to a registry that refuses the push: exit 2, one line; every registry-prefixed tag the run made is
+    gone and a tag that named another image before the run names it again."""
+    with refusing_registry() as port:
+        _failed_push_leaves_no_tag(f"127.0.0.1:{port}/trainbox-dead-{uuid.uuid4().hex[:6]}", test_base)
+
+
+def _failed_push_leaves_no_tag(repo: str, test_base: str) -> None:
     cell = smoke_cells()["x86_64"]
     docker("pull", "-q", test_base)   # another image than the one the run builds
     old = docker("image", "inspect", "--format", "{{.Id}}", test_base).stdout.strip()
