@@ -85,9 +85,12 @@ def reload(saved: Path, fault: bool) -> str:
     if fault:  # the planted fault: the weights on disk cut short
         weights = saved / "model.safetensors"
         weights.write_bytes(weights.read_bytes()[:1000])
-    model = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
+    # On the GPU the run trained on: the trainers' kernels (Liger's, patched into the model classes of this process)
+    # are Triton's, CUDA only; a reload on the CPU here failed in them on the device, not in what was saved.
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).to(dev)
     with torch.no_grad():
-        logits = model(torch.tensor([[5, 6, 7, 8]])).logits
+        logits = model(torch.tensor([[5, 6, 7, 8]], device=dev)).logits
     if not bool(torch.isfinite(logits).all()):
         raise ValueError(f"the model saved to {saved} gives non-finite logits")
     return saved.name

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from importlib import metadata
 
 from common import errors
-from trainbox.training.kernels import flexattn, varlen_sinks, varlenattn
+from trainbox.training.kernels import flexattn, sdpamask, varlen_sinks, varlenattn
 
 VARLEN = varlenattn.VARLEN
 FLEX = flexattn.FLEX
@@ -384,8 +384,11 @@ def agree(decide_fn: Callable[[Callable[[str], str | None]], Choice], usable: Ca
 
 
 def register(impl: str) -> None:
-    """Make our attention `impl` (trainbox_varlen, trainbox_flex) known to transformers; others are its own."""
-    if impl == VARLEN:
+    """Make our attention `impl` (trainbox_varlen, trainbox_flex) known to transformers; others are its own, SDPA with
+    its fully masked rows opened (kernels/sdpamask.py: their gradients were NaN)."""
+    if impl == "sdpa":
+        sdpamask.register()
+    elif impl == VARLEN:
         varlenattn.register()
     elif impl == FLEX:
         flexattn.register()
