@@ -31,7 +31,7 @@ test: system-deps setup lint ## everything: unit, rendered files, real images (s
 	$(PY) -m pytest -ra --durations=40 -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder tests
 
 # Before the suite: an undefined name or a stray import fails here in a second, not in a 40-minute run.
-lint: setup ## Python lint: ruff check with pyproject.toml's [tool.ruff] (pyflakes, syntax, 3.11 upgrades)
+lint: setup ## Python lint: ruff check, pyproject.toml's [tool.ruff] (pyflakes, syntax, import order, 3.11 upgrades)
 	$(PY) -m ruff check
 
 system-deps: ## the Debian packages above (root; a no-op when all are present)

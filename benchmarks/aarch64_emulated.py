@@ -18,9 +18,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+import enginefix  # noqa: E402
 from builder import engine as eng, lock, render  # noqa: E402
 from builder.matrix import load_matrix  # noqa: E402
-import enginefix  # noqa: E402
 from gpuvariant import write_test_matrix  # noqa: E402
 
 

@@ -21,16 +21,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_throughput import ROOT, SHAPES, make_model  # noqa: E402
-from vllm_rollout import COMPLETION  # noqa: E402
-from vllm_rollout import prompt_rows as prompts  # noqa: E402
+from vllm_rollout import COMPLETION, prompt_rows as prompts  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 
 
 def profile(dec, tok, top: int) -> None:
     import torch
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
+    from torch.profiler import ProfilerActivity, profile as torch_profile
 
     rows = prompts(tok, 99)
     with torch_profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:

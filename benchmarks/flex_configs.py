@@ -45,6 +45,7 @@ def options(text: str) -> dict:
 
 def row(tokens: int, device):
     import torch
+
     import train_throughput as tt
 
     lens, total = [], 0

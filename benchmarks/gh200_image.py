@@ -22,11 +22,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+import enginefix  # noqa: E402
 from builder import engine as eng, render  # noqa: E402
+from builder.matrix import load_matrix  # noqa: E402
 from builder.options import BuildOptions  # noqa: E402
 from builder.pipeline import build_cells  # noqa: E402
-from builder.matrix import load_matrix  # noqa: E402
-import enginefix  # noqa: E402
 from gpuvariant import write_test_matrix  # noqa: E402
 
 CELL = "cu130-hopper"

@@ -31,8 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_throughput import ROOT, SHAPES, make_model  # noqa: E402
-from vllm_rollout import COMPLETION, GENERATIONS, PROMPTS  # noqa: E402
-from vllm_rollout import prompt_rows as prompts  # noqa: E402
+from vllm_rollout import COMPLETION, GENERATIONS, PROMPTS, prompt_rows as prompts  # noqa: E402
 
 PROMPT_BUDGET = 512  # the static cache holds this many prompt tokens + COMPLETION
 VARIANTS = ("trl", "bf16", "static", "ours")

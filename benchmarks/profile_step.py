@@ -298,9 +298,10 @@ class Profile:
     def watch_syncs(self, on: bool) -> None:
         """torch's sync debug mode over step `skip` (before the timed ones): each host<->device synchronization
         warns; the warnings are counted by where Python called the op (a backward's show at the backward() call)."""
-        import torch
         import traceback
         import warnings
+
+        import torch
 
         if on:
             self._sync_watch = warnings.catch_warnings()

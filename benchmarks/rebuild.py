@@ -27,10 +27,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+import enginefix  # noqa: E402
 from builder import engine as eng, lock, render, report  # noqa: E402
 from builder.matrix import load_matrix  # noqa: E402
 from builder.options import parse_bases, parse_secrets  # noqa: E402
-import enginefix  # noqa: E402
 from gpuvariant import write_test_matrix  # noqa: E402
 
 GPU_TEST_CELL = "cu130-blackwell-x86_64"

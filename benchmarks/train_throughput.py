@@ -138,8 +138,8 @@ def write_chat(path: Path, lens: list[int], seed: int = 0) -> Path:
 def flops_per_token(model: Path, lens: list[int]) -> float:
     """The trainers' own formula (throughput.flops_per_token: 6N over the parameters a token goes through, MoE top-k
     of E, plus causal attention, windowed layers counting their window) for the model built here."""
-    from trainbox.training import modelfacts
     from trainbox.run import throughput
+    from trainbox.training import modelfacts
 
     return throughput.flops_per_token(modelfacts.model_facts(str(model)), lens)
 

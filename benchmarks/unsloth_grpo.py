@@ -231,6 +231,7 @@ def versions() -> dict:
 
 def grpo(args, model_dir: Path, out: Path) -> None:
     from unsloth import FastLanguageModel  # first, as the notebook does: it patches transformers and trl
+    # isort: split
 
     import torch
     from transformers import TrainerCallback

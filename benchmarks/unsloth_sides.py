@@ -33,6 +33,7 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 def sft(a) -> None:
     from unsloth import FastLanguageModel  # first (the hook has imported it already where it runs)
+    # isort: split
 
     from datasets import load_dataset
     from trl import SFTConfig, SFTTrainer
@@ -56,7 +57,8 @@ def sft(a) -> None:
 
 
 def grpo(a) -> None:
-    from unsloth import FastLanguageModel
+    from unsloth import FastLanguageModel  # first: it patches transformers and trl on import
+    # isort: split
 
     from datasets import load_dataset
 

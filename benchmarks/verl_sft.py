@@ -81,7 +81,6 @@ def dataset_check(model: Path, data: Path) -> dict:
     """Build verl's own dataset over the parquet: fails the same way the trainer would on a bad chat template."""
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
-
     from verl.utils.dataset.multiturn_sft_dataset import MultiTurnSFTDataset
 
     tok = AutoTokenizer.from_pretrained(model)

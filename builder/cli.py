@@ -11,8 +11,16 @@ from types import MappingProxyType
 
 from builder.errors import UserError, reports_user_errors, shorten
 from builder.matrix import DEFAULT_MATRIX, Cell, Matrix, load_matrix
-from builder.options import (BuildOptions, check_buildable, check_dir, check_file_target, check_registry,
-                             parse_bases, parse_build_args, parse_secrets)
+from builder.options import (
+    BuildOptions,
+    check_buildable,
+    check_dir,
+    check_file_target,
+    check_registry,
+    parse_bases,
+    parse_build_args,
+    parse_secrets,
+)
 from builder.paths import ROOT
 
 
@@ -175,7 +183,7 @@ def plan_lines(cells: list[Cell], bases, paths: dict, root: Path = ROOT, overrid
         lines.append(f"{i}. {c.tag} ({c.platform}{', emulated (QEMU)' if c.arch != engine.host_arch() else ''})")
         lines.append(f"   dockerfile: {paths[c.tag]}")
         sub = f" (substituted for {c.base_image})" if base != c.base_image else ""
-        from builder import bases as base_lock   # the pinned TAG@sha256 the Dockerfile pulls (locks/bases.toml)
+        from builder import bases as base_lock  # the pinned TAG@sha256 the Dockerfile pulls (locks/bases.toml)
         lines.append(f"   base: {base if sub else base_lock.ref(c.base_image, c)}{sub}")
         args = engine.cell_build_args(c, bases=bases, index_overrides=overrides)
         lines.append("   build args: " + " ".join(f"{k}={indexes.redact(v)}" for k, v in args.items()))
@@ -369,7 +377,7 @@ def run(argv: list[str] | None = None) -> int:
                                         opts.native_builder, opts.registry)))
         return 0
     try:
-        from builder import pipeline   # python-on-whales and requests: only a real build needs them
+        from builder import pipeline  # python-on-whales and requests: only a real build needs them
     except ImportError as e:
         print(f"error: the build pipeline (builder/pipeline.py) is not available: {e}", file=sys.stderr)
         return 1

@@ -26,8 +26,12 @@ from python_on_whales.exceptions import DockerException
 from builder import indexes, lock
 from builder.docker import Builder, choose_builder, host_arch, platform_arch  # noqa: F401 (choose_builder: engine.X)
 from builder.errors import UserError
-from builder.options import BuildOptions  # noqa: F401 (engine.BuildOptions, as callers knew it)
-from builder.options import LEGACY_FIX, LEGACY_REFUSED, check_wheelhouse
+from builder.options import (
+    LEGACY_FIX,
+    LEGACY_REFUSED,
+    BuildOptions,  # noqa: F401 (engine.BuildOptions, as callers knew it)
+    check_wheelhouse,
+)
 from builder.paths import ROOT
 
 WHEELHOUSE = "wheelhouse"

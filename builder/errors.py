@@ -3,8 +3,7 @@
 import functools
 import sys
 
-from common import pipes as _pipes
-from common import redact as _redact
+from common import pipes as _pipes, redact as _redact
 
 
 class UserError(Exception):

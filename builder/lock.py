@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import NamedTuple
 
 from builder import bases as base_lock, indexes
-from common import atomic
 from builder.errors import UserError
 from builder.matrix import Cell
 from builder.matrix.locknames import lock_names
 from builder.paths import ROOT
+from common import atomic
 
 HEADER = "# trainbox lock for {name} ({platform}, python {python}); regenerate: python build.py --lock {tag}\n"
 INPUTS = "# inputs-sha256: {digest}\n"

@@ -221,7 +221,7 @@ def check_buildable(opts: BuildOptions, cells=()) -> None:
     caching = bool(opts.cache_from or opts.cache_to)
     requested = "buildx" if opts.buildx_builder else opts.builder
     if caching or requested != "auto":
-        from builder.docker import choose_builder   # a docker CLI probe (no engine): only when a choice hangs on it
+        from builder.docker import choose_builder  # a docker CLI probe (no engine): only when a choice hangs on it
 
         builder = choose_builder(requested)
         if caching and builder.kind != "buildx":

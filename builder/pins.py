@@ -30,12 +30,12 @@ from packaging.specifiers import Specifier, SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from common import atomic
-from builder.errors import UserError, reports_user_errors, shorten
 from builder import rules
+from builder.errors import UserError, reports_user_errors, shorten
 from builder.matrix import DEFAULT_MATRIX, read_document
 from builder.matrix.facts import check_facts_tables, check_rule_entries
 from builder.matrix.packages import extras_table, packages_table
+from common import atomic
 
 # Requires-Dist markers are read for the GPU cells' interpreter and OS (python 3.12, Linux); the arch matters to a few
 # markers only, x86_64 is the reference.

@@ -9,8 +9,7 @@ from pathlib import Path
 
 from builder import enroot, lock, publish, registry, report
 from builder.docker import check_engine, choose_builder, platform_arch
-from builder.engine import (BuildResult, TagJournal, build_cell, build_context, check_cpu_torch,
-                            refuse_emulated_compile)
+from builder.engine import BuildResult, TagJournal, build_cell, build_context, check_cpu_torch, refuse_emulated_compile
 from builder.errors import UserError
 from builder.options import BuildOptions, check_buildable
 

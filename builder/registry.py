@@ -21,8 +21,8 @@ from pathlib import Path
 
 import requests
 
-from builder.errors import UserError
 from builder import reference
+from builder.errors import UserError
 from builder.reference import REFERENCE
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"

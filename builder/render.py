@@ -11,11 +11,11 @@ from pathlib import Path
 import jinja2
 
 from builder import bases, indexes
-from common import atomic
 from builder.errors import UserError
 from builder.matrix import Cell
 from builder.matrix.fabric import PLUGIN_PREFIX
 from builder.paths import ROOT
+from common import atomic
 
 # Package data next to this module, so an installed host package finds it too.
 TEMPLATES = Path(__file__).resolve().parent / "templates"

@@ -38,12 +38,12 @@ from pathlib import Path, PurePosixPath
 
 import yaml
 
-from common import atomic
-from builder import flashwheels, gpugate, lock   # flash-wheels.yml; the GPU gate before publishing
+from builder import flashwheels, gpugate, lock  # flash-wheels.yml; the GPU gate before publishing
 from builder.actions import INDEX_ENV, PYTHON, setup_steps as _setup_steps
 from builder.errors import UserError, reports_user_errors
 from builder.matrix import DEFAULT_MATRIX, load_matrix
 from builder.paths import ROOT
+from common import atomic
 
 WORKFLOWS = ROOT / ".github" / "workflows"
 WORKFLOW = WORKFLOWS / "build.yml"

@@ -24,8 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import atomic
 from builder.errors import UserError, reports_user_errors
+from common import atomic
 from devenv import engine
 from devenv.common import cache_dir, logger, which
 

@@ -18,10 +18,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common import atomic
 from builder.errors import UserError, reports_user_errors
 from builder.matrix import load_matrix
 from builder.paths import ROOT
+from common import atomic
 from devenv.common import cache_dir, logger
 
 HOST_CERTS = Path("/usr/local/share/ca-certificates")

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import psutil
 
-from common import atomic
 from builder.errors import UserError
+from common import atomic
 
 
 def logger(tag: str):

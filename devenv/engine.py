@@ -19,9 +19,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from common import atomic
 from builder.enroot import docker_cli  # the product's choice of CLI: the engine we start is the one it talks to
 from builder.errors import UserError, reports_user_errors
+from common import atomic
 from devenv.common import State, apt_install, cache_dir, logger, pid_alive, spawn, stop_pid, wait, which
 
 DEFAULT_PORT = 5555

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 import simpleindex
-from enginefix import install_certs
 from builder import cli, engine as eng, lock
 from builder.errors import UserError
 from builder.matrix import load_matrix
 from builder.paths import ROOT
+from enginefix import install_certs
 
 M = load_matrix(ROOT / "matrix.toml")
 CELLS = {c.tag: c for c in M.cells}

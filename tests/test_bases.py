@@ -12,11 +12,11 @@ import uuid
 
 import pytest
 
-from enginefix import docker
 from builder import bases, lock, render
 from builder.errors import UserError
 from builder.matrix import load_matrix
 from builder.paths import ROOT
+from enginefix import docker
 
 CELLS = {c.tag: c for c in load_matrix(ROOT / "matrix.toml").cells}
 GPU = sorted(t for t, c in CELLS.items() if c.cuda and not getattr(c, "flavour", None))   # a flavour: FROM our image

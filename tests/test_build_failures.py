@@ -9,11 +9,10 @@ import textwrap
 
 import pytest
 
-from enginefix import BUILD_TIMEOUT, ROOT, ThrowawayCell, docker
-
 from builder import engine as eng
-from devenv import engine as devengine
 from builder.errors import UserError
+from devenv import engine as devengine
+from enginefix import BUILD_TIMEOUT, ROOT, ThrowawayCell, docker
 
 # a cold first build (debootstrap + the session images, arm64 under QEMU) runs inside the first test's setup
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(BUILD_TIMEOUT)]

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from brokenmatrix import write_broken
 from builder import cli
 from builder.matrix import load_matrix
 from builder.paths import ROOT
-from brokenmatrix import write_broken
 
 M = load_matrix(ROOT / "matrix.toml")
 

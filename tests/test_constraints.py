@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from enginefix import BUILD_TIMEOUT, docker
 from common.errors import UsageError
-from trainbox.image import constraints, pipwrap
+from enginefix import BUILD_TIMEOUT, docker
 from simpleindex import serve, stand_in_wheel, write_index
+from trainbox.image import constraints, pipwrap
 
 ROOT = Path(__file__).resolve().parents[1]
 FILE = "/etc/trainbox/constraints.txt"

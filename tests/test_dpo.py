@@ -10,7 +10,6 @@ import pytest
 from test_sft import FAST, env_for, loss_steps, run, spawn, state
 
 
-
 def write_pairs(path, n=16, chat=True, prompt=True):
     rows = []
     for i in range(n):

@@ -10,10 +10,9 @@ import sys
 
 import pytest
 
-from enginefix import BUILD_TIMEOUT, ROOT
-
 from builder.errors import UserError
 from devenv import engine as devengine
+from enginefix import BUILD_TIMEOUT, ROOT
 
 # a cold first build (debootstrap + the session images, arm64 under QEMU) runs inside the first test's setup
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(BUILD_TIMEOUT)]

@@ -20,8 +20,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from builder import enroot
 from builder.enroot import UserError, bash_quote, configure_files, export_image, squash_options

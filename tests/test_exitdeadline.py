@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 import docsfiles
-
 from trainbox.run import exitdeadline
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,8 +5,7 @@ import subprocess
 
 import pytest
 
-from builder import engine as eng
-from builder import render
+from builder import engine as eng, render
 from builder.errors import UserError
 from builder.matrix import load_matrix
 from builder.paths import ROOT

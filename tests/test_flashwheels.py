@@ -14,12 +14,12 @@ import pytest
 import yaml
 
 import simpleindex
-from enginefix import BUILD_TIMEOUT
 from builder import flashwheels, lock, workflow
 from builder.engine import choose_builder
 from builder.errors import UserError
 from builder.matrix import load_matrix
 from builder.paths import ROOT
+from enginefix import BUILD_TIMEOUT
 
 M = load_matrix(ROOT / "matrix.toml")
 CELLS = {c.tag: c for c in M.cells}

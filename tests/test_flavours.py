@@ -12,8 +12,7 @@ import sys
 
 import pytest
 
-from builder import engine as eng
-from builder import render
+from builder import engine as eng, render
 from builder.errors import UserError
 from builder.lock import state
 from builder.matrix import load_matrix

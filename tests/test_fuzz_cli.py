@@ -21,18 +21,17 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 from packaging.requirements import Requirement
 
-from test_fuzz_inputs import toml_str
-from test_fuzz_matrix import mutate, paths   # the matrix fuzzer's document mutations
 from builder import bases, cli, enroot, pins, publish, reference, referrers, registry, sbom, sbomgen
 from builder.errors import UserError
 from builder.matrix import load_matrix
 from builder.matrix.grammar import PACKAGE
 from builder.paths import ROOT
 from common import atomic
+from test_fuzz_inputs import toml_str
+from test_fuzz_matrix import mutate, paths  # the matrix fuzzer's document mutations
 
 EXAMPLES = int(os.environ.get("TRAINBOX_FUZZ_EXAMPLES", "60"))   # the whole file: about 40 s on 2 busy cores
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None,

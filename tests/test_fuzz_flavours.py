@@ -9,16 +9,15 @@ import os
 import re
 import tomllib
 
-from hypothesis import HealthCheck, example, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 from packaging.utils import canonicalize_name
 
-from test_fuzz_cli import hostile, toml_doc
-from test_fuzz_matrix import mutate   # the matrix fuzzer's document mutations
 from builder.errors import UserError
 from builder.matrix import load_matrix
 from builder.matrix.locknames import lock_names
 from builder.paths import ROOT
+from test_fuzz_cli import hostile, toml_doc
+from test_fuzz_matrix import mutate  # the matrix fuzzer's document mutations
 
 SETTINGS = settings(max_examples=int(os.environ.get("TRAINBOX_FUZZ_EXAMPLES", "60")), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

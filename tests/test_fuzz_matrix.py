@@ -1,11 +1,10 @@
 """Fuzz the matrix loader: whatever the file holds, the answer is a Matrix or one UserError line, never a traceback."""
 import copy
-import os
 import datetime
+import os
 import tomllib
 
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from builder.errors import UserError
 from builder.matrix import load_matrix

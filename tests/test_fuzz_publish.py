@@ -9,8 +9,7 @@ import json
 import os
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from builder import publish, reference, referrers, registry, sbom, sbomgen
 from builder.errors import UserError

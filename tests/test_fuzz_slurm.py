@@ -11,11 +11,10 @@ import shlex
 import subprocess
 from collections import Counter
 
-from hypothesis import example, given
-from hypothesis import strategies as st
+from hypothesis import example, given, strategies as st
 
-from test_fuzz_cli import HOSTILE, SETTINGS, call, one_error
 from builder import slurm
+from test_fuzz_cli import HOSTILE, SETTINGS, call, one_error
 
 # Commands the templates run, by their first word (job.sh, verl.sh.j2): anything else came from a value.
 HEADS = {"set", "export", "ARGS=", "LAUNCH=", "echo", "NODE_TASK=", "srun", "PY=", "LAUNCHER="}

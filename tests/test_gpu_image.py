@@ -19,14 +19,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from enginefix import BUILD_TIMEOUT, ROOT, base_ref, docker, engine_info, install_certs
-from gpuvariant import write_test_matrix
-
 from builder import engine as eng, lock, render
+from builder.matrix import load_matrix
 from builder.options import BuildOptions
 from builder.pipeline import build_cells
 from devenv import engine as devengine
-from builder.matrix import load_matrix
+from enginefix import BUILD_TIMEOUT, ROOT, base_ref, docker, engine_info, install_certs
+from gpuvariant import write_test_matrix
 
 pytestmark = [pytest.mark.gpuimage, pytest.mark.engine, pytest.mark.timeout(BUILD_TIMEOUT)]
 CELLS = ("cu130-blackwell-x86_64", "cu130-hopper-x86_64")

@@ -19,10 +19,15 @@ from pathlib import Path
 import pytest
 
 import gloo_ranks
-from trainbox.cli import grpo
-from trainbox.training.grpo import (data as grpo_data, options as grpo_options, rollouts as grpo_rollouts,
-                                    trainer as grpo_trainer, rewards)
 from common.errors import UsageError
+from trainbox.cli import grpo
+from trainbox.training.grpo import (
+    data as grpo_data,
+    options as grpo_options,
+    rewards,
+    rollouts as grpo_rollouts,
+    trainer as grpo_trainer,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -722,7 +727,7 @@ def test_the_memory_plan_counts_the_static_decoder(tiny_model, gsm8k_file, tmp_p
     """The static decoder's bfloat16 weights and cache come out of the memory the policy's plan may use."""
     from trainbox.cli.grpo import parse
     from trainbox.training import memplan, modelfacts, speed
-    from trainbox.training.grpo import trainer as grpo_trainer, static_decode
+    from trainbox.training.grpo import static_decode, trainer as grpo_trainer
     from trainbox.training.grpo.options import finalize
 
     facts = modelfacts.model_facts(str(tiny_model))

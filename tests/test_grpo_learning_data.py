@@ -12,7 +12,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import grpo_learning as gl  # noqa: E402  (benchmarks/ is no package: its folder goes on the path first)
-
 from trainbox.training.grpo import rewards  # noqa: E402
 
 

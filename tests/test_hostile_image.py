@@ -104,8 +104,8 @@ def test_temp_plan_without_mounts(tmp_path, monkeypatch):
     """The same decision where we may not mount: tempfile's candidates all unwritable."""
     import tempfile
 
-    from trainbox.run import cachedirs
     from common.errors import UsageError
+    from trainbox.run import cachedirs
 
     ro = tmp_path / "file"
     ro.write_text("")
@@ -187,8 +187,8 @@ def test_unused_options_are_still_checked_when_parsed(tiny_model, entrypoint, ar
 
 
 def test_yaml_values_meet_the_same_checks(tiny_model, tmp_path):
-    from trainbox.cli import grpo
     from common.errors import UsageError
+    from trainbox.cli import grpo
 
     (tmp_path / "a.yaml").write_text("vllm_mode: banana\n")
     with pytest.raises(UsageError, match="vllm_mode .*'banana' is not one of"):
@@ -352,10 +352,10 @@ def test_sft_refuses_lora_options_it_would_ignore(tiny_model, tmp_path):
 
 
 def test_model_options_refused_only_when_set_to_something_else(tiny_model):
+    from common.errors import UsageError
     from trainbox.cli import grpo, sft
     from trainbox.training import config
     from trainbox.training.grpo import options as grpo_options
-    from common.errors import UsageError
 
     *_, model_args, _ = sft.parse(["--model_name_or_path", str(tiny_model), "--use_peft", "false", "--lora_r", "16"])
     config.check_full_training(model_args)  # the defaults, said out loud: nothing ignored
@@ -422,8 +422,8 @@ def test_resume_decisions(tmp_path):
     """The same rules on planted checkpoints (no training): epochs as the target, the run record, --resume PATH."""
     from types import SimpleNamespace
 
-    from trainbox.run import resume
     from common.errors import UsageError
+    from trainbox.run import resume
 
     def ckpt(out, step, max_steps, epochs=3.0, trainer=None):
         c = out / f"checkpoint-{step}"

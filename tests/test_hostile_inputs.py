@@ -13,11 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
-from common.errors import UsageError
 import sidebyside
+from common.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}

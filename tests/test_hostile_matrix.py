@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from test_fuzz_cli import toml_doc
-from test_pins import MATRIX as PINS_MATRIX, index, pip_env  # noqa: F401  (pytest fixtures: a local PEP 503 index)
 from builder import dockerignore, lock, pins
 from builder.errors import UserError
 from builder.matrix import load_matrix
 from builder.paths import ROOT
+from test_fuzz_cli import toml_doc
+from test_pins import MATRIX as PINS_MATRIX, index, pip_env  # noqa: F401  (pytest fixtures: a local PEP 503 index)
 
 DOC = tomllib.loads((ROOT / "matrix.toml").read_text())
 

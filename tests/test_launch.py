@@ -8,8 +8,7 @@ from types import SimpleNamespace
 
 import psutil
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from common import launch
 from common.errors import UsageError

@@ -77,8 +77,7 @@ def test_any_value_of_the_switch_gives_a_line_never_a_traceback(monkeypatch):
     """Fuzzed: whatever TRAINBOX_MLP_RECOMPUTE holds, choose() returns a line or None (a typo is named, never
     raised)."""
     import torch
-    from hypothesis import given, settings
-    from hypothesis import strategies as st
+    from hypothesis import given, settings, strategies as st
 
     model = torch.nn.Linear(4, 4)
 

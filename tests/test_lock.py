@@ -3,10 +3,9 @@ import dataclasses
 import hashlib
 import os
 import re
-from pathlib import Path
-
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 

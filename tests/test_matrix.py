@@ -6,11 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from brokenmatrix import defect_line, write_broken
 from builder.errors import UserError
 from builder.matrix import Cell, load_matrix
 from builder.paths import ROOT
-from brokenmatrix import defect_line, write_broken
-
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ from __future__ import annotations
 import copy
 
 import pytest
-import zoo
 
+import zoo
 from trainbox.training import modelfacts
 from trainbox.training.kernels import moe
 

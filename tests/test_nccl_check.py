@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from trainbox.cli import nccl_check
 from tests.test_fabric import LOG_IB, LOG_NO_DEVICE, LOG_NO_VERBS
+from trainbox.cli import nccl_check
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--min-bytes", "4K", "--max-bytes", "32K", "--iters", "2", "--warmup", "1"]

@@ -18,11 +18,10 @@ import uuid
 
 import pytest
 
-from enginefix import BUILD_TIMEOUT, ROOT, build_args, docker, secret_file, smoke_cells, torch_wheelhouse
-
 from builder import engine as eng, publish
-from builder.options import parse_bases
 from builder.errors import UserError
+from builder.options import parse_bases
+from enginefix import BUILD_TIMEOUT, ROOT, build_args, docker, secret_file, smoke_cells, torch_wheelhouse
 
 # a cold first build (debootstrap + the session images, arm64 under QEMU) runs inside the first test's setup
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(BUILD_TIMEOUT)]

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 import docsfiles
-
 from builder.errors import UserError
 from builder.slurm import JobSpec, render, write
 from common import launch

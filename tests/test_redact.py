@@ -10,8 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import assume, given, settings
-from hypothesis import strategies as st
+from hypothesis import assume, given, settings, strategies as st
 
 from builder.errors import UserError
 from common import redact

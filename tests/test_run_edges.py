@@ -156,9 +156,9 @@ def test_a_real_sft_run_follows_the_umask_and_resume_never_starts_over(tiny_mode
 
 
 def test_max_steps_0_is_refused_before_anything_loads(tiny_model, tmp_path):
+    from common.errors import UsageError
     from test_data import write_messages
     from trainbox.cli import sft
-    from common.errors import UsageError
 
     data = write_messages(tmp_path / "chat.jsonl", 4)
     with pytest.raises(UsageError, match=r"--max_steps 0 trains nothing; pass a number of steps above 0, or -1"):

@@ -13,10 +13,9 @@ import uuid
 import pytest
 from packaging.utils import canonicalize_name
 
-from enginefix import BUILD_TIMEOUT, ROOT, docker, image_id
-
 from builder import referrers, registry as reg_client, sbomgen
 from builder.errors import UserError
+from enginefix import BUILD_TIMEOUT, ROOT, docker, image_id
 
 # a cold first build (debootstrap + the smoke image) runs inside the first test's setup
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(BUILD_TIMEOUT)]

@@ -11,12 +11,11 @@ import textwrap
 
 import pytest
 
-from enginefix import BUILD_TIMEOUT, FAKE_TOKEN, SECRET_ID, ThrowawayCell, docker, secret_file
-
 from builder import engine as eng
+from builder.errors import UserError
 from builder.options import parse_secrets
 from devenv import engine as devengine
-from builder.errors import UserError
+from enginefix import BUILD_TIMEOUT, FAKE_TOKEN, SECRET_ID, ThrowawayCell, docker, secret_file
 
 # a cold first build (debootstrap + the session images, arm64 under QEMU) runs inside the first test's setup
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(BUILD_TIMEOUT)]

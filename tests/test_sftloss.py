@@ -99,8 +99,7 @@ def test_nan_filter_off_on_gpus_unless_set(set_by_you, tmp_path):
     """HF's nan/inf loss filter syncs at every backward's end: off by default on a GPU, yours when you set it."""
     from trl import SFTConfig
 
-    from trainbox.training import config as cfg
-    from trainbox.training import speed
+    from trainbox.training import config as cfg, speed
 
     for on_gpu in (False, True):
         args = SFTConfig(str(tmp_path), report_to="none", use_cpu=True)  # HF's default: on

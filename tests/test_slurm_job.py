@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from devenv import slurm as devslurm
 from builder.slurm import JobSpec, parse_mount, write
+from devenv import slurm as devslurm
 
 pytestmark = pytest.mark.slurm
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from devenv import slurm as devslurm
 from builder.slurm import JobSpec, parse_mount, write
 from common import launch
+from devenv import slurm as devslurm
 from test_slurm_job import _sft_setup, enroot_path, submit, wait_job
 
 pytestmark = pytest.mark.slurm

@@ -8,7 +8,6 @@ import sys
 
 from builder import rules
 from builder.matrix import load_matrix as load
-
 from conftest import ROOT
 
 

@@ -25,7 +25,6 @@ from pathlib import Path
 import pytest
 
 import docsfiles
-
 from builder.errors import UserError
 from builder.matrix import load_matrix
 from builder.slurm import JobSpec, render, write
@@ -212,9 +211,8 @@ dist.destroy_process_group()
 @pytest.mark.network
 @pytest.mark.timeout(900)  # may make the verl venv first
 def test_verl_sft_job_on_two_nodes_runs_one_torchrun_per_node(slurm2, verl_python, tmp_path):
-    from test_slurm_job import submit, wait_job
-
     from common import launch
+    from test_slurm_job import submit, wait_job
 
     env, partition = slurm2
     (tmp_path / "verl_sft_probe.py").write_text(SFT_PROBE)

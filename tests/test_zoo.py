@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import sidebyside
-from trainbox.training import attention, modelfacts
 from test_data import write_dolly, write_messages
 from test_grpo import gsm8k_rows, write_jsonl
+from trainbox.training import attention, modelfacts
 from zoo import WINDOW, ZOO, expected_features, make_zoo_model
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,9 +6,21 @@ import re
 
 from builder.errors import UserError
 from builder.matrix.grammar import PYTHON, grammar
-from builder.matrix.schema import (ARCH_KEYS, ATTENTION_KEYS, CUDA_KEYS, GPU_KEYS, INDEX_NAMES, REQUIRED_ARCH,
-                                   REQUIRED_CUDA, REQUIRED_GPU, REQUIRED_VARIANT, VARIANT_KEYS, check_table, str_list,
-                                   str_table)
+from builder.matrix.schema import (
+    ARCH_KEYS,
+    ATTENTION_KEYS,
+    CUDA_KEYS,
+    GPU_KEYS,
+    INDEX_NAMES,
+    REQUIRED_ARCH,
+    REQUIRED_CUDA,
+    REQUIRED_GPU,
+    REQUIRED_VARIANT,
+    VARIANT_KEYS,
+    check_table,
+    str_list,
+    str_table,
+)
 
 
 def check_axes(f: str, data: dict) -> None:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
-from builder import rules as rules_mod
-from builder import templating
+from builder import rules as rules_mod, templating
 from builder.errors import UserError
 from builder.matrix.axes import check_axes
 from builder.matrix.ci import gpu_runners
@@ -15,8 +14,17 @@ from builder.matrix.facts import check_facts_tables, check_rule_entries
 from builder.matrix.flavours import flavour_cells
 from builder.matrix.model import Cell, Exclusion, Matrix, table_values
 from builder.matrix.packages import extras_table, resolve_stacks
-from builder.matrix.schema import (CELL_KEYS, EXPAND_KEYS, NAMING_KEYS, REQUIRED_CELL, REQUIRED_NAMING, REQUIRED_TOP,
-                                   TOP_KEYS, check_table, str_list)
+from builder.matrix.schema import (
+    CELL_KEYS,
+    EXPAND_KEYS,
+    NAMING_KEYS,
+    REQUIRED_CELL,
+    REQUIRED_NAMING,
+    REQUIRED_TOP,
+    TOP_KEYS,
+    check_table,
+    str_list,
+)
 
 
 def build_matrix(path: Path, data: dict) -> Matrix:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from builder import dockerignore, templating
-from builder import rules as rules_mod
+from builder import dockerignore, rules as rules_mod, templating
 from builder.errors import UserError
 from builder.matrix.grammar import PREFIX, REL_PATH, grammar
 from builder.matrix.locknames import committed_lock_names

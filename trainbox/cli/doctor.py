@@ -29,10 +29,19 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
 from trainbox.image import constraints, fabric, imageinfo
-from trainbox.image.doctorchecks import (EXIT_BROKEN, EXIT_FALLBACK, EXIT_NO_GPU, EXIT_OK, VERDICTS, Check,
-                                         constraints_check, evaluate, exit_code, expected)
+from trainbox.image.doctorchecks import (
+    EXIT_BROKEN,
+    EXIT_FALLBACK,
+    EXIT_NO_GPU,
+    EXIT_OK,
+    VERDICTS,
+    Check,
+    constraints_check,
+    evaluate,
+    exit_code,
+    expected,
+)
 from trainbox.image.doctorprobes import MODULES, PROBES, installed_all, installed_version, nvidia_smi, run_probe
-
 
 # doctor reads versions and runs tiny probes; it never trains. The command that does, named where users look.
 SELFTEST_HINT = ("NEXT: `trainbox selftest` runs every kernel against eager and a 3-step sft/qlora/grpo on this "

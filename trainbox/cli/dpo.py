@@ -18,8 +18,7 @@ if __name__ == "__main__":  # first, before torch's seconds of imports: a stop s
 import sys
 
 from trainbox.image import imageinfo
-from trainbox.training import adapters, dpolib, skeleton
-from trainbox.training import config as cfg
+from trainbox.training import adapters, config as cfg, dpolib, skeleton
 
 
 def _config():

@@ -23,13 +23,19 @@ import time
 from dataclasses import dataclass
 
 from common import launch
+from common.errors import UsageError
 from trainbox.image import imageinfo
 from trainbox.run import outputs, ranks, resume, runsummary
 from trainbox.training import config, modelfacts, modelfiles, runner
-from trainbox.training.grpo import (data as grpo_data, options as grpo_options, rollouts as grpo_rollouts,
-                                    trainer as grpo_trainer, rewards, vllm_server)
+from trainbox.training.grpo import (
+    data as grpo_data,
+    options as grpo_options,
+    rewards,
+    rollouts as grpo_rollouts,
+    trainer as grpo_trainer,
+    vllm_server,
+)
 from trainbox.training.kernels import moe
-from common.errors import UsageError
 
 PROG = "trainbox grpo"
 

@@ -25,8 +25,8 @@ from pathlib import Path
 
 from common import launch
 from common.errors import UsageError
-from trainbox.image import fabric
 from trainbox.cli.argtypes import OneLineParser, not_negative, port, positive
+from trainbox.image import fabric
 from trainbox.run import ranks
 
 PROG = "trainbox nccl-check"

@@ -66,9 +66,8 @@ def compute(argv: list[str]):
     if gib is None:
         raise UsageError("--gpu-memory GIB is required: the free memory of one GPU (e.g. 77.7 for an H100 80GB)")
     # Here, not at the top: importing sft takes about 4 s (transformers), which `trainbox plan --help` need not pay.
-    from trainbox.training import config as cfg
     from trainbox.cli import sft
-    from trainbox.training import attention, modelfacts, speed
+    from trainbox.training import attention, config as cfg, modelfacts, speed
 
     memplan.mode()  # a bad TRAINBOX_MEMORY_PLAN is bad input (exit 2), not a plan that does not fit
     free = memplan.cap(int(gib * memplan.GiB))  # TRAINBOX_GPU_FREE_GIB caps it, as it caps the job's

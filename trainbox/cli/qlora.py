@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 from common.errors import UsageError
 from trainbox import helpcache
-from trainbox.run import outputs, ranks
 from trainbox.image import imageinfo
+from trainbox.run import outputs, ranks
 from trainbox.training import adapters, modelfiles, sftlib, skeleton
 
 

@@ -17,8 +17,7 @@ if __name__ == "__main__":  # first, before torch's seconds of imports: a stop s
 import sys
 
 from trainbox.image import imageinfo
-from trainbox.training import config as cfg
-from trainbox.training import sftlib, skeleton, speed
+from trainbox.training import config as cfg, sftlib, skeleton, speed
 
 
 def _config():

@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from trainbox.image import fabric, imageinfo
-from trainbox.training import attention
 from trainbox.image.doctorprobes import PROBES, vkey
+from trainbox.training import attention
 
 EXIT_OK, EXIT_BROKEN, EXIT_NO_GPU, EXIT_FALLBACK = 0, 1, 3, 4
 VERDICTS = {EXIT_OK: "ok", EXIT_BROKEN: "broken", EXIT_NO_GPU: "no-gpu", EXIT_FALLBACK: "fallback"}

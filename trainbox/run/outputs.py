@@ -9,8 +9,8 @@ import shutil
 from pathlib import Path
 
 from common import atomic
-from trainbox.run import ranks
 from common.errors import UsageError
+from trainbox.run import ranks
 
 DEFAULT_OUTPUT_DIR = "/workspace/outputs"
 

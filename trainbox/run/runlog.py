@@ -19,8 +19,8 @@ import threading
 from pathlib import Path
 
 from common import atomic, redact
-from trainbox.run import outputs
 from common.errors import UsageError
+from trainbox.run import outputs
 
 _active: Path | None = None  # the log being kept by this process (nested runs add nothing)
 

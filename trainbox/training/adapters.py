@@ -7,8 +7,7 @@ from __future__ import annotations
 import os
 
 from common import atomic
-from trainbox.training import config as cfg
-from trainbox.training import modelfiles
+from trainbox.training import config as cfg, modelfiles
 
 
 def choose_lora_dropout(model_args, facts) -> str | None:

@@ -14,9 +14,9 @@ import sys
 from collections.abc import Callable
 
 from common import commands, errors, launch, pipes
+from common.errors import UsageError
 from trainbox.run import crash, exitdeadline, outputs, preemption, ranks, runlog
 from trainbox.training import config
-from common.errors import UsageError
 
 # One trainer's steps: `parse(argv)` gives the tuple of its option objects (one launch.LaunchArguments, one with
 # output_dir: TrainingArguments), which the others take.

@@ -8,11 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.errors import UsageError
-from trainbox.run import outputs, preemption, ranks, resume
-from trainbox.training import attention, callbacks, data, modelfacts, modelfiles, speed
+from trainbox.run import outputs, preemption, ranks, resume, throughput
+from trainbox.training import attention, callbacks, config as cfg, data, modelfacts, modelfiles, speed
 from trainbox.training.kernels import leanmlp, losshead, sftloss
-from trainbox.run import throughput
-from trainbox.training import config as cfg
 
 
 @dataclass

@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-from collections.abc import Callable
 
 from common import launch
 from trainbox.run import outputs, preemption, ranks, resume, runsummary
-from trainbox.training import callbacks, runner, sftlib
+from trainbox.training import callbacks, config as cfg, runner, sftlib
 from trainbox.training.kernels import moe, precision
-from trainbox.training import config as cfg
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,9 @@ import os
 from dataclasses import replace
 
 from common.errors import UsageError
-from trainbox.training import attention, memplan
-from trainbox.training.modelfacts import ModelFacts
-from trainbox.training import config as cfg
 from trainbox.run import ranks
+from trainbox.training import attention, config as cfg, memplan
+from trainbox.training.modelfacts import ModelFacts
 
 GiB = 2**30
 TRUTH = {"y": True, "yes": True, "t": True, "true": True, "on": True, "1": True,

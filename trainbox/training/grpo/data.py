@@ -4,9 +4,9 @@ prompt format, the columns each reward function reads), prompts longer than max_
 
 from __future__ import annotations
 
+from common.errors import UsageError
 from trainbox.training import data
 from trainbox.training.grpo import rewards
-from common.errors import UsageError
 from trainbox.training.grpo.options import GSM8K_HUB
 
 

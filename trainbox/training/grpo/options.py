@@ -9,9 +9,9 @@ import dataclasses
 import importlib.util
 from dataclasses import dataclass, field
 
+from common.errors import UsageError
 from trainbox.training import config
 from trainbox.training.grpo import vllm_server
-from common.errors import UsageError
 
 MODES = ("full", "lora", "qlora")
 PRESETS = ("gsm8k",)

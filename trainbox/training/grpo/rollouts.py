@@ -10,9 +10,9 @@ import importlib.util
 import os
 
 from common import launch
+from common.errors import UsageError
 from trainbox.training import config, memplan, modelfacts, speed
 from trainbox.training.grpo import vllm_server
-from common.errors import UsageError
 
 
 def resolve_rollouts(args, ours: str | None = None, script=None, mode: str = "full", model_args=None) -> str:

@@ -5,9 +5,9 @@ rollouts, or neither) with our callbacks, and a line on what was loaded.
 
 from __future__ import annotations
 
+from trainbox.run import ranks
 from trainbox.training import attention, callbacks, config, memplan, speed
 from trainbox.training.grpo import rollouts as grpo_rollouts
-from trainbox.run import ranks
 
 
 def choose_checkpointing(args, model_args, mode: str, max_prompt_tokens: int | None, facts,

@@ -31,7 +31,7 @@ import math
 import os
 
 from common import errors
-from trainbox.training.kernels import switches, compilefail
+from trainbox.training.kernels import compilefail, switches
 
 FLEX = "trainbox_flex"
 BLOCK = 128  # FlexAttention's default block size: the block mask's document ids are padded up to a multiple of it
@@ -382,10 +382,9 @@ def sinks_to_layout(out, lse, sinks):
 
 def register() -> None:
     """Make `attn_implementation="trainbox_flex"` known to transformers (attention + the flash-style 2-D mask)."""
+    import torch
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
-
-    import torch
 
     if "fn" not in _outside:
         _outside["fn"] = torch.compiler.disable(fused_forward)

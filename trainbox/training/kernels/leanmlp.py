@@ -27,11 +27,9 @@ ENV = "TRAINBOX_MLP_RECOMPUTE"
 
 def _kernels(kind: str):
     if kind == "geglu":
-        from liger_kernel.ops.geglu import geglu_backward as bwd
-        from liger_kernel.ops.geglu import geglu_forward as fwd
+        from liger_kernel.ops.geglu import geglu_backward as bwd, geglu_forward as fwd
     else:
-        from liger_kernel.ops.swiglu import swiglu_backward as bwd
-        from liger_kernel.ops.swiglu import swiglu_forward as fwd
+        from liger_kernel.ops.swiglu import swiglu_backward as bwd, swiglu_forward as fwd
     return fwd, bwd
 
 
