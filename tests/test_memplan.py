@@ -316,3 +316,14 @@ def test_70b_on_8_h200s_is_told_torchaos_8bit_states_and_they_fit(monkeypatch):
         memplan.decide(j, free)
     assert "--optim adamw_torch_8bit" in str(e.value) and "adamw_bnb_8bit" not in str(e.value)
     assert memplan.fits(replace(j, optim="adamw_torch_8bit"), free)
+
+
+def test_the_allocator_is_held_only_where_a_cap_is_set_on_a_gpu(monkeypatch):
+    """hold_to_cap: nothing without TRAINBOX_GPU_FREE_GIB, and nothing without a GPU even with it (the device's
+    12 GB QLoRA run is where the held allocator is exercised: benchmarks/results)."""
+    import torch
+
+    monkeypatch.delenv(memplan.FREE_ENV, raising=False)
+    assert memplan.hold_to_cap() is None
+    monkeypatch.setenv(memplan.FREE_ENV, "11")
+    assert torch.cuda.is_available() or memplan.hold_to_cap() is None

@@ -438,6 +438,24 @@ def free_memory() -> int | None:
     return cap(free)
 
 
+def hold_to_cap() -> str | None:
+    """With TRAINBOX_GPU_FREE_GIB set, this process's caching allocator held to that much (torch's per-process memory
+    fraction of its GPU), so a run planned for a smaller card also allocates no more than that card has: it fails
+    where the card would, instead of borrowing the big GPU's memory (the 12 GB QLoRA run reserved 11.1 GiB under a
+    cap of 11 with only the plan capped). The line to print, or None (not set, or no GPU)."""
+    if not os.environ.get(FREE_ENV):
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    dev = torch.device("cuda", ranks.local_rank())
+    total = torch.cuda.get_device_properties(dev).total_memory
+    held = cap(total)
+    torch.cuda.set_per_process_memory_fraction(min(1.0, held / total), dev)
+    return f"GPU memory held to {held / GiB:.1f} GiB of {total / GiB:.1f} ({FREE_ENV}: torch's per-process fraction)"
+
+
 def cap(free: int) -> int:
     raw = os.environ.get(FREE_ENV)
     if not raw:

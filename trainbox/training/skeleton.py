@@ -20,7 +20,7 @@ from typing import Any
 
 from common import launch
 from trainbox.run import outputs, preemption, ranks, resume, runsummary
-from trainbox.training import callbacks, config as cfg, runner, sftlib
+from trainbox.training import callbacks, config as cfg, memplan, runner, sftlib
 from trainbox.training.kernels import moe, precision
 
 
@@ -149,6 +149,7 @@ def check_before_launch(recipe: Recipe, options, plan=None) -> None:
     `error:` line here, not a failure in every rank."""
     run = Run.of(recipe, options)
     validate(run)
+    say(memplan.hold_to_cap(), name)
     tokenizer = sftlib.load_tokenizer(run.model.model_name_or_path, run.args, chat=recipe.chat_template)
     recipe.rows(run, tokenizer, 8)
 
@@ -161,6 +162,7 @@ def train(recipe: Recipe, options, image: Callable[[], dict | None]) -> int:
     started = time.time()
     args.output_dir = outputs.output_dir(cfg.configured_output_dir(args))
     validate(run)
+    say(memplan.hold_to_cap(), name)
     tokenizer = sftlib.load_tokenizer(model_args.model_name_or_path, args, chat=recipe.chat_template)
     with args.main_process_first(local=False, desc="dataset"):
         dataset = recipe.rows(run, tokenizer, None)
