@@ -149,7 +149,6 @@ def check_before_launch(recipe: Recipe, options, plan=None) -> None:
     `error:` line here, not a failure in every rank."""
     run = Run.of(recipe, options)
     validate(run)
-    say(memplan.hold_to_cap(), name)
     tokenizer = sftlib.load_tokenizer(run.model.model_name_or_path, run.args, chat=recipe.chat_template)
     recipe.rows(run, tokenizer, 8)
 
