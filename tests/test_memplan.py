@@ -327,3 +327,32 @@ def test_the_allocator_is_held_only_where_a_cap_is_set_on_a_gpu(monkeypatch):
     assert memplan.hold_to_cap() is None
     monkeypatch.setenv(memplan.FREE_ENV, "11")
     assert torch.cuda.is_available() or memplan.hold_to_cap() is None
+
+
+def _shape_facts(tmp_path, shape: str):
+    """The benchmark shape's facts from its config.json (config only, no weights), as the device run read them."""
+    import transformers
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import train_throughput as tt
+
+    conf = getattr(transformers, tt.CONFIG_CLASS.get(shape, "LlamaConfig"))(**tt.SHAPES[shape])
+    conf.save_pretrained(tmp_path / shape)
+    return modelfacts.model_facts(str(tmp_path / shape))
+
+
+# One H200, 2026-12-02 (benchmarks/results/memory_plan-2026-12-02.txt): `python benchmarks/memory_plan.py --shapes
+# gpt-oss-2b --gpus 1 --accum 1` (MoE, 8 x 2048 chat-mix rows packed) and `--shapes llama-1b --attn eager --data
+# uniform --batch 4 --max-length 1024` (eager: the L x L score matrices counted); peak allocated GiB.
+MEASURED_SHAPES = [
+    ("gpt-oss 2B (MoE), 1 GPU", "gpt-oss-2b", dict(batch=8, max_length=2048, masters_ok=True, liger=True),
+     S(False, masters=True, batch=8), 37.6),
+    ("llama 1B eager, 1 GPU", "llama-1b", dict(batch=4, max_length=1024, masters_ok=True, liger=True, attn="eager"),
+     S(False, masters=True, batch=4), 34.2),
+]
+
+
+@pytest.mark.parametrize("name,shape,kw,settings,peak", MEASURED_SHAPES, ids=[m[0] for m in MEASURED_SHAPES])
+def test_moe_and_eager_estimates_are_within_10_percent_of_the_device(tmp_path, name, shape, kw, settings, peak):
+    est = memplan.estimate(memplan.Job(_shape_facts(tmp_path, shape), **kw), settings)["total"] / GIB
+    assert abs(est - peak) / peak < 0.10, f"{name}: estimate {est:.1f} GiB vs measured {peak} GiB"
