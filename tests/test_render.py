@@ -192,8 +192,8 @@ def test_the_venv_is_installed_by_a_pinned_hash_checked_uv(tag):
                      r"> /tmp/trainbox/uv.txt", uv_step), uv_step
     assert "pip install --no-cache-dir --require-hashes --no-deps" in uv_step
     install = next(r for r in runs if "uv pip install" in r)
-    assert "/opt/uv/bin/uv pip install --python /opt/venv/bin/python --require-hashes --no-deps --compile-bytecode" \
-        in install and f"-r /tmp/trainbox/locks/{cell.venv}.txt" in install
+    assert ("/opt/uv/bin/uv pip install --python /opt/venv/bin/python --require-hashes --no-deps "
+            "${COMPILE_BYTECODE:+--compile-bytecode}") in install and f"-r /tmp/trainbox/locks/{cell.venv}.txt" in install
     assert "unsafe-best-match" not in install
     assert not any(f"-r /tmp/trainbox/locks/{cell.venv}.txt" in r for r in runs if r is not install)
     # uv's step comes before the lock's COPY: a lock change reuses it
@@ -201,6 +201,25 @@ def test_the_venv_is_installed_by_a_pinned_hash_checked_uv(tag):
     assert deps.index(("RUN", uv_step)) < copy_lock < deps.index(("RUN", install))
     runtime = render.render(cell).split("FROM base AS runtime")[1]
     assert "/opt/uv" not in runtime and "/root/.cache" not in runtime
+
+
+@pytest.mark.parametrize("tag", ["cu130-hopper-aarch64", "cu130-hopper-x86_64"])
+def test_compile_bytecode_is_a_build_arg(tag):
+    """uv compiles the venv's bytecode by default (ARG COMPILE_BYTECODE=1, declared in the deps stage before the
+    install); `--build-arg COMPILE_BYTECODE=` (an emulated build) drops only --compile-bytecode from the install, as
+    the shell expands it."""
+    text = render.render(CELLS[tag])
+    ins = instructions(text)
+    deps = ins[[i for i, (w, r) in enumerate(ins) if w == "FROM" and r.endswith("AS deps")][0]:
+               [i for i, (w, r) in enumerate(ins) if w == "FROM" and r.endswith("AS runtime")][0]]
+    install = next(i for i, (w, r) in enumerate(deps) if w == "RUN" and "uv pip install" in r)
+    assert deps.index(("ARG", "COMPILE_BYTECODE=1")) < install
+    assert "--compile-bytecode" not in text.replace("${COMPILE_BYTECODE:+--compile-bytecode}", "")
+    line = "uv pip install --no-deps ${COMPILE_BYTECODE:+--compile-bytecode} -r lock.txt"
+    for value, want in (("1", "uv pip install --no-deps --compile-bytecode -r lock.txt"),
+                        ("", "uv pip install --no-deps -r lock.txt")):
+        got = subprocess.run(["sh", "-c", f"COMPILE_BYTECODE={value}; echo {line}"], capture_output=True, text=True)
+        assert got.stdout.split() == want.split()
 
 
 def test_attention_layer_only_where_a_flash_wheel_goes():
