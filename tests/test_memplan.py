@@ -333,7 +333,8 @@ def _shape_facts(tmp_path, shape: str):
     """The benchmark shape's facts from its config.json (config only, no weights), as the device run read them."""
     import transformers
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    if str(ROOT / "benchmarks") not in sys.path:  # once, not a new entry per parameter
+        sys.path.insert(0, str(ROOT / "benchmarks"))
     import train_throughput as tt
 
     conf = getattr(transformers, tt.CONFIG_CLASS.get(shape, "LlamaConfig"))(**tt.SHAPES[shape])

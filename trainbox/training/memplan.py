@@ -441,8 +441,8 @@ def free_memory() -> int | None:
 def hold_to_cap() -> str | None:
     """With TRAINBOX_GPU_FREE_GIB set, this process's caching allocator held to that much (torch's per-process memory
     fraction of its GPU), so a run planned for a smaller card also allocates no more than that card has: it fails
-    where the card would, instead of borrowing the big GPU's memory (the 12 GB QLoRA run reserved 11.1 GiB under a
-    cap of 11 with only the plan capped). The line to print, or None (not set, or no GPU)."""
+    where the card would, instead of borrowing the big GPU's memory (the 12 GB QLoRA run, which has no memory plan to
+    cap, reserved 11.1 GiB under a cap of 11). The line to print, or None (not set, or no GPU)."""
     if not os.environ.get(FREE_ENV):
         return None
     import torch
