@@ -2,9 +2,9 @@
 
 Usage: `python -m trainbox.cli.qlora --model_name_or_path M --dataset D [--merge] [--config X.yaml] [--option value]`.
 Options: TRL's SFTConfig (TrainingArguments included), TRL's ModelConfig (4-bit and LoRA settings) and the dataset
-options of `sft`. Defaults: load_in_4bit, nf4, nested (double) quant, bf16 compute, LoRA r=16 alpha=32 on
-all-linear, gradient checkpointing, learning rate 2e-4, paged 8-bit AdamW on GPU (plain AdamW on CPU, where paged
-optimizers do not exist). Across GPUs (more than one process): FSDP2 shards the 4-bit base (bf16 quant storage) and
+options of `sft`. Defaults: load_in_4bit, nf4, nested (double) quant, bf16 compute, LoRA r=16 alpha=32 dropout 0
+on all-linear (fused into the 4-bit GEMM: kernels/lora4bit.py), gradient checkpointing, learning rate 2e-4, paged
+8-bit AdamW on GPU (plain AdamW on CPU, where paged optimizers do not exist). Across GPUs (more than one process): FSDP2 shards the 4-bit base (bf16 quant storage) and
 the adapters, fused AdamW. Data: chat `messages`, dolly-style instruction/context|input/response|output, verl gsm8k.
 The adapter goes to OUTPUT_DIR; with --merge, the base in bf16 + adapter merged goes to OUTPUT_DIR/merged.
 """
@@ -51,7 +51,8 @@ def qlora_defaults(gpu: bool | None = None) -> dict:
         "use_peft": True,
         "lora_r": 16,
         "lora_alpha": 32,
-        "lora_dropout": 0.05,
+        # 0, as Unsloth's notebooks have it: the fused 4-bit LoRA path (kernels/lora4bit.py) takes no dropout
+        "lora_dropout": 0.0,
         "lora_target_modules": ["all-linear"],
         "gradient_checkpointing": True,
         "learning_rate": 2e-4,

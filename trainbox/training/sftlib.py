@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from common.errors import UsageError
 from trainbox.run import outputs, preemption, ranks, resume, throughput
 from trainbox.training import attention, callbacks, config as cfg, data, modelfacts, modelfiles, speed
-from trainbox.training.kernels import leanmlp, losshead, sftloss
+from trainbox.training.kernels import ckptoffload, leanmlp, lora4bit, losshead, sftloss
 
 
 @dataclass
@@ -141,14 +141,22 @@ def finish_tuning(trainer, facts, qlora: bool = False, loss_head: bool = True) -
         line = leanmlp.choose(trainer.model, checkpointing=bool(trainer.args.gradient_checkpointing))
         if line and outputs.is_main_process():
             print(f"[trainbox] {line}", flush=True)
+    on_gpu = trainer.args.device.type == "cuda"
+    lines = [lora4bit.choose(trainer.model, distributed=ranks.distributed())]
+    if qlora:  # the 4-bit base's memory is mostly the checkpointed inputs: they go to the host (Unsloth does too)
+        lines.append(ckptoffload.choose(trainer.model, checkpointing=bool(trainer.args.gradient_checkpointing),
+                                        on_gpu=on_gpu, distributed=ranks.distributed()))
+    for line in lines:
+        if line and outputs.is_main_process():
+            print(f"[trainbox] {line}", flush=True)
     if loss_head:
         sftloss.install(trainer)  # before losshead, which runs the loss it finds inside its uniform() marker
-        line = losshead.install(trainer, on_gpu=trainer.args.device.type == "cuda")
+        line = losshead.install(trainer, on_gpu=on_gpu)
         if line and outputs.is_main_process():
             print(f"[trainbox] {line}", flush=True)
     cb = preemption.find_callback(trainer, throughput.Throughput)
     if cb:
-        cb.count = throughput.TokenCount.install(trainer, on_gpu=trainer.args.device.type == "cuda")
+        cb.count = throughput.TokenCount.install(trainer, on_gpu=on_gpu)
         # A trainer that runs a frozen reference forward beside the policy's (DPO) says so: a forward is a third of
         # a forward + backward, so 8/6 of the policy's FLOPs per token.
         ref = getattr(trainer, "trainbox_reference_forward", False)
