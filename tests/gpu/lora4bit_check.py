@@ -6,9 +6,9 @@ forward, and the checkpointed inputs offloaded to the host (kernels/ckptoffload.
 One Llama shape (random init, bf16, nf4 + double quant as it loads, LoRA r16 alpha 32 dropout 0 on all linear layers,
 adapters in bf16 as TRL makes them, non-reentrant checkpointing), four variants in this process on the same batch:
 peft, fused, peft+offload, fused+offload. Each: the loss, every LoRA gradient's relative difference to peft's (the
-fused path sums in another order in bf16; the offload changes no arithmetic), forward+backward ms (CUDA events, after 2
+fused path sums in another order in bf16; the offload changes no arithmetic; peft runs twice for the floor), forward+backward ms (CUDA events, after 2
 warm-up steps) and peak allocated GiB over the steps. Exit 1 when a fused gradient is off by more than 2e-2, an
-offloaded one differs from its on-GPU twin's by over 1e-3, or the offload saved no memory.
+offloaded one differs from its on-GPU twin's by over twice the run-to-run floor (peft run twice; 1e-3 at least), or the offload saved no memory.
 """
 
 from __future__ import annotations
@@ -99,13 +99,15 @@ def main() -> int:
     torch.manual_seed(2)
     ids = torch.randint(0, 32000, (2, a.tokens // 2), device="cuda")
     results, grads = {}, {}
-    for name, fused, offload in (("peft", False, False), ("fused", True, False), ("peft+offload", False, True),
-                                 ("fused+offload", True, True)):
+    for name, fused, offload in (("peft", False, False), ("peft-again", False, False), ("fused", True, False),
+                                 ("peft+offload", False, True), ("fused+offload", True, True)):
         results[name], grads[name] = variant(path, ids, fused, offload, a.steps)
 
     def rel(x, y):
         return max(((x[n] - y[n]).norm() / y[n].norm().clamp_min(1e-12)).item() for n in y)
 
+    # run to run, the same path differs too (attention's backward sums with atomics): the floor the others are held to
+    floor = rel(grads["peft-again"], grads["peft"])
     failures = []
     for name, r in results.items():
         twin = name.replace("+offload", "")
@@ -113,7 +115,7 @@ def main() -> int:
         if name != twin:
             r["grad_rel_vs_on_gpu"] = rel(grads[name], grads[twin])
             r["peak_saved_gib"] = results[twin]["peak_gib_over_weights"] - r["peak_gib_over_weights"]
-            if r["grad_rel_vs_on_gpu"] > 1e-3:  # the same arithmetic: only attention's atomics may differ
+            if r["grad_rel_vs_on_gpu"] > max(2 * floor, 1e-3):  # the same arithmetic: within the run-to-run floor
                 failures.append(f"{name}: gradients differ from {twin}'s ({r['grad_rel_vs_on_gpu']:.2e})")
             if r["peak_saved_gib"] <= 0:
                 failures.append(f"{name}: no memory saved")
@@ -123,7 +125,8 @@ def main() -> int:
               f"{r['weights_gib']:.2f} of weights  offloaded {r['offloaded_gib']:.2f} GiB  grad rel vs peft "
               f"{r['grad_rel_vs_peft']:.2e}" + (f"  vs on-GPU {r['grad_rel_vs_on_gpu']:.1e}  saved "
                                                f"{r['peak_saved_gib']:.2f} GiB" if name != twin else ""), flush=True)
-    result = {"shape": vars(a), "gpu": torch.cuda.get_device_name(), "results": results, "failures": failures}
+    print(f"run-to-run floor (peft vs peft-again): {floor:.2e}", flush=True)
+    result = {"floor": floor, "shape": vars(a), "gpu": torch.cuda.get_device_name(), "results": results, "failures": failures}
     print("RESULT " + json.dumps(result), flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1))

@@ -35,7 +35,7 @@ from trainbox.training.grpo import (
     trainer as grpo_trainer,
     vllm_server,
 )
-from trainbox.training.kernels import moe
+from trainbox.training.kernels import lora4bit, moe
 
 PROG = "trainbox grpo"
 
@@ -157,8 +157,11 @@ def train(script, args, model_args, checked: Checked) -> int:
             print(f"[trainbox] grpo: {line}", flush=True)
     trainer = grpo_trainer.build_trainer(args, model_args, checked.mode, checked.funcs, checked.dataset, preempt_cb,
                                          padding_free=script.padding_free, static_decode=script.static_decode)
+    fused = lora4bit.choose(trainer.model, distributed=ranks.distributed())
     if outputs.is_main_process():
         print(f"[trainbox] grpo: {grpo_trainer.describe_model(trainer.model)}", flush=True)
+        if fused:
+            print(f"[trainbox] grpo: {fused}", flush=True)
         ratio = grpo_trainer.describe_ratio(trainer)
         if ratio:
             print(f"[trainbox] grpo: {ratio}", flush=True)

@@ -233,4 +233,6 @@ def resolve_mode(script, model_args) -> str:
     if mode == "qlora":
         if importlib.util.find_spec("bitsandbytes") is None:
             raise UsageError("--mode qlora needs bitsandbytes, which this image lacks; use --mode lora")
+        if "lora_dropout" not in flags:  # as `trainbox qlora`: dropout 0 takes the fused 4-bit LoRA (lora4bit.py)
+            model_args.lora_dropout = 0.0
     return mode
