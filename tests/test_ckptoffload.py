@@ -65,3 +65,30 @@ def test_small_and_cpu_tensors_stay_where_they_are():
     off = ckptoffload.Offloader()
     t = torch.ones(4)
     assert off.pack(t) is t and off.unpack(t) is t and off.items == []
+
+
+def test_any_value_of_the_switches_gives_a_line_never_a_traceback(monkeypatch):
+    """Fuzzed: whatever TRAINBOX_CKPT_OFFLOAD or TRAINBOX_LORA_FUSED holds, choose() returns a line or None (a typo
+    is named and leaves the path on, never raised)."""
+    from hypothesis import given, settings, strategies as st
+
+    from trainbox.training.kernels import ckptoffload, lora4bit
+
+    model = torch.nn.Linear(4, 4)  # neither checkpointed layers nor 4-bit LoRA: nothing to apply them to
+    calls = {ckptoffload.ENV: lambda: ckptoffload.choose(model, checkpointing=True, on_gpu=True, distributed=False),
+             lora4bit.ENV: lambda: lora4bit.choose(model, distributed=False)}
+
+    @settings(max_examples=150, deadline=None)
+    @given(st.sampled_from(sorted(calls)), st.text().filter(lambda t: "\x00" not in t))
+    def check(env, value):
+        monkeypatch.setenv(env, value)
+        line = calls[env]()
+        v = value.strip().lower()
+        if v in ("0", "false", "no", "off"):
+            assert line is not None and f"({env}={value})" in line
+        elif v in ("", "1", "true", "yes", "on"):
+            assert line is None
+        else:
+            assert line == f"{env}={value!r} is neither 0 nor 1: left on"
+
+    check()

@@ -117,10 +117,13 @@ def _wrap_layers(model, off: Offloader) -> int:
     return n
 
 
-def install(model) -> int:
+def install(model) -> int | None:
     """Offload the kept inputs of every checkpointed layer of `model` (a transformers model, PEFT-wrapped or not),
-    now and whenever the Trainer (re-)enables checkpointing; returns the layers wrapped now."""
+    now and whenever the Trainer (re-)enables checkpointing; returns the layers wrapped now (None: not a model
+    with transformers' checkpointing, nothing done)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT's wrapper: its model
+    if not callable(getattr(base, "gradient_checkpointing_enable", None)):
+        return None
     off = Offloader()
     enable = base.gradient_checkpointing_enable
 
@@ -142,6 +145,7 @@ def choose(model, checkpointing: bool, on_gpu: bool, distributed: bool) -> str |
     on, note = setting()
     if not on:
         return f"checkpointed layer inputs kept on the GPU ({ENV}={os.environ.get(ENV)})"
-    install(model)
+    if install(model) is None:
+        return note
     return (f"checkpointed layer inputs offloaded to pinned host memory, copied beside the compute ({ENV}=0 keeps "
             "them on the GPU)" + (f"; {note}" if note else ""))
