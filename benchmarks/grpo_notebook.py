@@ -10,7 +10,7 @@ completions up to 768 (a random model never ends one: every rollout is 768 token
   trl      `trl grpo` with --load_in_4bit --use_peft (TRL's docs), transformers generate; with --vllm, vLLM colocate.
   unsloth  benchmarks/unsloth_sides.py grpo: the notebook's cells 8 and 12 (fast_inference only with --vllm).
   ours     `trainbox grpo --mode qlora` with its defaults for that setup (its rollout engine: vLLM colocate where
-           vllm imports, else transformers generate; its static decoder copies full weights, so not for qlora).
+           vllm imports, else its static decoder where the merged bf16 copy fits, else transformers generate).
 Without --vllm nothing needs vLLM; with it (vLLM carried: benchmarks/device_wheels.py) the vLLM variants run instead.
 
 Measured like train_throughput.py (its sitecustomize hook, BENCH_SKIP first steps untimed): steps/s, the generation

@@ -274,28 +274,41 @@ def test_rollout_choice_is_automatic_and_reported(monkeypatch):
 
 
 def test_static_decode_is_chosen_where_it_applies(monkeypatch, no_model, capsys, tiny_model, gsm8k_file):
-    """Without vLLM: on by default with a GPU for full fine-tuning with plain sampling; off (and said why) for
-    adapters or sampling it does not do; asked for where it cannot run, one usage error."""
+    """Without vLLM: on by default with a GPU for plain sampling, under adapters (lora, qlora: the adapter merged
+    into its copy) only where its copy fits beside the policy; off (and said why) for sampling it does not do; asked
+    for where it cannot run, one usage error."""
     import torch
+
+    from trainbox.training import modelfacts
 
     base = ["--num_generations", "4", "--per_device_train_batch_size", "4", "--use_vllm", "false"]
 
-    def line(argv, mode="full", gpu=True):
-        script, args, _ = parsed([*base, *argv])
+    def line(argv, mode="full", gpu=True, total=80 * 2**30):
+        script, args, model_args = parsed([*base, "--model_name_or_path", str(tiny_model), *argv])
         with monkeypatch.context() as m:
             m.setattr(torch.cuda, "is_available", lambda: gpu)
-            return grpo_rollouts.resolve_rollouts(args, None, script, mode), script.static_decode
+            m.setattr(torch.cuda, "mem_get_info", lambda *a: (total, total))
+            return grpo_rollouts.resolve_rollouts(args, None, script, mode, model_args), script.static_decode
 
     assert line([]) == ("rollouts: static-cache decode (a bfloat16 copy of the policy, one CUDA-graphed step a "
                         "token) (use_vllm set)", True)
     assert line([], gpu=False) == ("rollouts: transformers generate (use_vllm set)", False)
-    assert line([], mode="lora") == ("rollouts: transformers generate; static decode off: mode lora (the decoder "
-                                     "copies full weights, not adapters) (use_vllm set)", False)
+    for mode in ("lora", "qlora"):
+        assert line([], mode=mode) == ("rollouts: static-cache decode (a bfloat16 copy of the policy, its adapter "
+                                       "merged in each step, one CUDA-graphed step a token) (use_vllm set)", True)
+        # a small GPU (a qlora user's 12 GB card, here scaled to the tiny model): the decoder's copy does not fit
+        facts = modelfacts.model_facts(str(tiny_model))
+        _, args, _ = parsed([*base, "--model_name_or_path", str(tiny_model)])
+        need = grpo_rollouts.training_state_bytes(args, facts, mode) + grpo_rollouts.decoder_bytes(args, facts)
+        text, on = line([], mode=mode, total=int(need / grpo_rollouts.STATIC_FITS) - 1)
+        assert not on and text.startswith("rollouts: transformers generate; static decode off: the policy's "
+                                          "training state and a decoder copy"), text
+        assert line([], mode=mode, total=int(need / grpo_rollouts.STATIC_FITS) + 1)[1] is True
     assert line(["--top_p", "0.9"])[1] is False and "static decode off: top_p=0.9" in line(["--top_p", "0.9"])[0]
     assert line(["--static_decode", "false"]) == ("rollouts: transformers generate (use_vllm set)", False)
     assert line(["--static_decode", "true"], gpu=False)[1] is True  # asked for on CPU: it runs, uncompiled
     for argv, what in ((["--top_k", "50"], "top_k=50"), (["--repetition_penalty", "1.1"], "repetition_penalty=1.1"),
-                       (["--min_p", "0.05"], "min_p=0.05"), (["--mode", "lora"], "mode lora")):
+                       (["--min_p", "0.05"], "min_p=0.05")):
         expect_usage_error(["--model_name_or_path", tiny_model, "--dataset", gsm8k_file, "--preset", "gsm8k", *base,
                             *argv,
                             "--static_decode", "true"], capsys, "static_decode=true but", what,
@@ -336,7 +349,8 @@ def test_the_static_decoder_stands_in_for_installed_vllm_where_it_is_faster(monk
     assert choose(["--static_decode", "true"])[1:] == (False, True)
     kept = {
         "MoE experts (their loops do not capture": choose([], model=moe),
-        "static decode off: mode lora": choose([], mode="lora"),
+        "static decode off: mode lora: vLLM where it is installed": choose([], mode="lora"),
+        "static decode off: mode qlora: vLLM where it is installed": choose([], mode="qlora"),
         "static decode off: top_p=0.9": choose(["--top_p", "0.9"]),
         "vLLM options set (vllm_gpu_memory_utilization)": choose(["--vllm_gpu_memory_utilization", "0.3"]),
         "pass 80% of the GPU's 0 GiB; vLLM sleeps while the policy trains": choose([], total=2**20),

@@ -189,3 +189,69 @@ def test_a_step_that_does_not_compile_decodes_uncompiled_or_raises(monkeypatch, 
     strict = static_decode.StaticDecoder(model, **kw, uncompiled_fallback=False)
     with pytest.raises(static_decode.StepNotCompiled, match="RuntimeError: Cannot copy between CPU and CUDA"):
         strict.generate(rows)
+
+
+def _adapted(model, seed: int = 3):
+    """A PEFT LoRA policy over `model` with B off zero (as after some training), so the merge is exercised."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
+    with torch.no_grad():
+        for n, p in peft.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    return peft.eval()
+
+
+def test_a_lora_policy_decodes_with_its_adapter_merged_and_syncs_it():
+    """grpo --mode lora: the decoder's weights are the base plus each adapter's delta, so its greedy decode is what
+    the PEFT policy's own forward predicts; after the adapter moves, sync() takes the new delta."""
+    model, tok = policy("llama3")
+    peft = _adapted(model)
+    dec = static_decode.StaticDecoder(peft, max_new=10, pad_id=tok.pad_token_id, eos_ids=[], temperature=GREEDY,
+                                      dtype=torch.float32)
+    rows = prompts(tok)
+    assert_greedy(peft, rows, dec.generate(rows))
+    with torch.no_grad():
+        for n, p in peft.named_parameters():
+            if "lora_B" in n:
+                p.mul_(-3)
+    dec.sync(peft)
+    assert_greedy(peft, rows, dec.generate(rows))
+    with peft.disable_adapter():  # the base alone decodes otherwise: the adapter really is in the weights
+        base_out = static_decode.StaticDecoder(model, max_new=10, pad_id=tok.pad_token_id, eos_ids=[],
+                                               temperature=GREEDY, dtype=torch.float32).generate(rows)
+    assert base_out != dec.generate(rows)
+
+
+def test_a_4bit_lora_policy_is_dequantized_and_merged(tmp_path):
+    """grpo --mode qlora: the decoder holds the 4-bit base weights dequantized (bitsandbytes' CPU backend) plus the
+    adapters' deltas: each merged weight is what the PEFT layer computes with, and the decoder's greedy decode is
+    what a float32 model with those weights predicts."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    model, tok = policy("llama3")
+    model.save_pretrained(tmp_path / "m")
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=torch.bfloat16)
+    q = AutoModelForCausalLM.from_pretrained(tmp_path / "m", quantization_config=quant, dtype=torch.bfloat16,
+                                             device_map={"": "cpu"})
+    peft = _adapted(q)
+    weights, _ = static_decode.source_weights(peft)
+    layer = peft.get_base_model().model.layers[0].mlp.down_proj
+    x = torch.randn(5, layer.in_features)
+    with torch.no_grad():
+        want = layer(x.bfloat16()).float()
+    got = x @ weights["model.layers.0.mlp.down_proj.weight"]().t()
+    assert (got - want).abs().max() < 2e-2 * want.abs().max()  # bf16 compute against float32
+    dec = static_decode.StaticDecoder(peft, max_new=8, pad_id=tok.pad_token_id, eos_ids=[], temperature=GREEDY,
+                                      dtype=torch.float32)
+    assert not hasattr(dec.model.config, "quantization_config")
+    ref = model  # the float32 original, given the merged weights
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_(weights[name]())
+    rows = prompts(tok)
+    assert_greedy(ref, rows, dec.generate(rows))

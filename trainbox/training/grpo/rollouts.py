@@ -43,7 +43,7 @@ def resolve_rollouts(args, ours: str | None = None, script=None, mode: str = "fu
             else:
                 why += f"; static decode off: {instead}"
     if not args.use_vllm:
-        return f"rollouts: {choose_static_decode(script, args, mode)} ({why})"
+        return f"rollouts: {choose_static_decode(script, args, mode, model_args)} ({why})"
     if script is not None and script.static_decode:
         raise UsageError("static_decode=true stands in for transformers' generate, but vLLM generates here "
                          f"({why}); drop static_decode, or set --use_vllm false to use it")
@@ -76,9 +76,10 @@ def resolve_rollouts(args, ours: str | None = None, script=None, mode: str = "fu
 
 
 def static_decode_blockers(args, mode: str) -> list[str]:
-    """What keeps static_decode.py from standing in for transformers' generate: it copies the full model's weights
-    and samples plainly from softmax(logits / temperature)."""
-    out = [f"mode {mode} (the decoder copies full weights, not adapters)"] if mode != "full" else []
+    """What keeps static_decode.py from standing in for transformers' generate: it samples plainly from
+    softmax(logits / temperature), with the whole model on each GPU. (lora and qlora: it holds the base weights
+    with the adapter merged in, dequantized from 4 bits for qlora, re-merged after each step.)"""
+    out = []
     plain = dict(top_p=(None, 1.0), top_k=(None, 0), min_p=(None, 0.0), repetition_penalty=(None, 1.0))
     out += [f"{name}={getattr(args, name)}" for name, ok in plain.items() if getattr(args, name, None) not in ok]
     for name in ("generation_kwargs", "cache_implementation", "fsdp", "deepspeed",
@@ -111,6 +112,14 @@ def static_over_vllm(args, mode: str, model_args, max_prompt_tokens: int | None 
     given = sorted(k for k in config.explicit(args) if k.startswith("vllm_"))
     if given:
         return f"vLLM options set ({', '.join(given)})"
+    if mode != "full":
+        return f"mode {mode}: vLLM where it is installed (the decoder's lead over it was measured at full fine-tuning)"
+    return decoder_unfit(args, mode, model_args, max_prompt_tokens)
+
+
+def decoder_unfit(args, mode: str, model_args, max_prompt_tokens: int | None = None) -> str | None:
+    """None where the decoder suits this model and fits beside the policy's training state on the job's smallest
+    GPU (STATIC_FITS), else why not."""
     if model_args is None:
         return "no model to judge"
     import torch
@@ -126,7 +135,7 @@ def static_over_vllm(args, mode: str, model_args, max_prompt_tokens: int | None 
         local = torch.cuda.mem_get_info()[1]
     except (RuntimeError, AssertionError):  # no usable CUDA after all
         local = None
-    need = training_state_bytes(args, facts) + decoder_bytes(args, facts, max_prompt_tokens)
+    need = training_state_bytes(args, facts, mode) + decoder_bytes(args, facts, max_prompt_tokens)
 
     def decide(total, seen):
         if total is None:
@@ -147,9 +156,17 @@ def reference_bytes(args, facts) -> int:
     return 4 * facts.params if args.beta else 0
 
 
-def training_state_bytes(args, facts) -> int:
-    """The full fine-tuned policy's state on each GPU whatever the batch (weights, gradients, optimizer states) and
-    the reference model: the memory plan's own figures (memplan.resident)."""
+# The policy's weights a parameter under adapters, whatever the batch: qlora's nf4 base is ~0.56 bytes with its
+# double-quantized scales (embeddings and head stay bf16: an 8B Llama's 5.7 GB is 0.7), lora's base bf16 or float32;
+# the adapters and their optimizer states add ~1-2 %, and TRL's KL reference is the same base with adapters off.
+ADAPTER_BASE_BYTES = {"qlora": 1.0, "lora": 4.0}
+
+
+def training_state_bytes(args, facts, mode: str = "full") -> int:
+    """The policy's state on each GPU whatever the batch: at full fine-tuning weights, gradients, optimizer states
+    and the reference model, the memory plan's own figures (memplan.resident); under adapters the base weights."""
+    if mode in ADAPTER_BASE_BYTES:
+        return int(ADAPTER_BASE_BYTES[mode] * facts.params * 1.05)
     return memplan.resident(speed.job_for(args, facts, shards=1, tokens=1, extra=reference_bytes(args, facts)))
 
 
@@ -163,8 +180,10 @@ def decoder_bytes(args, facts, max_prompt_tokens: int | None = None) -> int:
                         args.max_completion_length)
 
 
-def choose_static_decode(script, args, mode: str) -> str:
-    """Set script.static_decode (auto: on with a GPU where nothing blocks it); return how completions are made."""
+def choose_static_decode(script, args, mode: str, model_args=None) -> str:
+    """Set script.static_decode (auto: on with a GPU where nothing blocks it and, under adapters, where its bf16 copy
+    fits beside the policy: a qlora user's small GPU keeps transformers' generate); return how completions are
+    made."""
     if script is None:
         return "transformers generate"
     blockers = static_decode_blockers(args, mode)
@@ -172,7 +191,11 @@ def choose_static_decode(script, args, mode: str) -> str:
     if script.static_decode is None:
         import torch
 
-        script.static_decode = not blockers and torch.cuda.is_available()
+        gpu = torch.cuda.is_available()
+        if not blockers and gpu and mode != "full":
+            unfit = decoder_unfit(args, mode, model_args, script.max_prompt_tokens)
+            blockers = [unfit] if unfit else []
+        script.static_decode = not blockers and gpu
         note = f"; static decode off: {blockers[0]}" if blockers else ""
     elif script.static_decode and blockers:
         raise UsageError(
@@ -180,7 +203,8 @@ def choose_static_decode(script, args, mode: str) -> str:
             "from softmax(logits / temperature) only; drop static_decode to generate with transformers"
         )
     if script.static_decode:
-        return "static-cache decode (a bfloat16 copy of the policy, one CUDA-graphed step a token)"
+        merged = ", its adapter merged in each step" if mode != "full" else ""
+        return f"static-cache decode (a bfloat16 copy of the policy{merged}, one CUDA-graphed step a token)"
     return f"transformers generate{note}"
 
 

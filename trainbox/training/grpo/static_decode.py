@@ -1,5 +1,8 @@
 """Sampling completions from a causal LM through a static KV cache and one compiled decode step: GRPO's rollouts for
-dense models at full fine-tuning (grpo/rollouts.py decides; vLLM may be absent, as on cu126 images, or slower).
+dense models without vLLM (grpo/rollouts.py decides; vLLM may be absent, as on cu126 images, or slower). Under
+adapters (lora, qlora) the copy holds the base weights with the adapter merged in (source_weights), re-merged after
+each step: transformers' generate over a 4-bit base dequantizes every weight at every token (an 8B Llama on an H200:
+77-81 ms a decode step of 6 rows, benchmarks/results/grpo_notebook-2026-12-02.txt).
 
 transformers' `generate` with its dynamic cache is CPU-bound on small models (a 1.2B Llama on an H100: 16-33 ms a
 decode step for 16 rows, 4-8 s a GRPO rollout of 256 tokens, TRL's no-vLLM path), and its own static-cache
@@ -141,6 +144,51 @@ def fuse_projections(model) -> dict[str, torch.Tensor]:
     return targets
 
 
+def source_weights(policy) -> tuple[dict, dict]:
+    """(parameters, buffers) of `policy` under a plain model's names, as callables giving the tensor to copy in: a
+    plain model's own; a PEFT model's (lora, qlora) base weights with each active LoRA adapter merged in (the 4-bit
+    ones dequantized first: PEFT's own dequantize_bnb_weight and get_delta_weight, as its merge does), one matrix at a
+    time, so the decoder samples from the policy as it trains without a merged copy of the model."""
+    base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+    params = {n: (lambda p=p: p) for n, p in base.named_parameters()}
+    buffers = {n: (lambda b=b: b) for n, b in base.named_buffers()}
+    try:  # (PEFT injects its layers into the model itself: a base model taken from a PEFT one has them too)
+        from peft.tuners.lora import LoraLayer
+        from peft.utils.integrations import dequantize_bnb_weight
+    except ImportError:
+        return params, buffers
+
+    for name, module in base.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        adapters = [a for a in module.active_adapters if a in module.lora_A]
+        if getattr(module, "lora_variant", None) and any(a in module.lora_variant for a in adapters):
+            raise StepNotCompiled(f"{name}: a LoRA variant (DoRA) the decoder does not merge")
+        layer = module.get_base_layer()
+        for n in [k for k in params if k.startswith(name + ".")]:
+            del params[n]  # the layer's base_layer / lora_A / lora_B: replaced by the merged weight below
+
+        def merged(module=module, layer=layer, adapters=adapters):
+            w = layer.weight
+            if getattr(getattr(w, "quant_state", None), "packing_format_for_cpu", False):
+                # bitsandbytes' CPU inference layout (AVX512-BF16, made at an eval forward): back to the standard
+                # one, as bitsandbytes itself does before saving or moving the weight
+                from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+                w.data, w.quant_state = _convert_weight_packed_for_cpu_inverse(w.data, w.quant_state)
+            w = dequantize_bnb_weight(w, state=w.quant_state) if getattr(w, "quant_state", None) is not None else w
+            w = w.to(torch.float32, copy=True)  # summed in float32, rounded once by the copy into the decoder
+            if not module.merged and not module.disable_adapters:
+                for a in adapters:
+                    w += module.get_delta_weight(a).float()
+            return w
+
+        params[name + ".weight"] = merged
+        if layer.bias is not None:
+            params[name + ".bias"] = lambda layer=layer: layer.bias
+    return params, buffers
+
+
 class StepNotCompiled(RuntimeError):
     """The decode step failed to compile or capture (seen on an H100: Mixtral's and Qwen3-MoE's expert loops copy
     from the host inside the graph); raised where the caller would rather use another engine than decode uncompiled."""
@@ -195,6 +243,8 @@ class StaticDecoder:
         register()
         self.device = next(policy.parameters()).device
         conf = copy.deepcopy(policy.config)
+        if hasattr(conf, "quantization_config"):  # a 4-bit policy (qlora): the decoder holds merged bf16 weights
+            del conf.quantization_config
         conf._attn_implementation = IMPL  # (the policy's own kernel may be a training-only varlen/flex one)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(conf, dtype=dtype)
@@ -213,13 +263,12 @@ class StaticDecoder:
         """Copy the policy's weights (and buffers such as rotary frequencies) into the decoder, in place, so a
         captured graph keeps reading the same addresses."""
         with torch.no_grad():
-            params = dict(policy.named_parameters())
+            params, buffers = source_weights(policy)
             for name, p in self.targets.items():
-                p.copy_(params[name])
-            buffers = dict(policy.named_buffers())
+                p.copy_(params[name]())
             for name, b in self.model.named_buffers():
                 if name in buffers:
-                    b.copy_(buffers[name])
+                    b.copy_(buffers[name]())
 
     def _fit(self, rows: int, prompt: int) -> None:
         """Cache and step for at least `rows` rows and `prompt` prompt tokens (grown in STEP-sized lengths)."""
