@@ -92,3 +92,19 @@ def test_any_value_of_the_switches_gives_a_line_never_a_traceback(monkeypatch):
             assert line == f"{env}={value!r} is neither 0 nor 1: left on"
 
     check()
+
+
+def test_items_are_held_weakly_so_a_graph_freed_without_backward_leaves_nothing():
+    """A forward whose graph is dropped (an exception, a skipped step) must not pin its host copies here."""
+    import gc
+    import weakref
+
+    from trainbox.training.kernels import ckptoffload
+
+    off = ckptoffload.Offloader()
+    item = ckptoffload._Item(torch.ones(4), torch.device("cpu"), None, 0)
+    off.items.append(weakref.ref(item))
+    assert off._live(0) is item
+    del item
+    gc.collect()
+    assert off._live(0) is None

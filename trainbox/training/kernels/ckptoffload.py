@@ -18,11 +18,22 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 
 from trainbox.training.kernels import switches
 
 ENV = "TRAINBOX_CKPT_OFFLOAD"
 MIN_BYTES = 1 << 20  # smaller kept tensors (rotary tables, masks) stay where they are
+
+
+class _Item:
+    """One kept tensor in host memory: its copy-out event, and once fetched its GPU copy and copy-back event."""
+
+    __slots__ = ("host", "device", "out", "back", "gpu", "pos", "__weakref__")
+
+    def __init__(self, host, device, out, pos):
+        self.host, self.device, self.out, self.pos = host, device, out, pos
+        self.back = self.gpu = None
 
 
 class Offloader:
@@ -33,7 +44,9 @@ class Offloader:
 
         self.torch = torch
         self._stream = None  # made at the first CUDA tensor (a CPU-only process never needs one)
-        self.items: list[dict | None] = []  # this step's packed tensors in forward order (None once consumed)
+        # This forward's packed tensors in order, held weakly: autograd owns them, so a graph freed without a
+        # backward (an exception, a skipped step) leaves no host memory behind here.
+        self.items: list[weakref.ref] = []
         self.moved = 0  # bytes copied out in the last forward
 
     @property
@@ -42,11 +55,15 @@ class Offloader:
             self._stream = self.torch.cuda.Stream()
         return self._stream
 
+    def _live(self, pos: int):
+        item = self.items[pos]() if 0 <= pos < len(self.items) else None
+        return item if item is not None and item.gpu is None else None
+
     def pack(self, t):
         torch = self.torch
         if not t.is_cuda or t.numel() * t.element_size() < MIN_BYTES:
             return t
-        if all(i is None for i in self.items):  # a new forward: the last backward consumed every item
+        if not any(self._live(i) for i in range(len(self.items))):  # a new forward: nothing left to bring back
             self.items, self.moved = [], 0
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         self.stream.wait_stream(torch.cuda.current_stream())
@@ -55,38 +72,34 @@ class Offloader:
             done = torch.cuda.Event()
             done.record()
         t.record_stream(self.stream)  # its GPU block is not reused before the copy has read it
-        item = {"host": host, "device": t.device, "out": done, "back": None, "gpu": None, "pos": len(self.items)}
-        self.items.append(item)
+        item = _Item(host, t.device, done, len(self.items))
+        self.items.append(weakref.ref(item))
         self.moved += host.numel() * host.element_size()
         return item
 
-    def _fetch(self, item: dict) -> None:
+    def _fetch(self, item: _Item) -> None:
         torch = self.torch
-        if item["gpu"] is not None:
+        if item.gpu is not None:
             return
         with torch.cuda.stream(self.stream):
-            self.stream.wait_event(item["out"])
-            item["gpu"] = item["host"].to(item["device"], non_blocking=True)
-            item["back"] = torch.cuda.Event()
-            item["back"].record()
+            self.stream.wait_event(item.out)
+            item.gpu = item.host.to(item.device, non_blocking=True)
+            item.back = torch.cuda.Event()
+            item.back.record()
 
     def unpack(self, item):
-        if not isinstance(item, dict):
+        if not isinstance(item, _Item):
             return item
         torch = self.torch
         self._fetch(item)
-        pos = item["pos"]
-        for prev in range(pos - 1, -1, -1):  # the next layer backward will need: start its copy now
-            nxt = self.items[prev] if prev < len(self.items) else None
+        for prev in range(item.pos - 1, -1, -1):  # the input the next layer's backward needs: start its copy now
+            nxt = self._live(prev)
             if nxt is not None:
                 self._fetch(nxt)
                 break
-        torch.cuda.current_stream().wait_event(item["back"])
-        gpu = item["gpu"]
-        gpu.record_stream(torch.cuda.current_stream())
-        if pos < len(self.items) and self.items[pos] is item:
-            self.items[pos] = None
-        return gpu
+        torch.cuda.current_stream().wait_event(item.back)
+        item.gpu.record_stream(torch.cuda.current_stream())
+        return item.gpu
 
     def wrap(self, checkpoint_fn):
         if getattr(checkpoint_fn, "_trainbox_offload", False):
