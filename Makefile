@@ -41,6 +41,9 @@ system-deps: ## the Debian packages above (root; a no-op when all are present)
 	    "apt-get install -y" $$missing")" >&2; exit 2; fi; \
 	  echo "installing:" $$missing; apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing && apt-get clean; fi
+	@# QEMU 10+ from <release>-backports for the arm64 images (devenv/qemu.py: torch's aarch64 import segfaults
+	@# under bookworm's 7.2), its qemu-aarch64 binfmt handler registered again; a warning when not root
+	@if [ "$$(id -u)" = 0 ]; then python3 -m devenv.qemu ensure; else python3 -m devenv.qemu version; fi
 
 setup: .venv/.installed ## .venv: the host package, the test tools and the smoke cell's training stack (CPU torch)
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from builder.enroot import docker_cli  # the product's choice of CLI: the engine we start is the one it talks to
 from builder.errors import UserError, reports_user_errors
 from common import atomic
+from devenv import qemu
 from devenv.common import State, apt_install, cache_dir, logger, pid_alive, spawn, stop_pid, wait, which
 
 DEFAULT_PORT = 5555
@@ -191,6 +192,9 @@ def _ensure_binfmt(state: dict) -> None:
         state["binfmt_mounted"] = True
     r = subprocess.run(["update-binfmts", "--enable", "qemu-aarch64"], capture_output=True, text=True)
     if r.returncode != 0 or not binfmt_enabled():
+        # QEMU 10's qemu-user-binfmt (bookworm-backports: devenv/qemu.py) describes it in systemd's binfmt.d
+        qemu.register()
+    if not binfmt_enabled():
         raise UserError(f"could not enable the qemu-aarch64 binfmt handler: {r.stderr.strip() or 'not enabled'}; "
                         "install qemu-user-static and binfmt-support, then run `update-binfmts --enable qemu-aarch64`")
     state["binfmt_enabled"] = True
