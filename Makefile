@@ -41,9 +41,6 @@ system-deps: ## the Debian packages above (root; a no-op when all are present)
 	    "apt-get install -y" $$missing")" >&2; exit 2; fi; \
 	  echo "installing:" $$missing; apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing && apt-get clean; fi
-	@# QEMU 10+ from <release>-backports for the arm64 images (devenv/qemu.py: torch's aarch64 import segfaults
-	@# under bookworm's 7.2), its qemu-aarch64 binfmt handler registered again; a warning when not root
-	@if [ "$$(id -u)" = 0 ]; then python3 -m devenv.qemu ensure; else python3 -m devenv.qemu version; fi
 
 setup: .venv/.installed ## .venv: the host package, the test tools and the smoke cell's training stack (CPU torch)
 
@@ -74,6 +71,10 @@ test-gpu-image: setup ## a real CUDA 13 image from the default index (several GB
 	$(PY) -m pytest -ra -s -m gpuimage tests/test_gpu_image.py
 
 gh200-image: engine ## the GH200 cell (cu130-hopper-aarch64) under QEMU beside its x86_64 build: figures, doctor, selftest
+	@# QEMU 10+ from <release>-backports (devenv/qemu.py: torch's aarch64 import segfaults under bookworm's 7.2), its
+	@# qemu-aarch64 binfmt handler registered again; a warning when not root. Here, not in system-deps: `make test`'s
+	@# arm64 smoke image has no torch and builds under 7.2, and the tests' QEMU stays the one CI has run.
+	@if [ "$$(id -u)" = 0 ]; then python3 -m devenv.qemu ensure; else python3 -m devenv.qemu version; fi
 	$(PY) benchmarks/gh200_image.py --json $(or $(TRAINBOX_CACHE),$(HOME)/.cache/trainbox)/gh200-image-figures.json
 
 render: setup ## re-render every cell's Dockerfile into images/

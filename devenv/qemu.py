@@ -1,6 +1,6 @@
 """qemu-user for the arm64 builds on an x86 host: a new enough one, and its binfmt handler pointing at it.
 
-    python3 -m devenv.qemu ensure    (root; `make system-deps` runs it: stdlib only, before .venv exists)
+    python3 -m devenv.qemu ensure    (root; `make gh200-image` runs it: stdlib only)
     python3 -m devenv.qemu version
 
 Debian bookworm's qemu-user-static is QEMU 7.2, under which torch 2.13.0's aarch64 `import torch` segfaults in
@@ -118,9 +118,12 @@ def ensure() -> int:
                 return 2
             BACKPORTS.write_text(backports_source(mirror, codename))
         env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        subprocess.run(["apt-get", "update", "-qq"], env=env, check=True)
-        subprocess.run(["apt-get", "install", "-y", "-qq", "-t", f"{codename}-backports", "qemu-user-static"],
-                       env=env, check=True)
+        for cmd in (["apt-get", "update", "-qq"],
+                    ["apt-get", "install", "-y", "-qq", "-t", f"{codename}-backports", "qemu-user-static"]):
+            if subprocess.run(cmd, env=env).returncode != 0:
+                _log(f"`{' '.join(cmd)}` failed: qemu-aarch64 {have} stays; torch's aarch64 import segfaults "
+                     "under QEMU 7.2, so the GH200 image's help-cache step will fail")
+                return 2
         have, installed = version(), True
         _log(f"installed qemu-aarch64 {'.'.join(map(str, have or ()))} from {codename}-backports")
     # Only after an install or where none is registered: a running build's next exec would miss the handler
