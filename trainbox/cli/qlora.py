@@ -4,8 +4,8 @@ Usage: `python -m trainbox.cli.qlora --model_name_or_path M --dataset D [--merge
 Options: TRL's SFTConfig (TrainingArguments included), TRL's ModelConfig (4-bit and LoRA settings) and the dataset
 options of `sft`. Defaults: load_in_4bit, nf4, nested (double) quant, bf16 compute, LoRA r=16 alpha=32 dropout 0
 on all-linear (fused into the 4-bit GEMM: kernels/lora4bit.py), gradient checkpointing, learning rate 2e-4, paged
-8-bit AdamW on GPU (plain AdamW on CPU, where paged optimizers do not exist). Across GPUs (more than one process): FSDP2 shards the 4-bit base (bf16 quant storage) and
-the adapters, fused AdamW. Data: chat `messages`, dolly-style instruction/context|input/response|output, verl gsm8k.
+8-bit AdamW on GPU (plain AdamW on CPU, where paged optimizers do not exist). Across GPUs (more than one process):
+FSDP2 shards the 4-bit base (bf16 quant storage) and the adapters, fused AdamW. Data: chat `messages`, dolly-style instruction/context|input/response|output, verl gsm8k.
 The adapter goes to OUTPUT_DIR; with --merge, the base in bf16 + adapter merged goes to OUTPUT_DIR/merged.
 """
 

@@ -115,9 +115,8 @@ class Offloader:
 
 
 def setting() -> tuple[bool, str | None]:
-    raw = os.environ.get(ENV)
-    on = switches.switch(raw, default=True)
-    return (True, f"{ENV}={raw!r} is neither 0 nor 1: left on") if on is None else (on, None)
+    """(on?, a note on the variable): switches.setting for ENV."""
+    return switches.setting(ENV)
 
 
 def _wrap_layers(model, off: Offloader) -> int:

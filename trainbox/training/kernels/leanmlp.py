@@ -89,11 +89,8 @@ def _kind(module) -> str | None:
 
 
 def setting() -> tuple[bool, str | None]:
-    """(on?, a note on the variable): on unless TRAINBOX_MLP_RECOMPUTE is 0/false/no/off; a value that is neither
-    leaves it on and says so."""
-    raw = os.environ.get(ENV)
-    on = switches.switch(raw, default=True)
-    return (True, f"{ENV}={raw!r} is neither 0 nor 1: left on") if on is None else (on, None)
+    """(on?, a note on the variable): switches.setting for ENV."""
+    return switches.setting(ENV)
 
 
 def choose(model, checkpointing: bool) -> str | None:

@@ -93,10 +93,8 @@ def _eligible(layer, x, args, kwargs) -> tuple | None:
 
 
 def setting() -> tuple[bool, str | None]:
-    """(on?, a note on the variable): on unless TRAINBOX_LORA_FUSED is 0/false/no/off."""
-    raw = os.environ.get(ENV)
-    on = switches.switch(raw, default=True)
-    return (True, f"{ENV}={raw!r} is neither 0 nor 1: left on") if on is None else (on, None)
+    """(on?, a note on the variable): switches.setting for ENV."""
+    return switches.setting(ENV)
 
 
 def apply(model) -> int:
