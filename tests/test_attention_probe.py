@@ -84,6 +84,7 @@ def test_no_aarch64_wheel_locks_the_source_build_which_emulation_refuses(tmp_pat
     root = _index(tmp_path, "manylinux_2_28_x86_64")
     out = tmp_path / "out"
     _seed(out, GH200)
+    before = _image_id(GH200.image)      # an image a real GH200 build left in this engine stays; none is made here
     with simpleindex.serve(root, tmp_path / "server.log") as url:
         p = subprocess.run([sys.executable, str(ROOT / "build.py"), GH200.tag, "--output-dir", str(out),
                             "--index", f"flash={url}", "--quiet"], capture_output=True, text=True, cwd=ROOT,
@@ -97,8 +98,11 @@ def test_no_aarch64_wheel_locks_the_source_build_which_emulation_refuses(tmp_pat
     assert eng.compiles_under_emulation(GH200, False, out) and not eng.compiles_under_emulation(GH200, True, out)
     plan = "\n".join(cli.plan_lines([GH200], {}, {GH200.tag: out / GH200.dockerfile}, out))
     assert "REFUSED here under emulation" in plan
-    r = subprocess.run(["docker", "images", "-q", GH200.image], capture_output=True, text=True)
-    assert r.stdout.strip() == ""                                             # no image, no tag
+    assert _image_id(GH200.image) == before                                   # no image, no tag moved
+
+
+def _image_id(image: str) -> str:
+    return subprocess.run(["docker", "images", "-q", image], capture_output=True, text=True, check=True).stdout.strip()
 
 
 def test_an_unreachable_index_or_a_confirmed_arch_without_a_wheel_is_an_error(tmp_path, monkeypatch):
