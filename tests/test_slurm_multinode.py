@@ -8,6 +8,7 @@ submission of the same script resumes from that checkpoint.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -60,6 +61,21 @@ def _assert_two_nodes(log: str, job_id: str, nnodes_line: str = "torchrun nnodes
     eph = launch.ephemeral_range()[0]
     assert 20000 + int(job_id) % 20000 >= eph, f"job {job_id}: the cluster predates FirstJobId; restart it"
     assert ports == {launch.slurm_port({"SLURM_JOB_ID": job_id})} and max(ports) < eph, (ports, eph)
+
+
+@pytest.mark.timeout(120)
+def test_job_steps_run_at_the_test_nodes_priority(slurm2):
+    """The suite shares this host with the nodes' jobs; their steps inherit the favoured slurmd's nice value (a
+    starved raylet missed Ray's fixed registration wait in CI). Both partitions: each task reports its own."""
+    env, partition = slurm2
+    want = devslurm.NODE_NICE if os.geteuid() == 0 else os.nice(0)
+    for args, hosts in ((["-p", partition, "-N", "2"], {n["name"] for n in NODES}), (["-N", "1"], None)):
+        r = subprocess.run(["srun", *args, "sh", "-c", 'echo "$(hostname) $(nice)"'], env=env, capture_output=True,
+                           text=True, timeout=90)
+        assert r.returncode == 0, r.stderr
+        seen = dict(line.split() for line in r.stdout.splitlines())
+        assert set(seen.values()) == {str(want)}, (args, seen)
+        assert hosts is None or set(seen) == hosts, seen
 
 
 def test_two_node_bare_job_preempts_and_resumes(slurm2, tiny_model, tmp_path):
