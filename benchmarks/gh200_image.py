@@ -48,7 +48,7 @@ def _in_image(ref: str, platform: str, *args: str, timeout: float) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json")
     p.add_argument("--arch", action="append", choices=["x86_64", "aarch64"],
                    help="the arches to build, in order (default: x86_64 then aarch64)")

@@ -462,8 +462,9 @@ def write_pairs(path: Path, n: int, max_len: int, seed: int = 0) -> tuple[Path, 
 
 def dpo(a) -> None:
     """`trl dpo` with its defaults vs `trainbox dpo`, one GPU, the Llama-3.2-1B shape (or --shape), long-tailed chat
-    pairs, batch 4 pairs x 2048 tokens on both sides. TRL's DPOTrainer pads and neither side packs, so the two see
-    the same batches: the logged losses (steps 10 and 20) must agree within 1 %. MFU counts the reference forward
+    pairs, batch 4 pairs x 2048 tokens on both sides. TRL's DPOTrainer pads; ours packs each batch's rows in its
+    forward only (kernels/packedrows.py), so the two see the same batches: the losses logged at every step must
+    agree within 1 %. MFU counts the reference forward
     (8N per token, not 6N)."""
     work = Path(a.work)
     log = work / "dpo.log"
@@ -471,7 +472,8 @@ def dpo(a) -> None:
     model = make_model(work / shape, shape)
     peak = peak_tflops()
     common = ["--model_name_or_path", str(model), "--max_length", "2048", "--per_device_train_batch_size", "4",
-              "--save_strategy", "no", "--report_to", "none", "--seed", "0", "--disable_tqdm", "true"]
+              "--save_strategy", "no", "--report_to", "none", "--seed", "0", "--disable_tqdm", "true",
+              "--logging_steps", "1"]  # every step's loss on both sides: the same batches compared step by step
     data, rows = write_pairs(work / "data-pairs", a.steps * 4 * 2, 2048)
     fpt = flops_per_token(model, rows) * 8 / 6
     print(f"# dpo {shape}: {len(rows) // 2} pairs, row median {sorted(rows)[len(rows) // 2]} tokens, "
@@ -508,9 +510,16 @@ def dpo(a) -> None:
     if ref and mine:
         pairs = [(x[1], y[1]) for x, y in zip(ref, mine)]
         worst = max(abs(x - y) / abs(x) for x, y in pairs)
-        print(f"SUMMARY dpo loss at steps {','.join(str(x[0]) for x in ref[:len(pairs)])}, same batches: max relative "
-              f"difference {100 * worst:.2f} % (trl {pairs[0][0]:.4f}->{pairs[-1][0]:.4f}, ours {pairs[0][1]:.4f}->"
+        print(f"SUMMARY dpo loss at steps {ref[0][0]}-{ref[len(pairs) - 1][0]}, same batches: max relative difference "
+              f"{100 * worst:.2f} % (trl {pairs[0][0]:.4f}->{pairs[-1][0]:.4f}, ours {pairs[0][1]:.4f}->"
               f"{pairs[-1][1]:.4f})", flush=True)
+        print("DPO loss step  " + " ".join(f"{x[0]:>6}" for x in ref[:len(pairs)]), flush=True)
+        print("DPO loss trl   " + " ".join(f"{x:6.4f}" for x, _ in pairs), flush=True)
+        print("DPO loss ours  " + " ".join(f"{y:6.4f}" for _, y in pairs), flush=True)
+        means = [(sum(x for x, _ in pairs[i:i + 10]) / len(pairs[i:i + 10]),
+                  sum(y for _, y in pairs[i:i + 10]) / len(pairs[i:i + 10])) for i in range(0, len(pairs), 10)]
+        print("SUMMARY dpo loss, means of 10 steps (what TRL logs by default): " + ", ".join(
+            f"trl {x:.4f} ours {y:.4f} ({100 * abs(x - y) / x:.2f} %)" for x, y in means), flush=True)
     json.dump(results, open(work / "dpo-results.json", "w"), indent=1, default=str)
 
 

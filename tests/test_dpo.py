@@ -50,6 +50,7 @@ def test_sigterm_checkpoints_and_rerun_resumes_then_saves(tiny_model, tmp_path):
     log = "".join(seen)
     assert p.wait(timeout=120) == 0, log
     assert "dpo: reference: a frozen float32 copy" in log and "dpo preempted (checkpoint saved)" in log
+    assert "[trainbox] packing off: SDPA and eager" in log  # CPU's SDPA: the pairs stay padded
     ckpts = sorted(out.glob("checkpoint-*"))
     assert len(ckpts) == 1 and not (out / "model.safetensors").exists(), ckpts
     n = state(ckpts[0])["global_step"]
@@ -70,10 +71,12 @@ def test_lora_pairs_without_prompt_column_save_an_adapter(tiny_model, tmp_path):
     data = write_pairs(tmp_path / "pairs.jsonl", 8, chat=False, prompt=False)
     out = tmp_path / "out"
     r = run("trainbox.cli.dpo", ["--model_name_or_path", str(tiny_model), "--dataset", str(data), "--output_dir",
-                                 str(out), "--max_steps", "1", "--use_peft", "true", "--lora_r", "4", *FAST],
+                                 str(out), "--max_steps", "1", "--use_peft", "true", "--lora_r", "4",
+                                 "--attn_implementation", "trainbox_flex", *FAST],
             env_for(tmp_path))  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     assert "reference: the base with the LoRA adapters off" in r.stdout
+    assert "[trainbox] packing: each batch of pairs padding-free in the forward" in r.stdout  # through PEFT's wrapper
     assert (out / "adapter_model.safetensors").is_file() and not (out / "model.safetensors").exists()
 
 
@@ -115,6 +118,59 @@ def test_memory_plan_counts_the_reference_only_where_one_is_kept(tiny_model):
     terms = memplan.estimate(job, memplan.Settings(checkpointing=False))
     assert terms["reference model"] == 2 * facts.params
     assert len(memplan.ladder(job)) > len(memplan.ladder(speed.job_for(kept.args, facts, 1, tokens=1)))  # splits
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_packed_forward_gives_the_padded_forwards_per_token_outputs_and_gradients(tiny_model, side):
+    """kernels/packedrows.py under TRL's fused head: a padded batch of rows of unequal length run as one packed row
+    (through a kernel that keeps packed examples apart) gives the padded call's log-probs, entropy and gradients,
+    zero at padding, in the padded layout; the inner forward really saw one row of the real tokens only."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    from trainbox.training import attention
+    from trainbox.training.kernels import packedrows
+
+    attention.register(attention.FLEX)
+    torch.manual_seed(0)
+    lengths = [9, 4, 7, 2]
+    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        cols = slice(0, n) if side == "right" else slice(max(lengths) - n, None)
+        ids[i, cols], mask[i, cols] = torch.randint(3, 200, (n,)), 1
+    labels = ids.masked_fill((mask == 0) | (mask.cumsum(1) <= 2), -100)  # each row's first 2 tokens: a prompt
+    got = {}
+    for packed in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32,
+                                                     attn_implementation=attention.FLEX)
+        add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+        seen = []
+        inner = model.forward
+        model.forward = lambda *a, _f=inner, **k: seen.append(k["input_ids"].shape) or _f(*a, **k)
+        if packed:
+            packedrows.install(model)
+        out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True, use_cache=False)
+        out.log_probs.sum().backward()
+        got[packed] = (out.log_probs.detach(), out.entropy.detach(), model.lm_head.weight.grad.clone(),
+                       model.model.layers[0].self_attn.q_proj.weight.grad.clone(), seen)
+    (lp0, ent0, g0, q0, seen0), (lp1, ent1, g1, q1, seen1) = got[False], got[True]
+    assert seen0 == [ids.shape] and seen1 == [torch.Size([1, sum(lengths)])]
+    assert lp1.shape == lp0.shape == (len(lengths), max(lengths) - 1)
+    scored = labels[:, 1:] != -100
+    assert (lp1[~scored] == 0).all() and (lp1[scored] != 0).all()
+    for a, b in ((lp0, lp1), (ent0, ent1), (g0, g1), (q0, q1)):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
+def test_the_packed_forward_is_installed_only_for_a_kernel_that_keeps_packed_examples_apart():
+    from trainbox.training import attention
+
+    assert attention.packs(attention.FLEX) and attention.packs(attention.VARLEN)
+    assert attention.packs("flash_attention_2") and not attention.packs("sdpa") and not attention.packs("eager")
+    for name, k in attention.KERNELS.items():
+        assert attention.Choice(name, k.impl, "").packed == k.packed
 
 
 @pytest.mark.parametrize(

@@ -55,8 +55,7 @@ RECIPE = skeleton.Recipe(
     check=dpolib.check,
     chat_template=False,  # plain-text pairs need none; prepare_pairs asks for it where the pairs are chat
     rows=dpolib.prepare_pairs,
-    tuning=skeleton.Tuning(packing="packing off: TRL 1.16's DPOTrainer pads each pair batch (its padding_free falls "
-                                   "back to padding)", loss_head=False, memory=dpolib.memory),
+    tuning=skeleton.Tuning(packing=dpolib.packing_line, loss_head=False, memory=dpolib.memory),
     notes=lambda run, facts: [dpolib.reference_line(run, facts)],
     model=_model,
     trainer=dpolib.build_trainer,

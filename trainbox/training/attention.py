@@ -113,6 +113,13 @@ def needs(conf, model=None) -> Needs:
     head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
     return Needs(window=int(window) if window else None, softcap=float(softcap) if softcap else None, sinks=sinks,
                  head_dim=int(head_dim) if head_dim else None)
+def packs(impl: str) -> bool:
+    """Whether attn_implementation `impl` takes packed rows without attending across examples (ours by KERNELS,
+    transformers' flash kernels; SDPA, eager and the unknown ones do not)."""
+    known = {k.impl: k.packed for k in KERNELS.values()}
+    return known[impl] if impl in known else impl.startswith("flash_attention")
+
+
 # Names a user may pass to --attn_implementation besides transformers' own.
 ALIASES = {name: k.impl for name, k in KERNELS.items()}
 
@@ -126,7 +133,7 @@ class Choice:
 
     @property
     def packed(self) -> bool:
-        return KERNELS[self.name].packed if self.name in KERNELS else self.impl.startswith("flash_attention")
+        return packs(self.impl)
 
     def line(self) -> str:
         label = KERNELS[self.name].label if self.name in KERNELS else self.impl

@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.errors import UsageError
-from trainbox.training import adapters, data, sftlib
+from trainbox.training import adapters, attention, data, sftlib
+from trainbox.training.kernels import packedrows
 
 GiB = 2**30
 
@@ -177,4 +178,17 @@ def build_trainer(run, model, ds, tokenizer, callbacks):
         trainer = DPOTrainer(model=model, ref_model=ref, args=args, train_dataset=ds, processing_class=tokenizer,
                              callbacks=callbacks, peft_config=adapters.peft_config(run.model))
     trainer.trainbox_reference_forward = reference(run) != "precomputed"  # a reference forward each step: MFU
+    if attention.packs(model.config._attn_implementation):
+        policy = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
+        for m in (policy, trainer.ref_model):  # where TRL put its fused head (add_fused_lm_head)
+            if m is not None:
+                packedrows.install(m)
     return trainer
+
+
+def packing_line(choice) -> str:
+    """What the run prints for packing: TRL pads each batch of pairs; the forward packs them where the kernel can."""
+    if choice.packed:
+        return ("packing: each batch of pairs padding-free in the forward (policy and reference: the real tokens in "
+                "one row, kept apart by the attention kernel; kernels/packedrows.py)")
+    return f"packing off: {attention.UNPACKED_WHY}; batches of pairs are padded"

@@ -102,10 +102,10 @@ def shards(training_args) -> int:
 
 
 def tune(model_args, training_args, shards: int, image: dict | None, checkpointing: bool = True,
-         packing: str | None = None, memory=None):
+         packing=None, memory=None):
     """Attention kernel and speed defaults (speed.py) for this model and GPU, printed once; returns (choice, facts).
-    image: the image record (attention.choose); packing: None (decided), else why this trainer has none; memory:
-    facts -> the memory plan's tokens/extra."""
+    image: the image record (attention.choose); packing: None (decided), else the trainer's line or f(choice) -> it;
+    memory: facts -> the memory plan's tokens/extra."""
     requested = model_args.attn_implementation if "attn_implementation" in cfg.explicit(model_args) else None
     facts = modelfacts.model_facts(model_args.model_name_or_path, model_args.model_revision)
     choice = attention.choose(requested, image, model=facts.attention)

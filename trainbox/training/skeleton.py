@@ -48,7 +48,8 @@ class Tuning:
     """What the speed defaults may decide for this trainer (speed.apply)."""
 
     checkpointing: bool = True  # the memory plan decides gradient checkpointing (False: the recipe's default stays)
-    packing: str | None = None  # None: packing decided (speed.choose_packing); else why this trainer has none
+    # None: packing decided (speed.choose_packing); else the line saying what this trainer does, or f(choice) -> it
+    packing: str | Callable | None = None
     loss_head: bool = True  # our SFT loss (sftloss.py, losshead.py) in TRL's place; False: the trainer's own
     memory_first: bool = False  # FSDP2 reshards after forward on one node too (a 4-bit base: qlora)
     # (run, facts) -> {"tokens": of one micro-batch, "extra": bytes beside the trained model}: the memory plan's view

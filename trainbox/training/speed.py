@@ -222,14 +222,16 @@ def choose_packing(args, packed_ok: bool) -> str:
 
 
 def apply(args, model_args, choice, f: ModelFacts, *, shards: int, checkpointing: bool = True,
-          packing: str | None = None, **memory) -> list[str]:
+          packing=None, **memory) -> list[str]:
     """Decide the defaults above on TRL's config `args` (SFTConfig, DPOConfig); returns the lines to print.
     `checkpointing=False` leaves gradient checkpointing as it is (qlora keeps it on: its point is fitting a big model
-    in little memory); `packing`: None decides it, else the line saying why this trainer has none; `memory`: the
+    in little memory); `packing`: None decides it, else the trainer's own line (or f(choice) -> it); `memory`: the
     memory plan's tokens, extra and split (choose_memory)."""
     import torch
 
     on_gpu = torch.cuda.is_available() and not args.use_cpu
+    if callable(packing):
+        packing = packing(choice)
     lines = [choice.line(), choose_packing(args, choice.packed) if packing is None else packing,
              choose_liger(args, f)]
     masters_off = None
