@@ -234,6 +234,18 @@ def per10(points: list, steps: int) -> list[float | None]:
     return out
 
 
+def last10(points: list) -> tuple[float | None, int, int]:
+    """(mean, first step, last step) of the last ten logged values."""
+    tail = sorted(points)[-10:]
+    if not tail:
+        return None, 0, 0
+    return sum(v for _, v in tail) / len(tail), tail[0][0], tail[-1][0]
+
+
+def fmt3(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
 def table(tag: str, curves: dict, steps: int, fmt: str) -> None:
     print(f"{tag} steps    " + " ".join(f"{k:>14}" for k in curves), flush=True)
     cols = {k: per10(v, steps) for k, v in curves.items()}
@@ -312,10 +324,12 @@ def main() -> None:
         failed = [k for k in results if k.rsplit("-s", 1)[0] == who and k not in ok]
         if runs:
             rate = sum(r["steps_per_s"] for r in runs) / len(runs)
-            last = [per10(r["rewards"], a.steps)[-1] or 0.0 for r in runs]
-            first = [per10(r["rewards"], a.steps)[0] or 0.0 for r in runs]
+            # a run cut short: its last ten logged steps, named, rather than a window it never reached
+            last = [last10(r["rewards"]) for r in runs]
+            first = [per10(r["rewards"], a.steps)[0] for r in runs]
             print(f"SUMMARY grpo-learning {who}: {rate:.2f} steps/s; reward steps 1-10 "
-                  f"{', '.join(f'{x:.3f}' for x in first)} -> last 10 {', '.join(f'{x:.3f}' for x in last)} "
+                  f"{', '.join(fmt3(x) for x in first)} -> last 10 logged "
+                  f"{', '.join(f'{fmt3(x)} (steps {lo}-{hi})' for x, lo, hi in last)} "
                   f"(seeds {', '.join(str(s) for s in a.seeds)}; correctness 2.0 = right)"
                   + (f"; FAILED {', '.join(failed)}" if failed else ""), flush=True)
         elif failed:
