@@ -22,6 +22,8 @@ import torch
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 
+from trainbox.training.kernels import packedrows
+
 _MULTIMODAL = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
                "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 
@@ -43,22 +45,16 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: 
     last logits_to_keep columns where attention_mask is 1), else -100: no label ever crosses into the next sequence.
     """
     keep = attention_mask.bool()
-    pos = keep.long().cumsum(1) - 1
-    nxt = torch.full_like(input_ids, -100)
     scored = keep.clone()
     scored[:, : input_ids.size(1) - logits_to_keep] = False
-    # Token j+1 is predicted at j: both real (same sequence, since a row's real tokens are one run).
-    follows = keep[:, :-1] & scored[:, 1:]
-    nxt[:, :-1] = input_ids[:, 1:].masked_fill(~follows, -100)
-    return input_ids[keep][None], pos[keep][None], nxt[keep][None], keep
+    return packedrows.pack(input_ids, attention_mask, input_ids.masked_fill(~scored, -100))
 
 
 def unpack(packed: torch.Tensor, keep: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
     """Packed per-token values [1, N] (at the predicting position) -> TRL's [B, logits_to_keep] (at the predicted
     token): the value of completion token t sits at column L-K+t-1 of the row. Differentiable; 0 at padding."""
-    full = packed.new_zeros(keep.shape).masked_scatter(keep, packed[0])
     length = keep.size(1)
-    return full[:, length - logits_to_keep - 1 : length - 1]
+    return packedrows.unpack(packed, keep)[:, length - logits_to_keep - 1 : length - 1]
 
 
 class PaddingFreeGRPOTrainer(GRPOTrainer):

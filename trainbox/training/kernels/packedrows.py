@@ -21,29 +21,40 @@ OWN_LAYOUT = {"position_ids", "inputs_embeds", "shift_labels", "pixel_values", "
 PER_TOKEN = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
 
 
+def pack(input_ids, attention_mask, labels):
+    """(ids [1, N], position_ids [1, N], shift_labels [1, N], keep [B, L]) for the real tokens of a padded batch:
+    positions restart at 0 in each row, whichever side its padding is on; shift_labels[p] is the label of the next
+    token of p's own row (-100 past a row's end), so no label crosses a seam between rows."""
+    import torch
+
+    keep = attention_mask.bool()
+    b = input_ids.size(0)
+    positions = keep.long().cumsum(1) - 1
+    nxt = torch.cat([labels[:, 1:], labels.new_full((b, 1), -100)], dim=1)
+    nxt = nxt.masked_fill(~torch.cat([keep[:, 1:], keep.new_zeros(b, 1)], dim=1), -100)
+    return input_ids[keep][None], positions[keep][None], nxt[keep][None], keep
+
+
+def unpack(packed, keep):
+    """Packed per-token values [1, N] -> the padded [B, L] layout, value at the predicting position (column j scores
+    token j + 1), 0 at padding. Differentiable: masked_scatter's backward is masked_select."""
+    return packed.new_zeros(keep.shape).masked_scatter(keep, packed[0])
+
+
 def packed_call(fused, input_ids, attention_mask, labels, kwargs: dict):
     """fused(...) on the real tokens of a padded (batch, length) call as one row; its outputs in the padded layout."""
     import torch
 
-    keep = attention_mask.bool()
-    b, length = input_ids.shape
-    positions = keep.long().cumsum(1) - 1  # restart at 0 in each row, whichever side the padding is on
-    # shift_labels: the label each position predicts (the next token in its own row; -100 past a row's end), so the
-    # head does not shift across the rows' seams.
-    nxt = torch.cat([labels[:, 1:], labels.new_full((b, 1), -100)], dim=1)
-    nxt = nxt.masked_fill(~torch.cat([keep[:, 1:], keep.new_zeros(b, 1)], dim=1), -100)
+    ids, positions, nxt, keep = pack(input_ids, attention_mask, labels)
     lengths = keep.sum(1, dtype=torch.int32)
     cu = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
     longest = int(lengths.max())  # one host read a forward (the flash path's own)
-    out = fused(input_ids=input_ids[keep][None], position_ids=positions[keep][None], shift_labels=nxt[keep][None],
-                fused_lm_head=True, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest,
-                **kwargs)
+    out = fused(input_ids=ids, position_ids=positions, shift_labels=nxt, fused_lm_head=True, cu_seq_lens_q=cu,
+                cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest, **kwargs)
     for name in PER_TOKEN:
         flat = getattr(out, name, None)
         if flat is not None:
-            # masked_scatter keeps the graph (its backward is masked_select); position j scores token j + 1
-            full = flat.new_zeros(b, length).masked_scatter(keep, flat[0])
-            setattr(out, name, full[:, :-1])
+            setattr(out, name, unpack(flat, keep)[:, :-1])  # TRL's (batch, length - 1)
     return out
 
 
