@@ -173,6 +173,24 @@ def test_the_packed_forward_is_installed_only_for_a_kernel_that_keeps_packed_exa
         assert attention.Choice(name, k.impl, "").packed == k.packed
 
 
+def test_the_reference_gets_the_policys_liger_layers(monkeypatch):
+    """sftlib.apply_liger patches the frozen reference with the policy's Liger layers too (policy and reference, the
+    same weights, then score alike at the first step; Liger itself needs a GPU, so its patch is recorded here); a
+    trainer without a reference patches the policy alone."""
+    from types import SimpleNamespace
+
+    from trainbox.training import sftlib, speed
+
+    seen = []
+    monkeypatch.setattr(speed, "apply_liger", lambda model, model_type: seen.append((model, model_type)))
+    policy, ref = object(), object()
+    sftlib.apply_liger(SimpleNamespace(model=policy, ref_model=ref), "llama")
+    assert seen == [(policy, "llama"), (ref, "llama")]
+    seen.clear()
+    sftlib.apply_liger(SimpleNamespace(model=policy, ref_model=None), "qwen3")
+    assert seen == [(policy, "qwen3")]
+
+
 @pytest.mark.parametrize(
     "args, needle",
     [
