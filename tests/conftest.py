@@ -113,12 +113,24 @@ def pytest_collection_modifyitems(config, items):
     for i in items:
         if _needs_engine_or_slurm(i):
             heavy.add(i.path)
-        rank[i.path] = max(rank.get(i.path, 0), enginefix.warm_rank(getattr(i, "fixturenames", ())))
+        rank[i.path] = max(rank.get(i.path, 0), enginefix.warm_rank(getattr(i, "fixturenames", ())),
+                           AFTER_BUILDS if i.get_closest_marker("after_builds") else 0)
     worker = hasattr(config, "workerinput")
     items.sort(key=lambda i: ((i.path not in heavy) if worker else (i.path in heavy), rank[i.path]))  # stable
     if worker:  # for the controller's scheduler, which sees node ids only (every worker writes the same)
         groups = {i.nodeid.split("::")[0]: HEAVY_GROUP for i in items if i.path in heavy}
         atomic.write_text(_groups_file(enginefix.RUN_ID), json.dumps(groups))
+
+
+# A load-sensitive module (marked after_builds) goes after every module that waits for a warm-up build, and its
+# tests wait for the build child to end: two rehearsals' 2-node Ray jobs failed when the head's raylet missed Ray's
+# fixed 30 s registration wait while the emulated arm64 smoke image built beside them on the 2 cores.
+AFTER_BUILDS = len(enginefix.WARM_ORDER) + 1
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("after_builds"):
+        enginefix.warm_wait(enginefix.WARM_ORDER[-1])  # at once where this run builds nothing
 
 
 @pytest.hookimpl(optionalhook=True)

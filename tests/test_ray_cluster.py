@@ -141,6 +141,7 @@ sys.exit(int(sys.argv[1]))
 
 
 @pytest.mark.slurm
+@pytest.mark.after_builds  # Ray gives its raylet a fixed 30 s to register: not beside the emulated builds
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("exit_code", [0, 3])
 def test_two_node_ray_cluster_runs_a_task_on_each_node(slurm2, tmp_path, exit_code):
