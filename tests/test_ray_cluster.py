@@ -100,6 +100,33 @@ def test_start_commands_head_and_worker():
     assert not any(x.startswith(("--num-gpus", "--port=", "--ray-client")) for x in worker)  # GPUs: Ray detects
 
 
+def test_ray_start_waits_longer_for_its_raylet_than_rays_fixed_30_s(monkeypatch):
+    """The `ray start` the nodes run (RAY_START) replaces Ray's services.get_node with one that retries a "not
+    registered yet" RuntimeError for up to RAYLET_WAIT_S, then runs Ray's own CLI; a lasting failure still raises."""
+    import ray._private.services as services
+    import ray.scripts.scripts as scripts
+
+    calls, ran = [], []
+
+    def flaky(*args, **kwargs):
+        calls.append(args)
+        if len(calls) < 3:
+            raise RuntimeError("node info not found")
+        return {"node_id": args[1]}
+
+    monkeypatch.setattr(services, "get_node", flaky)
+    monkeypatch.setattr(scripts, "main", lambda: ran.append(True))
+    exec(compile(ray_cluster.RAY_START, "RAY_START", "exec"), {})
+    assert ran == [True] and services.get_node is not flaky
+    assert services.get_node("gcs:1", "abc") == {"node_id": "abc"} and len(calls) == 3
+    monkeypatch.setattr(services, "get_node", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("never")))
+    exec(compile(ray_cluster.RAY_START.replace(f"+ {ray_cluster.RAYLET_WAIT_S}", "+ 0"), "RAY_START", "exec"), {})  # no wait
+    with pytest.raises(RuntimeError, match="never"):
+        services.get_node("gcs:1", "abc")
+    head = ray_cluster.start_command(20000, True, "10.0.0.1", "10.0.0.1:20000", ray_cluster.parse(["--", "x"])[0])
+    assert head[1:3] == ["-c", ray_cluster.RAY_START] and head[3] == "start"
+
+
 def test_a_slurm_job_for_ray_renders_the_command_after_dashes():
     spec = JobSpec(tag="cu130-hopper-x86_64", entrypoint="ray", sqsh="/shared/x.sqsh", nodes=2,
                    args=("python", "driver.py"))

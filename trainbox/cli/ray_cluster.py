@@ -53,6 +53,33 @@ PROBE_S = 1.0
 GONE_AFTER = 3  # consecutive failed probes of the head's GCS port: the cluster has ended
 
 
+# `ray start` with a longer wait for this node's raylet to register. Ray's node startup gives it a fixed 30 s
+# (ray/_private/node.py: raylet_start_wait_time_s = 30, polling services.get_node; no option or variable sets it),
+# which a loaded node misses: the head's `ray start` then exits 1 and the cluster never forms (seen on a 2-core
+# machine running other work: both 2-node jobs of two test runs). Here each get_node call retries for up to
+# RAYLET_WAIT_S before giving Ray its "not found", so Ray's own 30 s clock only runs out after that. A Ray without
+# services.get_node runs unpatched.
+RAYLET_WAIT_S = 180
+RAY_START = f"""
+import time
+import ray._private.services as services
+from ray.scripts.scripts import main
+found = getattr(services, "get_node", None)
+def patient_get_node(*args, **kwargs):
+    end = time.monotonic() + {RAYLET_WAIT_S}
+    while True:
+        try:
+            return found(*args, **kwargs)
+        except RuntimeError:
+            if time.monotonic() >= end:
+                raise
+            time.sleep(0.5)
+if found is not None:
+    services.get_node = patient_get_node
+main()
+"""
+
+
 def log(msg: str) -> None:
     print(f"[trainbox] ray {msg}", flush=True)
 
@@ -111,7 +138,7 @@ def ports(base: int) -> dict[str, int]:
 
 
 def start_command(base: int, head: bool, ip: str, head_addr: str, a: argparse.Namespace) -> list[str]:
-    cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats",
+    cmd = [sys.executable, "-c", RAY_START, "start", "--block", "--disable-usage-stats",
            f"--node-ip-address={ip}"]
     cmd += ["--head", f"--include-dashboard={str(a.dashboard).lower()}"] if head else [f"--address={head_addr}"]
     for name, off, flag, head_only in PORTS:
