@@ -113,6 +113,8 @@ def needs(conf, model=None) -> Needs:
     head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
     return Needs(window=int(window) if window else None, softcap=float(softcap) if softcap else None, sinks=sinks,
                  head_dim=int(head_dim) if head_dim else None)
+
+
 def packs(impl: str) -> bool:
     """Whether attn_implementation `impl` takes packed rows without attending across examples (ours by KERNELS,
     transformers' flash kernels; SDPA, eager and the unknown ones do not)."""

@@ -74,4 +74,3 @@ def install(model) -> None:
         return fused(*args, **kwargs)
 
     model.forward = types.MethodType(forward, model)
-    model.trainbox_packed_rows = True
