@@ -123,8 +123,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 # A load-sensitive module (marked after_builds) goes after every module that waits for a warm-up build, and its
-# tests wait for the build child to end: two rehearsals' 2-node Ray jobs failed when the head's raylet missed Ray's
-# fixed 30 s registration wait while the emulated arm64 smoke image built beside them on the 2 cores.
+# tests wait for the build child to end: the 2-node Ray jobs, whose nodes missed Ray's fixed startup waits on the
+# loaded 2-core machine (their cause and fix: trainbox/cli/ray_cluster.py RAY_START).
 AFTER_BUILDS = len(enginefix.WARM_ORDER) + 1
 
 

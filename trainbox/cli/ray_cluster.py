@@ -53,28 +53,49 @@ PROBE_S = 1.0
 GONE_AFTER = 3  # consecutive failed probes of the head's GCS port: the cluster has ended
 
 
-# `ray start` with a longer wait for this node's raylet to register. Ray's node startup gives it a fixed 30 s
-# (ray/_private/node.py: raylet_start_wait_time_s = 30, polling services.get_node; no option or variable sets it),
-# which a loaded node misses: the head's `ray start` then exits 1 and the cluster never forms (seen on a 2-core
-# machine running other work: both 2-node jobs of two test runs). Here each get_node call retries for up to
-# RAYLET_WAIT_S before giving Ray its "not found", so Ray's own 30 s clock only runs out after that. A Ray without
-# services.get_node runs unpatched.
+# `ray start` (Ray's own CLI) with its two fixed startup waits made patient: a loaded node misses them, and then the
+# head's `ray start` fails and the cluster never forms (both 2-node jobs of four test runs on a 2-core machine running
+# other work). A Ray without the function patched runs that part unpatched.
+# 1. The raylet waits a fixed 15 s for the dashboard agent it spawns (a Python process) to write its HTTP port to a
+#    file in the session directory, then aborts (node_manager.cc WaitForDashboardAgentPorts; no option sets it): the
+#    agent's imports took 15.0 s there (raylet.err "Timed out waiting for file .../dashboard_agent_listen_port_<node>").
+#    The port is ours (--dashboard-agent-listen-port, B+8), so it is written before the raylet starts, with Ray's own
+#    persist_port; the agent writes it again once it is up. The other agent ports are passed on the raylet's command
+#    line, which it does not wait for.
+# 2. Ray's node startup then gives the raylet a fixed 30 s to register (node.py: raylet_start_wait_time_s = 30,
+#    polling services.get_node). Each get_node call retries for up to RAYLET_WAIT_S while the raylet is alive, so
+#    Ray's clock only runs out after that; a dead raylet fails at once.
 RAYLET_WAIT_S = 180
 RAY_START = f"""
+import inspect
 import time
 import ray._private.services as services
 from ray.scripts.scripts import main
-found = getattr(services, "get_node", None)
+raylet = []
+start_raylet = getattr(services, "start_raylet", None)
+def start_raylet_port_written(*args, **kwargs):
+    bound = inspect.signature(start_raylet).bind(*args, **kwargs).arguments
+    if bound.get("dashboard_agent_listen_port"):
+        from ray._raylet import DASHBOARD_AGENT_LISTEN_PORT_NAME, persist_port
+        persist_port(bound["session_dir"], bound["node_id"], DASHBOARD_AGENT_LISTEN_PORT_NAME,
+                     bound["dashboard_agent_listen_port"])
+    info = start_raylet(*args, **kwargs)
+    raylet.append(getattr(info, "process", None))
+    return info
+get_node = getattr(services, "get_node", None)
 def patient_get_node(*args, **kwargs):
     end = time.monotonic() + {RAYLET_WAIT_S}
     while True:
         try:
-            return found(*args, **kwargs)
+            return get_node(*args, **kwargs)
         except RuntimeError:
-            if time.monotonic() >= end:
+            dead = any(p is not None and p.poll() is not None for p in raylet)
+            if dead or time.monotonic() >= end:
                 raise
             time.sleep(0.5)
-if found is not None:
+if start_raylet is not None:
+    services.start_raylet = start_raylet_port_written
+if get_node is not None:
     services.get_node = patient_get_node
 main()
 """
