@@ -118,6 +118,7 @@ def test_ray_start_waits_longer_for_its_raylet_than_rays_fixed_30_s(monkeypatch)
         return {"node_id": args[1]}
 
     monkeypatch.setattr(services, "get_node", flaky)
+    monkeypatch.setattr(services, "start_raylet", services.start_raylet)  # RAY_START wraps it: undone after the test
     monkeypatch.setattr(scripts, "main", lambda: ran.append(True))
     exec(compile(ray_cluster.RAY_START, "RAY_START", "exec"), {})
     assert ran == [True] and services.get_node is not flaky

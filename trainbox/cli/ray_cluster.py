@@ -70,14 +70,15 @@ RAY_START = f"""
 import inspect
 import time
 import ray._private.services as services
+import ray._raylet as rayletlib
 from ray.scripts.scripts import main
 raylet = []
 start_raylet = getattr(services, "start_raylet", None)
+persist_port = getattr(rayletlib, "persist_port", None)
 def start_raylet_port_written(*args, **kwargs):
     bound = inspect.signature(start_raylet).bind(*args, **kwargs).arguments
     if bound.get("dashboard_agent_listen_port"):
-        from ray._raylet import DASHBOARD_AGENT_LISTEN_PORT_NAME, persist_port
-        persist_port(bound["session_dir"], bound["node_id"], DASHBOARD_AGENT_LISTEN_PORT_NAME,
+        persist_port(bound["session_dir"], bound["node_id"], rayletlib.DASHBOARD_AGENT_LISTEN_PORT_NAME,
                      bound["dashboard_agent_listen_port"])
     info = start_raylet(*args, **kwargs)
     raylet.append(getattr(info, "process", None))
@@ -93,7 +94,7 @@ def patient_get_node(*args, **kwargs):
             if dead or time.monotonic() >= end:
                 raise
             time.sleep(0.5)
-if start_raylet is not None:
+if start_raylet is not None and persist_port is not None:
     services.start_raylet = start_raylet_port_written
 if get_node is not None:
     services.get_node = patient_get_node
