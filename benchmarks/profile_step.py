@@ -443,6 +443,8 @@ def run_one(opts, kind: str, label: str, extra: list[str]) -> dict:
         peak = tt.peak_tflops()
         res.update(gpu=__import__("torch").cuda.get_device_name(), peak_tflops=peak,
                    peak_gib=__import__("torch").cuda.max_memory_allocated() / 2**30,
+                   # the allocator's cudaFree-and-retry passes (each syncs the GPU): memory held too near the limit
+                   alloc_retries=__import__("torch").cuda.memory_stats().get("num_alloc_retries", 0),
                    mfu=fpt * tokens / wall / (peak * 1e12),
                    mfu_unprofiled=fpt * p.tokens_between(start, end) / p.seconds(start, end) / (peak * 1e12))
     if cuda and opts.sources:
@@ -466,7 +468,7 @@ def show(res: dict) -> None:
             f", GPU busy {res['busy_ms_per_step']:.1f} ms = {100 * res['busy_share']:.1f} % "
             f"(idle {100 * res['idle_share']:.1f} %: launch/CPU/sync gaps)")
     mfu = (f"; MFU {100 * res['mfu']:.1f} % profiled, {100 * res['mfu_unprofiled']:.1f} % unprofiled; peak "
-           f"{res['peak_gib']:.1f} GiB allocated" if "mfu" in res else "")
+           f"{res['peak_gib']:.1f} GiB allocated, {res['alloc_retries']} allocator retries" if "mfu" in res else "")
     print(f"\n== {res['kind']}/{res['variant']} ({res['device']}; attn={res['attn']} liger={res['liger']} "
           f"packing={res['packing']} ckpt={res['gradient_checkpointing']})\n"
           f"steps {res['profiled_steps'][0]}-{res['profiled_steps'][1]}: {res['wall_ms_per_step']:.1f} ms/step "

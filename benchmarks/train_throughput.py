@@ -439,8 +439,11 @@ def summarize_sft(results: dict) -> None:
 
 def write_pairs(path: Path, n: int, max_len: int, seed: int = 0) -> tuple[Path, list[int]]:
     """Chat preference pairs with long tails: prompt and completions lognormal (medians 120 and 240 words), each
-    pair fitting `max_len`. Returns the folder (train.jsonl) and the token length of every row a batch holds
-    (prompt + chosen, prompt + rejected)."""
+    pair fitting `max_len`. The preference is learnable (chosen answers draw their words from the first half of the
+    word list, rejected ones from the second), so that the loss falls and the two sides' curves differ by more than
+    bf16's noise: on pairs with no preference the loss stays at ln 2 give or take the policy's random drift, which
+    is all rounding. Returns the folder (train.jsonl) and the token length of every row a batch holds (prompt +
+    chosen, prompt + rejected)."""
     rng = random.Random(seed)
     path.mkdir(parents=True, exist_ok=True)
 
@@ -452,7 +455,8 @@ def write_pairs(path: Path, n: int, max_len: int, seed: int = 0) -> tuple[Path, 
         for _ in range(n):
             p = min(draw(120), max_len // 2)
             c, r = (min(draw(240), max_len - p - 2 * OVERHEAD) for _ in range(2))
-            text = [" ".join(f"w{rng.randrange(WORDS)}" for _ in range(k)) for k in (p, c, r)]
+            text = [" ".join(f"w{lo + rng.randrange(span)}" for _ in range(k))
+                    for k, (lo, span) in zip((p, c, r), ((0, WORDS), (0, WORDS // 2), (WORDS // 2, WORDS // 2)))]
             f.write(json.dumps({"prompt": [{"role": "user", "content": text[0]}],
                                 "chosen": [{"role": "assistant", "content": text[1]}],
                                 "rejected": [{"role": "assistant", "content": text[2]}]}) + "\n")
@@ -474,10 +478,13 @@ def dpo(a) -> None:
     common = ["--model_name_or_path", str(model), "--max_length", "2048", "--per_device_train_batch_size", "4",
               "--save_strategy", "no", "--report_to", "none", "--seed", "0", "--disable_tqdm", "true",
               "--logging_steps", "1"]  # every step's loss on both sides: the same batches compared step by step
+    if a.lr:
+        common += ["--learning_rate", str(a.lr)]
     data, rows = write_pairs(work / "data-pairs", a.steps * 4 * 2, 2048)
     fpt = flops_per_token(model, rows) * 8 / 6
     print(f"# dpo {shape}: {len(rows) // 2} pairs, row median {sorted(rows)[len(rows) // 2]} tokens, "
-          f"{100 * sum(n > 1500 for n in rows) / len(rows):.1f} % over 1,500; {fpt / 1e9:.2f} GFLOP/token", flush=True)
+          f"{100 * sum(n > 1500 for n in rows) / len(rows):.1f} % over 1,500; {fpt / 1e9:.2f} GFLOP/token; "
+          f"learning rate {a.lr or 'TRL default 1e-6'}", flush=True)
     py = sys.executable
 
     def trl(out, steps):
@@ -854,7 +861,7 @@ def main() -> None:
                     help="grpo: the notebook's five gsm8k rewards (a random model scores ~0 on them) or low_words, "
                          "one a random model learns within tens of steps (to compare reward curves)")
     ap.add_argument("--lr", type=float, default=None,
-                    help="grpo: --learning_rate for both sides (default: each side's own, TRL's 1e-6)")
+                    help="grpo, dpo: --learning_rate for both sides (default: each side's own, TRL's 1e-6)")
     ap.add_argument("--also", action="append", default=[], type=variant, metavar="LABEL=OPTIONS",
                     help="sft, grpo: one more run of ours with these extra arguments, e.g. "
                          "nosleep='--vllm_enable_sleep_mode false'; upper-case NAME=VALUE items set the run's "

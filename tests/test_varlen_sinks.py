@@ -147,7 +147,7 @@ def test_a_padded_batch_is_unpadded_once_a_mask_not_once_a_layer(monkeypatch):
     calls = []
     real = fa_utils._get_unpad_data
     monkeypatch.setattr(fa_utils, "_get_unpad_data", lambda m: calls.append(m) or real(m))
-    monkeypatch.setattr(varlenattn, "_unpad_cache", [])
+    monkeypatch.setattr(varlenattn, "_per_forward", [])
     full, sliding = torch.tensor([[0, 1, 1], [1, 1, 0]]), torch.tensor([[0, 1, 1], [1, 1, 0]])
     for _ in range(3):  # three layer pairs of one forward
         indices, cu, longest = varlenattn.unpadded(full)
@@ -156,3 +156,22 @@ def test_a_padded_batch_is_unpadded_once_a_mask_not_once_a_layer(monkeypatch):
     assert indices.tolist() == [1, 2, 3, 4] and cu.tolist() == [0, 2, 4] and longest == 2
     varlenattn.unpadded(full.clone())  # the next forward's mask
     assert len(calls) == 3
+
+
+def test_packed_position_ids_are_worked_out_once_a_forward_not_once_a_layer(monkeypatch):
+    """Packing passes only position_ids that restart: their boundaries (three host syncs) are worked out once for the
+    tensor every layer of a forward gets; a new tensor, or the same one changed in place, is worked out again."""
+    from transformers import modeling_flash_attention_utils as fa_utils
+
+    calls = []
+    real = fa_utils.prepare_fa_kwargs_from_position_ids
+    monkeypatch.setattr(fa_utils, "prepare_fa_kwargs_from_position_ids", lambda p: calls.append(p) or real(p))
+    monkeypatch.setattr(varlenattn, "_per_forward", [])
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1]])
+    for _ in range(4):  # four layers of one forward
+        cu, longest = varlenattn.boundaries(pos)
+    assert len(calls) == 1 and cu.tolist() == [0, 5, 8, 10] and longest == 5
+    assert varlenattn.boundaries(torch.arange(6)[None]) is None  # one example: not packed
+    pos[0, 8:] = torch.tensor([3, 4])  # changed in place: rows of 5 and 5
+    assert varlenattn.boundaries(pos)[1] == 5 and varlenattn.boundaries(pos)[0].tolist() == [0, 5, 10]
+    assert len(calls) == 2

@@ -263,10 +263,11 @@ def ladder(job: Job) -> list[Settings]:
     as asked before its splits (smaller ones do less work per kernel and more collectives), then no checkpointing
     before checkpointing (it recomputes every layer: a third of a step), keeping the gathered layers before
     resharding them (one more all-gather per layer in backward), unsharded accumulation before one reduce-scatter
-    per micro-batch, and (one process per model copy) bf16 weights with float32 masters and AdamW's float32 moments
-    (18 bytes a parameter), then with bf16 moments written with stochastic rounding (14; still masterstep.py's one
-    pass), then with torchao's 8-bit moments (12, a slower step), before float32 weights (TRL's path, 16); the loss
-    measured alike on each (benchmarks/precision_rungs.py). Only when every exact rung fails, with
+    per micro-batch, and (one process per model copy) bf16 weights with float32 masters and bf16 AdamW moments
+    written with stochastic rounding (14 bytes a parameter; masterstep.py's one pass, 20 bytes of traffic a step
+    instead of 28: 16 ms of an 8B step), then with AdamW's own float32 moments (18), then with torchao's 8-bit
+    moments (12, a slower step), before float32 weights (TRL's path, 16); the loss measured alike on each
+    (benchmarks/precision_rungs.py). An --optim you set keeps AdamW's float32 moments (states_ok is empty). Only when every exact rung fails, with
     checkpointing too, bf16 weights with stochastic rounding and 8-bit states (6 bytes a parameter: an 8B model on an
     80 GB card): a lossier update is taken after a slower step, not before."""
     fx = job.fixed
@@ -278,9 +279,9 @@ def ladder(job: Job) -> list[Settings]:
         while b > 1 and b % 2 == 0:
             b, g = b // 2, g * 2
             splits.append((b, g))
-    # (masters, states): float32 masters with AdamW's own states, with bf16 ones, with 8-bit ones; float32 weights
-    precisions = ([(True, "float32")] * job.masters_ok + [(True, st) for st in ("bf16", "8bit") if st in job.states_ok]
-                  + [(False, "float32")])
+    # (masters, states): float32 masters with bf16 moments, with AdamW's own, with 8-bit ones; float32 weights
+    precisions = ([(True, "bf16")] * ("bf16" in job.states_ok) + [(True, "float32")] * job.masters_ok
+                  + [(True, "8bit")] * ("8bit" in job.states_ok) + [(False, "float32")])
     for b, g in splits:
         for c in ckpts:
             if job.fsdp:

@@ -315,8 +315,8 @@ def choose_precision(args, model_args, on_gpu: bool, shards: int, masters_off: s
     if states == "8bit":
         step = ", with torchao's 8-bit AdamW states (the memory plan's choice), stepped one weight at a time"
     elif states == "bf16":
-        step = (", its moments in bf16 with stochastic rounding (the memory plan's choice); the step in one kernel, "
-                "masterstep.py")
+        step = (", its moments in bf16 with stochastic rounding (the memory plan's choice; --optim adamw_torch_fused "
+                "keeps AdamW's float32 ones); the step in one kernel, masterstep.py")
     else:
         step = "; the step in one kernel, masterstep.py" if _optim_name(args) == "adamw_torch_fused" else ""
     return (f"precision: bf16 weights, float32 master weights in the optimizer ({_optim_name(args)}{step}); "

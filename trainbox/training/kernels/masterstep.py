@@ -213,9 +213,15 @@ def _kernel():
         m = m - tl.div_rn(step_size * a, tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps)
         tl.store(m_ptr + offs, m, mask=mask)
         if SR:  # 16 random bits added below bf16's mantissa, then cut: rounds up with the probability of the rest
-            r1, r2, _, _ = tl.randint4x(seed + t * 7919, offs.to(tl.uint32))
-            a = ((a.to(tl.uint32, bitcast=True) + (r1 & 0xFFFF)) & 0xFFFF0000).to(tl.float32, bitcast=True)
-            v = ((v.to(tl.uint32, bitcast=True) + (r2 & 0xFFFF)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+            # The bits: one 32-bit integer hash of (element, tensor, step) a element, its halves for the two moments
+            # ("lowbias32", two multiplies and three shift-xors). Philox (tl.randint4x) made this 51.7 ms an 8B step
+            # where the bytes take 39: compute-bound (benchmarks/master_step.py: results/sft8b_one_gpu-2026-12-03).
+            x = offs.to(tl.uint32) ^ ((seed + t * 7919).to(tl.uint32) * 0x9E3779B9)
+            x = (x ^ (x >> 16)) * 0x7FEB352D
+            x = (x ^ (x >> 15)) * 0x846CA68B
+            x = x ^ (x >> 16)
+            a = ((a.to(tl.uint32, bitcast=True) + (x & 0xFFFF)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+            v = ((v.to(tl.uint32, bitcast=True) + (x >> 16)) & 0xFFFF0000).to(tl.float32, bitcast=True)
         tl.store(a_ptr + offs, a.to(A), mask=mask)
         tl.store(v_ptr + offs, v.to(A), mask=mask)
         tl.store(w_ptr + offs, m.to(W), mask=mask)

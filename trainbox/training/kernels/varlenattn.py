@@ -7,11 +7,13 @@ they are applied exactly. Which models get it, and the trials it passes first, a
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 from trainbox.training.kernels import flexattn, varlen_sinks
 
 VARLEN = "trainbox_varlen"
+_per_forward: list = []  # [(a tensor, its version, what was worked out from it)], the last three (once_a_forward)
 
 
 def kernel():
@@ -23,10 +25,43 @@ def kernel():
     return varlen_attn
 
 
+def once_a_forward(tensor, work):
+    """work(tensor), worked out once for the tensor every layer of a forward is handed (position_ids, a 2-D mask;
+    sliding and full layers may have one mask each) rather than once a layer: each working-out reads the GPU on the
+    host, and a host read a layer leaves the GPU idle until the host has caught up again, every layer."""
+    for seen, version, got in _per_forward:
+        if seen is tensor and seen._version == version:
+            return got
+    got = work(tensor)
+    _per_forward[:] = [(tensor, tensor._version, got)] + _per_forward[:2]
+    return got
+
+
+def boundaries(pos):
+    """(cu_seqlens, the longest row as an int) of one row of packed examples whose position_ids restart, or None
+    when they don't: transformers' packed check, its nonzero and the int the kernel takes are three host syncs,
+    96 a step on an 8B Llama when worked out at every layer (10 ms of a 226 ms step ended at the layers' attention:
+    benchmarks/profile_step.py --gaps, results/sft8b_one_gpu)."""
+    from transformers.modeling_flash_attention_utils import _is_packed_sequence, prepare_fa_kwargs_from_position_ids
+
+    def work(p):
+        if not _is_packed_sequence(p, 1):
+            return None
+        (cu, _), (longest, _) = prepare_fa_kwargs_from_position_ids(p)
+        return cu, int(longest)
+
+    return once_a_forward(pos, work)
+
+
+@functools.lru_cache(maxsize=8)
+def _params(fn) -> frozenset:
+    return frozenset(inspect.signature(fn).parameters)
+
+
 def call(fn, q, k, v, cu_q, cu_k, max_q, max_k, scale, window: int | None = None):
     """q/k/v (tokens, heads, dim). torch 2.10/2.11 say causal with `is_causal`, 2.12+ with a window; GQA likewise.
     `window`: transformers' sliding_window, the tokens each query sees counting itself (flash's left bound + 1)."""
-    params = inspect.signature(fn).parameters
+    params = _params(fn)
     kw = {}
     if "scale" in params:
         kw["scale"] = scale
@@ -69,14 +104,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
     pos = kwargs.get("position_ids")
     if cu_q is None and attention_mask is None and pos is not None and b == 1 and s > 1 and query.is_cuda:
-        # No boundaries given: packed only if the positions restart (a host sync, like transformers' flash path).
-        from transformers.modeling_flash_attention_utils import (
-            _is_packed_sequence,
-            prepare_fa_kwargs_from_position_ids,
-        )
-
-        if _is_packed_sequence(pos, b):
-            (cu_q, cu_k), (max_q, max_k) = prepare_fa_kwargs_from_position_ids(pos)
+        # No boundaries given: packed only if the positions restart (host syncs, once per forward).
+        found = boundaries(pos)
+        if found:
+            (cu_q, max_q), cu_k, max_k = found, None, None
     dtype = query.dtype
     if dtype not in (torch.float16, torch.bfloat16):  # fp32 activations outside autocast: the kernel wants 16 bits
         dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else torch.bfloat16
@@ -115,21 +146,13 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     return out.transpose(1, 2).contiguous(), None
 
 
-_unpad_cache: list = []  # [(a 2-D mask, its unpadding)], the last two: the layers of one forward share their masks
-
-
 def unpadded(attention_mask):
     """(indices of the real tokens in the flattened batch, int32 cumulative lengths, the longest row) for a 2-D mask
     of padding at the rows' ends (transformers' own unpadding, as its flash path does; one host read of the longest
     row a mask, not a layer)."""
     from transformers.modeling_flash_attention_utils import _get_unpad_data
 
-    for mask, got in _unpad_cache:
-        if mask is attention_mask:
-            return got
-    got = _get_unpad_data(attention_mask)
-    _unpad_cache[:] = [(attention_mask, got)] + _unpad_cache[:1]
-    return got
+    return once_a_forward(attention_mask, _get_unpad_data)
 
 
 def dense_mask(attention_mask, s: int, kv: int, causal: bool, window: int | None, device):
