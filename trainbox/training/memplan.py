@@ -264,11 +264,12 @@ def ladder(job: Job) -> list[Settings]:
     before checkpointing (it recomputes every layer: a third of a step), keeping the gathered layers before
     resharding them (one more all-gather per layer in backward), unsharded accumulation before one reduce-scatter
     per micro-batch, and (one process per model copy) bf16 weights with float32 masters and bf16 AdamW moments
-    written with stochastic rounding (14 bytes a parameter; masterstep.py's one pass, 20 bytes of traffic a step
-    instead of 28: 16 ms of an 8B step), then with AdamW's own float32 moments (18), then with torchao's 8-bit
-    moments (12, a slower step), before float32 weights (TRL's path, 16); the loss measured alike on each
-    (benchmarks/precision_rungs.py). An --optim you set keeps AdamW's float32 moments (states_ok is empty). Only when every exact rung fails, with
-    checkpointing too, bf16 weights with stochastic rounding and 8-bit states (6 bytes a parameter: an 8B model on an
+    written with stochastic rounding (14 bytes a parameter; masterstep.py's one pass moves 20 bytes a parameter
+    instead of 28: 11.4 vs 14.5 ms on 1.9 B parameters, benchmarks/master_step.py), then with AdamW's own float32
+    moments (18), then with torchao's 8-bit moments (12, a slower step), before float32 weights (TRL's path, 16);
+    the loss measured alike on each (benchmarks/precision_rungs.py). An --optim you set keeps AdamW's float32
+    moments (states_ok is empty). Only when every exact rung fails, with checkpointing too, bf16 weights with
+    stochastic rounding and 8-bit states (6 bytes a parameter: an 8B model on an
     80 GB card): a lossier update is taken after a slower step, not before."""
     fx = job.fixed
     ckpts = [fx["checkpointing"]] if "checkpointing" in fx else [False, True]
