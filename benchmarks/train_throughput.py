@@ -500,6 +500,7 @@ def dpo(a) -> None:
     results = {}
     order = [("trl", trl, []), ("ours", ours, []), ("ours", ours, []), ("trl", trl, [])][: a.runs]
     order += [(f"ours+{name}", ours, extra) for name, extra in a.also]
+    order += [(f"trl+{name}", trl, extra) for name, extra in a.also_plain]
     for i, (who, fn, extra) in enumerate(order):
         label = f"pairs-{who}-{i}"
         env, opts = split_env(extra)
@@ -523,6 +524,12 @@ def dpo(a) -> None:
         print("DPO loss step  " + " ".join(f"{x[0]:>6}" for x in ref[:len(pairs)]), flush=True)
         print("DPO loss trl   " + " ".join(f"{x:6.4f}" for x, _ in pairs), flush=True)
         print("DPO loss ours  " + " ".join(f"{y:6.4f}" for _, y in pairs), flush=True)
+        for label, res in results.items():  # --also / --also-plain runs: e.g. trl in bf16, the rounding's own spread
+            extra = res.get("losses")
+            if extra and label not in ("pairs-trl-0", "pairs-ours-1"):
+                worst = max(abs(x - y[1]) / abs(x) for (x, _), y in zip(pairs, extra))
+                print(f"DPO loss {label} " + " ".join(f"{y[1]:6.4f}" for y in extra[:len(pairs)])
+                      + f"  (max {100 * worst:.2f} % from trl-0)", flush=True)
         means = [(sum(x for x, _ in pairs[i:i + 10]) / len(pairs[i:i + 10]),
                   sum(y for _, y in pairs[i:i + 10]) / len(pairs[i:i + 10])) for i in range(0, len(pairs), 10)]
         print("SUMMARY dpo loss, means of 10 steps (what TRL logs by default): " + ", ".join(
@@ -867,6 +874,10 @@ def main() -> None:
                          "nosleep='--vllm_enable_sleep_mode false'; upper-case NAME=VALUE items set the run's "
                          "environment instead, e.g. keep='TRAINBOX_MLP_RECOMPUTE=0' (repeatable; not in the ours "
                          "average)")
+    ap.add_argument("--also-plain", action="append", default=[], type=variant, metavar="LABEL=OPTIONS",
+                    help="dpo: one more run of the plain side (`trl dpo`) with these extra arguments, e.g. "
+                         "bf16='--dtype bfloat16' (how far TRL moves from itself in bf16: the rounding's spread); "
+                         "its per-step losses are printed beside the others (repeatable)")
     ap.add_argument("--sides", nargs="+", default=["plain", "unsloth", "ours"], choices=["plain", "unsloth", "ours"],
                     help="qlora: which sides run (each once per kind)")
     ap.add_argument("--unsloth-site", default=os.environ.get("BENCH_UNSLOTH_SITE"),
