@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{opts.shape}: {n / 1e9:.2f} B parameters in {len(shapes)} tensors, bf16 weights, float32 masters; "
           f"tile {masterstep.BLOCK} elements, {masterstep.WARPS} warps")
     for label, bytes_per in (("op-by-op", 2 + 6 + 8 + 28 + 6), ("one-pass", 2 + 28), ("bf16-moments", 2 + 20)):
-        print(f"  {label:<9} {ms[label]:7.2f} ms clip + step (median of {len(runs[label])})  "
+        print(f"  {label:<12} {ms[label]:7.2f} ms clip + step (median of {len(runs[label])})  "
               f"{bytes_per} bytes/parameter -> {bytes_per * n / ms[label] / 1e6:6.0f} GB/s", flush=True)
     print(f"SUMMARY master_step {opts.shape}: one-pass {ms['one-pass']:.2f} ms vs op-by-op {ms['op-by-op']:.2f} ms "
           f"= {ms['op-by-op'] / ms['one-pass']:.2f}x; with bf16 moments {ms['bf16-moments']:.2f} ms", flush=True)

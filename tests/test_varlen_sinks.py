@@ -175,3 +175,7 @@ def test_packed_position_ids_are_worked_out_once_a_forward_not_once_a_layer(monk
     pos[0, 8:] = torch.tensor([3, 4])  # changed in place: rows of 5 and 5
     assert varlenattn.boundaries(pos)[1] == 5 and varlenattn.boundaries(pos)[0].tolist() == [0, 5, 10]
     assert len(calls) == 2
+    with torch.inference_mode():  # e.g. a generation pipeline: such tensors have no version counter
+        frozen = torch.tensor([[0, 1, 0, 1, 2]])
+    assert varlenattn.boundaries(frozen)[0].tolist() == [0, 2, 5] and varlenattn.boundaries(frozen)[1] == 3
+    assert len(calls) == 3

@@ -269,8 +269,8 @@ def ladder(job: Job) -> list[Settings]:
     moments (18), then with torchao's 8-bit moments (12, a slower step), before float32 weights (TRL's path, 16);
     the loss measured alike on each (benchmarks/precision_rungs.py). An --optim you set keeps AdamW's float32
     moments (states_ok is empty). Only when every exact rung fails, with checkpointing too, bf16 weights with
-    stochastic rounding and 8-bit states (6 bytes a parameter: an 8B model on an
-    80 GB card): a lossier update is taken after a slower step, not before."""
+    stochastic rounding and 8-bit states (6 bytes a parameter: an 8B model on an 80 GB card): a lossier update is
+    taken after a slower step, not before."""
     fx = job.fixed
     ckpts = [fx["checkpointing"]] if "checkpointing" in fx else [False, True]
     out: list[Settings] = []

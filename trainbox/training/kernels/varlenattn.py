@@ -28,12 +28,15 @@ def kernel():
 def once_a_forward(tensor, work):
     """work(tensor), worked out once for the tensor every layer of a forward is handed (position_ids, a 2-D mask;
     sliding and full layers may have one mask each) rather than once a layer: each working-out reads the GPU on the
-    host, and a host read a layer leaves the GPU idle until the host has caught up again, every layer."""
-    for seen, version, got in _per_forward:
-        if seen is tensor and seen._version == version:
+    host, and a host read a layer leaves the GPU idle until the host has caught up again, every layer. A tensor
+    changed in place is worked out again; one made under torch.inference_mode has no version counter (reading it
+    raises) and is known by identity alone."""
+    version = None if tensor.is_inference() else tensor._version
+    for seen, seen_version, got in _per_forward:
+        if seen is tensor and seen_version == version:
             return got
     got = work(tensor)
-    _per_forward[:] = [(tensor, tensor._version, got)] + _per_forward[:2]
+    _per_forward[:] = [(tensor, version, got)] + _per_forward[:2]
     return got
 
 
