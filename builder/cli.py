@@ -185,7 +185,7 @@ def plan_lines(cells: list[Cell], bases, paths: dict, root: Path = ROOT, overrid
         sub = f" (substituted for {c.base_image})" if base != c.base_image else ""
         from builder import bases as base_lock  # the pinned TAG@sha256 the Dockerfile pulls (locks/bases.toml)
         lines.append(f"   base: {base if sub else base_lock.ref(c.base_image, c)}{sub}")
-        args = engine.cell_build_args(c, bases=bases, index_overrides=overrides)
+        args = engine.cell_build_args(c, bases=bases, index_overrides=overrides, native_builder=native)
         lines.append("   build args: " + " ".join(f"{k}={indexes.redact(v)}" for k, v in args.items()))
         default = indexes.url(c, "default", overrides) or "the installer's default index"
         for name in ["default", *indexes.needed(c)]:

@@ -23,7 +23,7 @@ from pathlib import Path
 from python_on_whales import DockerClient
 from python_on_whales.exceptions import DockerException
 
-from builder import indexes, lock
+from builder import bases as base_lock, indexes, lock
 from builder.docker import Builder, choose_builder, host_arch, platform_arch  # noqa: F401 (choose_builder: engine.X)
 from builder.errors import UserError
 from builder.options import (
@@ -378,16 +378,37 @@ def refuse_emulated_compile(cells, native_builder: bool = False, root: Path = RO
                         "that arch" + (f"; the rest builds here: python build.py {' '.join(rest)}" if rest else ""))
 
 
+HOST_PLATFORMS = {"x86_64": "linux/amd64", "aarch64": "linux/arm64"}
+
+
+def host_base(cell, bases: dict[str, str], native_builder: bool = False, context: Path = ROOT) -> dict[str, str]:
+    """VENV_BASE/HOST_BASE_IMAGE for a build under QEMU: the venv stage on the cell's base for this host's platform
+    (the template's host-base stage), so uv installs the target's wheels natively. A substituted base is the same
+    reference (a multi-arch list, as `--base` expects); a locked one is the tag at this platform's digest. None for a
+    native build or a flavour (its base is the cell image, one arch only)."""
+    base = getattr(cell, "base_image", None)
+    if not base or native_builder or cell.arch == host_arch() or getattr(cell, "flavour", None):
+        return {}
+    if base in bases:
+        ref = bases[base]
+    else:
+        digest = base_lock.digest_for(base, HOST_PLATFORMS.get(host_arch(), ""), context)
+        ref = f"{base}@{digest}" if digest else base
+    return {"VENV_BASE": "host-base", "HOST_BASE_IMAGE": ref}
+
+
 def cell_build_args(cell, *, bases: dict[str, str] | None = None, index_overrides: dict[str, str] | None = None,
-                    extra: dict[str, str] | None = None, context: Path = ROOT) -> dict[str, str]:
-    """Every build arg the cell's Dockerfile reads: substituted bases, the index URLs (matrix defaults or overrides),
-    ATTENTION_FROM (a probed arch: what its lock in CONTEXT found), VCS_REF; then the --build-arg passthrough, which
-    wins."""
+                    extra: dict[str, str] | None = None, context: Path = ROOT,
+                    native_builder: bool = False) -> dict[str, str]:
+    """Every build arg the cell's Dockerfile reads: substituted bases, the venv stage's base under emulation
+    (host_base), the index URLs (matrix defaults or overrides), ATTENTION_FROM (a probed arch: what its lock in
+    CONTEXT found), VCS_REF; then the --build-arg passthrough, which wins."""
     bases = bases or {}
     out: dict[str, str] = {}
     base = getattr(cell, "base_image", None)
     if base and base in bases:
         out["BASE_IMAGE"] = bases[base]
+    out.update(host_base(cell, bases, native_builder, context))
     build_image = getattr(cell, "build_image", None)
     if build_image and build_image in bases and getattr(cell, "has_compile_stage", False):
         out["BUILD_IMAGE"] = bases[build_image]
@@ -462,7 +483,7 @@ def build_cell(cell, *, builder: Builder, context: Path = ROOT, registry: str | 
         raise UserError(f"cell {cell.tag}: {dockerfile} does not exist; render it with `python build.py --dry-run`")
     refuse_emulated_compile([cell], native_builder, context)
     build_args = cell_build_args(cell, bases=bases, index_overrides=index_overrides, extra=extra_args,
-                                 context=context)
+                                 context=context, native_builder=native_builder or bool(buildx_builder))
     base = getattr(cell, "base_image", None)
     res = BuildResult(cell=cell.name, tag=cell.tag, arch=cell.arch, platform=cell.platform, builder=builder.kind)
     t0 = time.monotonic()

@@ -59,8 +59,10 @@ def test_dry_run_aarch64_writes_only_those_and_prints_a_plan(tmp_path):
     for c in M.cells:
         assert (f". {c.tag} (linux/arm64, emulated (QEMU))" in out) == (c.arch == "aarch64")
     assert "base: nvidia/cuda:12.9.1-base-ubuntu24.04" in out
-    assert "build args: TORCH_INDEX_URL=https://download.pytorch.org/whl/cu129 " \
-           "VLLM_INDEX_URL=https://wheels.vllm.ai/0.31.0/cu129 VCS_REF=" in out
+    # under emulation the venv stage runs on the base's twin for this host (host-base), natively
+    assert "build args: VENV_BASE=host-base HOST_BASE_IMAGE=nvidia/cuda:12.9.1-base-ubuntu24.04@sha256:" in out
+    assert " TORCH_INDEX_URL=https://download.pytorch.org/whl/cu129 " \
+           "VLLM_INDEX_URL=https://wheels.vllm.ai/0.31.0/cu129 " in out
     assert "lock: locks/cu129-gpu-aarch64.txt (missing: locked automatically before the build (uv pip compile " \
            "for aarch64-manylinux_2_35, python 3.12))" in out
     assert "lock: locks/smoke-aarch64.txt (fresh, used as is)" in out

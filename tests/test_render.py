@@ -15,6 +15,7 @@ from builder.paths import ROOT
 
 M = load_matrix(ROOT / "matrix.toml")
 CELLS = {c.tag: c for c in M.cells}
+DEPS = "FROM ${VENV_BASE} AS deps"  # base, or host-base under emulation
 # Cells rendered from Dockerfile.j2 (a flavour's Flavour.j2 image is checked in tests/test_flavours.py).
 BASE_CELLS = {t: c for t, c in CELLS.items() if not c.flavour}
 
@@ -93,12 +94,12 @@ def test_image_contract(tag):
     stages = [r.split(" AS ")[1] for r in froms]
     probe = bool(cell.flash and cell.flash.get("probe"))
     if probe:  # both ways to the attention layer; the lock step's finding picks one (build arg ATTENTION_FROM)
-        assert stages == ["base", "deps", "attention-index", "attention-source", "attention", "runtime"]
+        assert stages == ["base", "host-base", "deps", "attention-index", "attention-source", "attention", "runtime"]
         assert ("ARG", "ATTENTION_FROM=index") in ins[:words.index("FROM")]
         assert "attention-${ATTENTION_FROM} AS attention" in froms
         assert 'io.trainbox.attention_from="${ATTENTION_FROM}"' in text
     else:
-        assert stages == (["base", "deps", "attention", "runtime"] if cell.flash else ["base", "deps", "runtime"])
+        assert stages == ["base", "host-base", "deps", *(["attention"] if cell.flash else []), "runtime"]
     # The runtime never sits on the CUDA devel image; only a source-build stage does.
     assert "devel" not in cell.base_image and froms[-1] == "base AS runtime"
     if cell.flash and (cell.flash["how"] == "source" or probe):
@@ -166,12 +167,15 @@ def test_buildkit_syntax_is_only_the_venv_installs_cache_mount(tag):
     can't be pulled here."""
     text = render.render(CELLS[tag])
     assert "# syntax=" not in text and "<<" not in text
-    assert "COPY --chmod" not in text and "COPY --link" not in text and "--platform=" not in text
-    if "FROM base AS deps" not in text:   # a flavour (Flavour.j2) layers on a built image: no venv install here
+    assert "COPY --chmod" not in text and "COPY --link" not in text
+    # --platform only where the venv stage's base is taken for the build machine (a build under emulation)
+    assert [ln for ln in text.splitlines() if "--platform=" in ln and not ln.startswith("#")] == (
+        ["FROM --platform=${BUILDPLATFORM} ${HOST_BASE_IMAGE} AS host-base"] if DEPS in text else [])
+    if DEPS not in text:   # a flavour (Flavour.j2) layers on a built image: no venv install here
         return
     mounts = [ln for ln in text.splitlines() if "--mount=" in ln and not ln.startswith("#")]
     assert mounts == ["RUN --mount=type=cache,target=/root/.cache/uv \\"], mounts
-    deps = text[text.index("FROM base AS deps"):text.index("FROM base AS runtime")]
+    deps = text[text.index(DEPS):text.index("FROM base AS runtime")]
     assert mounts[0] in deps and "UV_CACHE_DIR=/root/.cache/uv" in deps
 
 
@@ -181,7 +185,7 @@ def test_the_venv_is_installed_by_a_pinned_hash_checked_uv(tag):
     alone); it installs the lock into /opt/venv with --require-hashes and no resolution (--no-deps), bytecode
     compiled as pip did; no pip install of the lock is left."""
     cell = CELLS[tag]
-    if "FROM base AS deps" not in render.render(cell):
+    if DEPS not in render.render(cell):
         pytest.skip("a flavour (Flavour.j2): no venv install of its own")
     ins = instructions(render.render(cell))
     deps = ins[[i for i, (w, r) in enumerate(ins) if w == "FROM" and r.endswith("AS deps")][0]:
@@ -192,8 +196,8 @@ def test_the_venv_is_installed_by_a_pinned_hash_checked_uv(tag):
                      r"> /tmp/trainbox/uv.txt", uv_step), uv_step
     assert "pip install --no-cache-dir --require-hashes --no-deps" in uv_step
     install = next(r for r in runs if "uv pip install" in r)
-    assert ("/opt/uv/bin/uv pip install --python /opt/venv/bin/python --require-hashes --no-deps "
-            "${COMPILE_BYTECODE:+--compile-bytecode}") in install and f"-r /tmp/trainbox/locks/{cell.venv}.txt" in install
+    assert (f"/opt/uv/bin/uv pip install --python /opt/venv/bin/python --python-platform {cell.uv_platform} "
+            "--require-hashes --no-deps ${COMPILE_BYTECODE:+--compile-bytecode}") in " ".join(install.split()) and f"-r /tmp/trainbox/locks/{cell.venv}.txt" in install
     assert "unsafe-best-match" not in install
     assert not any(f"-r /tmp/trainbox/locks/{cell.venv}.txt" in r for r in runs if r is not install)
     # uv's step comes before the lock's COPY: a lock change reuses it
@@ -334,7 +338,7 @@ def test_the_venv_reaches_the_runtime_only_through_the_copy(tag):
     """A venv made in `base` would sit under the runtime's COPY of the locked one, and files pip removed in `deps`
     (the seed setuptools' metadata) would survive there: `pip check` then saw setuptools 66 next to the locked 84."""
     text = render.render(CELLS[tag])
-    base = text[text.index("AS base"):text.index("AS deps")]
+    base = text[text.index("AS base"):text.index(DEPS)]
     assert "venv /opt/venv" not in base and "/opt/venv" not in base
     deps = text[text.index("AS deps"):]
     assert deps.index("python3 -m venv /opt/venv") < deps.index("pip install")
@@ -349,7 +353,7 @@ def test_gpu_images_carry_the_fabric_and_ask_enroot_for_hcas(tag):
     No NCCL_* variable is baked in: under pyxis the image env would shadow the job's."""
     cell, text = CELLS[tag], (ROOT / CELLS[tag].dockerfile).read_text()
     fabric = M.data["fabric"]
-    base = text.split("FROM base AS deps")[0]
+    base = text.split("AS host-base")[0]
     apt = [rest for word, rest in instructions(base) if word == "RUN" and "apt-get install" in rest]
     assert len(apt) == 1
     env = " ".join(rest for word, rest in instructions(text.split("AS runtime")[1]) if word == "ENV")
@@ -379,3 +383,37 @@ def test_constraints_step_in_every_image(tag):
     assert runtime[at + 1][0] == "ENV" and " ".join(runtime[at + 1][1].split()) == (
         "PIP_CONSTRAINT=/etc/trainbox/constraints.txt UV_CONSTRAINT=/etc/trainbox/constraints.txt")
     assert not any("pip install" in r or "uv pip" in r for w, r in runtime[at:] if w == "RUN")
+
+
+@pytest.mark.parametrize("tag", sorted(BASE_CELLS))
+def test_host_base_repeats_the_base_stages_steps(tag):
+    """host-base (the venv stage's base under emulation) is `base` on the build machine's platform: the same steps,
+    so a native build, which uses `base`, and an emulated one install the venv on the same system."""
+    ins = instructions(render.render(CELLS[tag]))
+    stage = {}
+    for w, r in ins:
+        if w == "FROM":
+            name = r.split(" AS ")[1]
+            stage[name] = []
+        elif stage:
+            stage[name].append((w, r))
+    assert stage["host-base"] == stage["base"] and stage["base"]
+
+
+def test_an_emulated_build_installs_the_venv_natively_on_the_bases_twin():
+    """Under QEMU the tool builds the venv stage on host-base, FROM the cell's base at this host's platform's pinned
+    digest (or the substituted multi-arch base); natively, with a native builder or for a flavour it passes nothing."""
+    from builder import engine as eng
+
+    host = eng.host_arch()
+    native = next(c for c in M.cells if c.arch == host and not c.flavour and c.cuda)
+    for other in (c for c in M.cells if c.arch != host and not c.flavour):
+        twin = next(c for c in M.cells if c.name == other.name and c.arch == host)
+        args = eng.cell_build_args(other)
+        # the base the native build of the same cell pulls (a per-platform digest, or the same list digest)
+        assert args["VENV_BASE"] == "host-base" and args["HOST_BASE_IMAGE"] == bases.ref(twin.base_image, twin)
+    sub = eng.cell_build_args(other, bases={other.base_image: "reg/base:multi"})
+    assert sub["HOST_BASE_IMAGE"] == sub["BASE_IMAGE"] == "reg/base:multi"
+    for quiet in (eng.cell_build_args(native), eng.cell_build_args(other, native_builder=True),
+                  *[eng.cell_build_args(c) for c in M.cells if c.flavour and c.arch != host][:1]):
+        assert "VENV_BASE" not in quiet and "HOST_BASE_IMAGE" not in quiet
