@@ -72,11 +72,12 @@ def digest_for(image: str, platform: str, root: Path | str = ROOT) -> str | None
     return entry.get("platforms", {}).get(platform) or entry.get("digest") or None
 
 
-def ref(image: str, cell: Cell, root: Path | str = ROOT) -> str:
-    """IMAGE as the cell's Dockerfile names it: TAG@sha256:... where locked, else the tag."""
+def ref(image: str, cell: Cell, root: Path | str = ROOT, platform: str | None = None) -> str:
+    """IMAGE as the cell's Dockerfile names it: TAG@sha256:... where locked, else the tag; for PLATFORM (default the
+    cell's: another one names the same base for the build machine, the host-base stage)."""
     if image not in images(cell):
         return image
-    digest = digest_for(image, cell.platform, root)
+    digest = digest_for(image, platform or cell.platform, root)
     return f"{image}@{digest}" if digest else image
 
 

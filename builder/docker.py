@@ -133,6 +133,15 @@ def platform_arch(platform_: str) -> str:
     return platform_.split("/")[1]
 
 
+MATRIX_ARCH = {"amd64": "x86_64", "arm64": "aarch64"}  # Docker's arch names -> the matrix's
+
+
 def host_arch() -> str:
     """This machine's arch in the matrix's words (x86_64, aarch64)."""
-    return {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower(), platform.machine().lower())
+    return MATRIX_ARCH.get(platform.machine().lower(), platform.machine().lower())
+
+
+def host_platform() -> str:
+    """This machine's platform in Docker's words (linux/amd64, linux/arm64)."""
+    arch = host_arch()
+    return "linux/" + next((d for d, m in MATRIX_ARCH.items() if m == arch), arch)

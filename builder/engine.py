@@ -24,7 +24,7 @@ from python_on_whales import DockerClient
 from python_on_whales.exceptions import DockerException
 
 from builder import bases as base_lock, indexes, lock
-from builder.docker import Builder, choose_builder, host_arch, platform_arch  # noqa: F401 (choose_builder: engine.X)
+from builder.docker import Builder, choose_builder, host_arch, host_platform, platform_arch  # noqa: F401 (choose_builder: engine.X)
 from builder.errors import UserError
 from builder.options import (
     LEGACY_FIX,
@@ -378,9 +378,6 @@ def refuse_emulated_compile(cells, native_builder: bool = False, root: Path = RO
                         "that arch" + (f"; the rest builds here: python build.py {' '.join(rest)}" if rest else ""))
 
 
-HOST_PLATFORMS = {"x86_64": "linux/amd64", "aarch64": "linux/arm64"}
-
-
 def host_base(cell, bases: dict[str, str], native_builder: bool = False, context: Path = ROOT) -> dict[str, str]:
     """VENV_BASE/HOST_BASE_IMAGE for a build under QEMU: the venv stage on the cell's base for this host's platform
     (the template's host-base stage), so uv installs the target's wheels natively. A substituted base is the same
@@ -389,11 +386,7 @@ def host_base(cell, bases: dict[str, str], native_builder: bool = False, context
     base = getattr(cell, "base_image", None)
     if not base or native_builder or cell.arch == host_arch() or getattr(cell, "flavour", None):
         return {}
-    if base in bases:
-        ref = bases[base]
-    else:
-        digest = base_lock.digest_for(base, HOST_PLATFORMS.get(host_arch(), ""), context)
-        ref = f"{base}@{digest}" if digest else base
+    ref = bases[base] if base in bases else base_lock.ref(base, cell, context, platform=host_platform())
     return {"VENV_BASE": "host-base", "HOST_BASE_IMAGE": ref}
 
 
