@@ -1,4 +1,5 @@
-"""Where a `trainbox sft` step's time goes: torch.profiler around a few steady-state steps, kernels by category.
+"""Where a `trainbox sft` (or `qlora`) step's time goes: torch.profiler around a few steady-state steps, kernels by
+category.
 
 On the device (one H100, no network; about 1 to 1.5 minutes per run, 2 runs here):
 
@@ -15,6 +16,12 @@ Where the GPU waits for the host (idle gaps, by the kernel that ended them) and 
 (torch's sync debug mode over step --skip, before the timed ones):
 
     python benchmarks/profile_step.py --shape gpt-oss-2b --kinds mix --gaps 10 --syncs
+
+QLoRA's step at 8B, as train_throughput's qlora runs it (batch 4 x max length 1024, its defaults otherwise), and
+without the checkpoint offload (`--command qlora`; a variant's options are `trainbox qlora`'s):
+
+    python benchmarks/profile_step.py --command qlora --shape llama-8b --variant base= \
+        --variant no-offload="TRAINBOX_CKPT_OFFLOAD=0" --gaps 8
 
 Here (CPU, a tiny Llama, ~10 s): `python benchmarks/profile_step.py --device cpu`.
 
@@ -62,6 +69,7 @@ import train_throughput as tt
 CATEGORIES = [
     ("communication", r"nccl"),
     ("loss", r"cross_?entropy|fused_linear|logprob|log_softmax|nll_loss"),
+    ("dequantize", r"dequant"),  # bitsandbytes' 4-bit weights to bf16 before each GEMM (qlora)
     ("optimizer", r"adam|foreach|multi_tensor|optimizer"),
     ("attention", r"flash|fmha|flex|attention|triton_tem|sdpa|_efficient_attention"),
     ("norms+activations", r"rms|norm|silu|swiglu|rope|rotary|gelu|act_and_mul"),
@@ -392,11 +400,15 @@ def tiny(shape: str) -> dict:
     return {**TINY, **({"layer_types": types[: TINY["num_hidden_layers"]]} if types else {})}
 
 
+# (max length, batch) on the GPU: train_throughput's for each command (sft's `ours`, qlora's every side)
+GPU_BATCH = {"sft": (2048, 8), "qlora": (1024, 4)}
+
+
 def run_one(opts, kind: str, label: str, extra: list[str]) -> dict:
-    """One `trainbox sft` in this process, profiled; the summary as a dict (printed too)."""
+    """One `trainbox sft` (or qlora) in this process, profiled; the summary as a dict (printed too)."""
     work = Path(opts.work)
     cuda = opts.device == "cuda"
-    max_len, batch = (2048, 8) if cuda else (64, 2)
+    max_len, batch = GPU_BATCH[opts.command] if cuda else (64, 2)
     model = (tt.make_model(work / opts.shape, opts.shape) if cuda else
              tt.make_model(work / f"tiny-{opts.shape}", opts.shape, device="cpu", **tiny(opts.shape)))
     steps = opts.warm + opts.active + 1
@@ -404,20 +416,23 @@ def run_one(opts, kind: str, label: str, extra: list[str]) -> dict:
     data = tt.write_chat(work / f"data-{kind}-{max_len}-{steps}", lens)
     fpt = tt.flops_per_token(model, lens)
     out = work / f"o-{kind}-{label}"
+    env, options = tt.split_env(extra)  # a variant's NAME=VALUE items are settings, set before trainbox imports
     argv = ["--dataset", str(data / "train.jsonl"), "--output_dir", str(out), "--max_steps", str(steps),
-            "--resume", "never", *tt.sft_common(model, max_len, batch), *extra]  # fmt: skip
+            "--resume", "never", *tt.sft_common(model, max_len, batch), *options]  # fmt: skip
     if not cuda:
         argv += ["--use_cpu", "true"]
-    os.environ.update(TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    print(f"# profile {kind}/{label}: trainbox sft {shlex.join(argv)}", flush=True)
-    from trainbox.cli import sft
+    os.environ.update(TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", **env)
+    print(f"# profile {kind}/{label}: {' '.join(f'{k}={v}' for k, v in env.items())}{' ' * bool(env)}"
+          f"trainbox {opts.command} {shlex.join(argv)}", flush=True)
+    from trainbox.cli import qlora, sft
 
     found: list = []
     with patched(opts, found):
-        rc = sft.main(argv)
-    shutil.rmtree(out, ignore_errors=True)  # the saved 1B model: only the figures are kept
+        rc = {"sft": sft, "qlora": qlora}[opts.command].main(argv)
+    shutil.rmtree(out, ignore_errors=True)  # the saved model or adapter: only the figures are kept
     if rc != 0 or not found or found[-1][1].prof is None:
-        raise SystemExit(f"error: trainbox sft exited {rc} before the profiled steps ran (see its output above)")
+        raise SystemExit(f"error: trainbox {opts.command} exited {rc} before the profiled steps ran (see its output "
+                         "above)")
     trainer, p = found[-1]
     a, b = opts.warm, opts.warm + opts.active
     events = p.prof.events()
@@ -429,7 +444,7 @@ def run_one(opts, kind: str, label: str, extra: list[str]) -> dict:
     res = summarize(kernels, wall * 1e6, busy, opts.active, opts.top)
     tokens = p.tokens_between(a, b)
     start, end = min(opts.skip, a - 2), a - 1  # unprofiled: steps start+1 .. end, before the profiler's warm-up
-    res.update(kind=kind, variant=label, extra=extra, device=opts.device, profiled_steps=[a + 1, b],
+    res.update(kind=kind, variant=label, extra=extra, device=opts.device, command=opts.command, profiled_steps=[a + 1, b],
                unprofiled_wall_ms_per_step=1e3 * p.seconds(start, end) / (end - start),
                unprofiled_steps=[start + 1, end], real_tokens_per_step=tokens / opts.active,
                step_ms={i: round(1e3 * p.seconds(i - 1, i), 1) for i in sorted(p.marks) if i - 1 in p.marks},
@@ -469,7 +484,7 @@ def show(res: dict) -> None:
             f"(idle {100 * res['idle_share']:.1f} %: launch/CPU/sync gaps)")
     mfu = (f"; MFU {100 * res['mfu']:.1f} % profiled, {100 * res['mfu_unprofiled']:.1f} % unprofiled; peak "
            f"{res['peak_gib']:.1f} GiB allocated, {res['alloc_retries']} allocator retries" if "mfu" in res else "")
-    print(f"\n== {res['kind']}/{res['variant']} ({res['device']}; attn={res['attn']} liger={res['liger']} "
+    print(f"\n== {res['command']} {res['kind']}/{res['variant']} ({res['device']}; attn={res['attn']} liger={res['liger']} "
           f"packing={res['packing']} ckpt={res['gradient_checkpointing']})\n"
           f"steps {res['profiled_steps'][0]}-{res['profiled_steps'][1]}: {res['wall_ms_per_step']:.1f} ms/step "
           f"(unprofiled steps {res['unprofiled_steps'][0]}-{res['unprofiled_steps'][1]}: "
@@ -521,8 +536,12 @@ def parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kinds", nargs="+", default=["uniform"], choices=["uniform", "mix"],
                     help="data: uniform (every row 2,048 tokens) and/or mix (lognormal, median 350); default uniform")
+    ap.add_argument("--command", choices=list(GPU_BATCH), default="sft",
+                    help="the trainer profiled: sft (default) or qlora (its defaults; on the GPU batch 4 x 1,024 "
+                         "as train_throughput's qlora)")
     ap.add_argument("--variant", action="append", type=tt.variant, default=None, metavar="LABEL=OPTIONS",
-                    help="a run with these extra `trainbox sft` options (repeatable; default: one run, none)")
+                    help="a run with these extra options of the command and VAR=value settings (repeatable; "
+                         "default: one run, none)")
     ap.add_argument("--shape", choices=list(tt.SHAPES), default="llama-1b",
                     help="model shape (train_throughput's SHAPES; default llama-1b): e.g. gemma2-1b, gpt-oss-2b")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
@@ -560,7 +579,8 @@ def main(argv: list[str] | None = None) -> int:
         for k, lab, extra in runs:
             child = Path(opts.work) / f"result-{k}-{lab}.json"
             child.unlink(missing_ok=True)
-            argv = [sys.executable, __file__, "--kinds", k, "--variant", f"{lab}={shlex.join(extra)}", "--shape",
+            argv = [sys.executable, __file__, "--command", opts.command, "--kinds", k, "--variant",
+                    f"{lab}={shlex.join(extra)}", "--shape",
                     opts.shape, "--device",
                     opts.device, "--warm", str(opts.warm), "--active", str(opts.active), "--skip", str(opts.skip),
                     "--work", opts.work, "--json", str(child), "--top", str(opts.top), "--sources", str(opts.sources),

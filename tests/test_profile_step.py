@@ -109,6 +109,24 @@ def test_cpu_smoke_takes_another_shape(tmp_path):
     assert conf["model_type"] == "gpt_oss" and conf["num_hidden_layers"] == 2
 
 
+def test_cpu_smoke_profiles_qlora_and_a_variants_settings(tmp_path):
+    """--command qlora: bitsandbytes' dequantize kernels get their own category; a variant's NAME=VALUE item is a
+    setting of its run (TRAINBOX_LORA_FUSED=0: PEFT's path, so no fused LoRA4bit ops), not an option."""
+    out = tmp_path / "profile.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_step.py"), "--device", "cpu", "--command",
+                        "qlora", "--warm", "3", "--active", "1", "--top", "60", "--variant", "fused=",
+                        "--variant", "peft=TRAINBOX_LORA_FUSED=0", "--json", str(out), "--work", str(tmp_path / "w")],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    runs = {res["variant"]: res for res in json.loads(out.read_text())}
+    assert set(runs) == {"fused", "peft"}
+    for res in runs.values():
+        assert res["command"] == "qlora" and res["gradient_checkpointing"] and res["real_tokens_per_step"] > 0
+        assert res["categories"]["dequantize"]["ms_per_step"] > 0
+    names = {v: {t["name"] for t in res["top"]} for v, res in runs.items()}
+    assert "LoRA4bit" in names["fused"] and "LoRA4bit" not in names["peft"]
+
+
 def _events(linked: bool):
     """A profile's events as the parsed profiler gives them: the fused LM head's op and the GEMM it launched, a
     decoder GEMM, an optimizer step's kernel; GPU events name their CPU op by linked_correlation_id."""
