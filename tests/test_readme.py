@@ -120,6 +120,18 @@ def test_make_targets_the_docs_name_exist():
         assert r.returncode == 0, f"make {t}: {r.stderr.strip()}"
 
 
+def test_the_command_lists_name_every_public_command():
+    """README's and the site's front page's `trainbox doctor | ...` lines name each command the dispatcher lists
+    (common.commands), so a new trainer shows up there or fails here."""
+    from common import commands
+
+    for page in (README, (ROOT / "docs" / "index.md").read_text()):
+        lists = [set(m.split(" | ")) for m in re.findall(r"trainbox ([a-z-]+(?: \| [a-z-]+)+)", " ".join(page.split()))]
+        assert lists, "no `trainbox doctor | ...` command list"
+        for listed in lists:
+            assert listed == set(commands.names(public=True)), sorted(listed ^ set(commands.names(public=True)))
+
+
 def test_ci_runs_the_readme_test_command():
     setup = re.search(r"## Set up\n.*?```bash\n(.*?)```", README, re.S).group(1)
     test_cmd = next(_norm(re.sub(r"#.*", "", line)) for line in setup.splitlines() if "test" in line.split("#")[0])
