@@ -64,19 +64,7 @@ from pathlib import Path
 
 import train_throughput as tt
 
-# Name patterns, first match wins: attention before matmul (FA3's kernels are cutlass::device_kernel<flash::..Sm90>),
-# loss before the rest (liger's fused linear CE runs GEMMs of its own).
-CATEGORIES = [
-    ("communication", r"nccl"),
-    ("loss", r"cross_?entropy|fused_linear|logprob|log_softmax|nll_loss"),
-    ("dequantize", r"dequant"),  # bitsandbytes' 4-bit weights to bf16 before each GEMM (qlora)
-    ("optimizer", r"adam|foreach|multi_tensor|optimizer"),
-    ("attention", r"flash|fmha|flex|attention|triton_tem|sdpa|_efficient_attention"),
-    ("norms+activations", r"rms|norm|silu|swiglu|rope|rotary|gelu|act_and_mul"),
-    ("matmul", r"gemm|cutlass|nvjet|xmma|sm90|sm80|wgmma|aten::mm|aten::addmm|aten::bmm|matmul|linear"),
-]
-OTHER = "elementwise/copies/casts"
-ORDER = [c for c, _ in CATEGORIES] + [OTHER]
+CATEGORIES, OTHER, ORDER, categorize = tt.CATEGORIES, tt.OTHER, tt.ORDER, tt.categorize  # one home
 # Launched under these (a kernel's CPU op or one of its parents): the region decides, not the kernel's name. The
 # profiler records an autograd Function's forward under its class name and its backward as <name>Backward: TRL's
 # fused LM head (ChunkedLogProbFunction: the LM-head GEMMs in tiles + log-softmax) and trainbox's one-pass head
@@ -84,13 +72,6 @@ ORDER = [c for c, _ in CATEGORIES] + [OTHER]
 # torch.optim records every optimizer's step and zero_grad.
 REGIONS = [("loss", re.compile(r"ChunkedLogProb|OnePassLogProbs|LigerFusedLinearCrossEntropy")),
            ("optimizer", re.compile(r"Optimizer\.(step|zero_grad)"))]
-_COMPILED = [(c, re.compile(p, re.I)) for c, p in CATEGORIES]
-
-
-def categorize(name: str) -> str:
-    """A kernel's (or CPU op's) category from its name."""
-    return next((c for c, rx in _COMPILED if rx.search(name)), OTHER)
-
 
 def summarize(kernels: list[tuple], wall_us: float, busy_us: float | None, steps: int, top: int = 15) -> dict:
     """kernels: (name, microseconds, category or None: from the name[, calls: 1 if absent]). Shares of kernel time

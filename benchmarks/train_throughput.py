@@ -144,6 +144,46 @@ def flops_per_token(model: Path, lens: list[int]) -> float:
     return throughput.flops_per_token(modelfacts.model_facts(str(model)), lens)
 
 
+# Name patterns, first match wins: attention before matmul (FA3's kernels are cutlass::device_kernel<flash::..Sm90>),
+# loss before the rest (liger's fused linear CE runs GEMMs of its own).
+CATEGORIES = [
+    ("communication", r"nccl"),
+    ("loss", r"cross_?entropy|fused_linear|logprob|log_softmax|nll_loss"),
+    ("dequantize", r"dequant"),  # bitsandbytes' 4-bit weights to bf16 before each GEMM (qlora)
+    ("optimizer", r"adam|foreach|multi_tensor|optimizer"),
+    ("attention", r"flash|fmha|flex|attention|triton_tem|sdpa|_efficient_attention"),
+    ("norms+activations", r"rms|norm|silu|swiglu|rope|rotary|gelu|act_and_mul"),
+    ("matmul", r"gemm|cutlass|nvjet|xmma|sm90|sm80|wgmma|aten::mm|aten::addmm|aten::bmm|matmul|linear"),
+]
+OTHER = "elementwise/copies/casts"
+ORDER = [c for c, _ in CATEGORIES] + [OTHER]
+_COMPILED = [(c, re.compile(p, re.I)) for c, p in CATEGORIES]
+
+
+def categorize(name: str) -> str:
+    """A kernel's (or CPU op's) category from its name (profile_step.py's categories too)."""
+    return next((c for c, rx in _COMPILED if rx.search(name)), OTHER)
+
+
+def kernel_table(label: str, path: Path, top: int = 10) -> None:
+    """The kernels BENCH_KERNELS profiled in a run (the hook's LABEL.json.kernels): GPU ms a step by category (by
+    name alone: no launching op here, so an LM head's GEMMs count as matmul) and the `top` costliest kernels."""
+    if not path.is_file():
+        return
+    got = json.loads(path.read_text())
+    steps, kernels = got["steps"], got["kernels"]
+    by_cat: dict[str, float] = {}
+    for name, us, _ in kernels:
+        by_cat[categorize(name)] = by_cat.get(categorize(name), 0.0) + us
+    total = sum(by_cat.values())
+    print(f"KERNELS {label}: {total / steps / 1e3:.1f} GPU ms a step over {steps} profiled steps: "
+          + ", ".join(f"{c} {us / steps / 1e3:.1f}" for c, us in sorted(by_cat.items(), key=lambda kv: -kv[1])),
+          flush=True)
+    for name, us, calls in sorted(kernels, key=lambda k: -k[1])[:top]:
+        print(f"KERNELS {label}: {us / steps / 1e3:8.2f} ms x{calls / steps:<5.0f} [{categorize(name)}] {name[:120]}",
+              flush=True)
+
+
 MEASURE = '''
 import json, os, time
 if os.environ.get("BENCH_FIRST_IMPORT"):  # Unsloth patches transformers and TRL on import: it must come first
@@ -166,6 +206,10 @@ if _out:
             _prof.ProfilingContext._log_metrics = _log_metrics
         except Exception:
             pass
+
+    # "A:B": steps A+1..B run under torch's profiler (GPU kernels by name into LABEL.json.kernels), after the
+    # timed steps: the rate is measured up to step A only
+    _kern = [int(x) for x in os.environ.get("BENCH_KERNELS", "").split(":") if x]
 
     class _Measure(TrainerCallback):
         def __init__(self, trainer):
@@ -198,6 +242,33 @@ if _out:
             tokens = getattr(self.trainer, "_bench_tokens", None)
             self.marks.append((state.global_step, ev, tokens.clone() if tokens is not None else torch.zeros(()),
                                time.perf_counter()))
+            if _kern and state.global_step == _kern[0]:
+                if ev is not None:
+                    torch.cuda.synchronize()
+                acts = [torch.profiler.ProfilerActivity.CPU]
+                if ev is not None:
+                    acts.append(torch.profiler.ProfilerActivity.CUDA)
+                self.prof = torch.profiler.profile(activities=acts)
+                self.prof.start()
+            elif _kern and state.global_step == _kern[1] and getattr(self, "prof", None):
+                import re
+                from torch.autograd import DeviceType
+                if ev is not None:
+                    torch.cuda.synchronize()
+                self.prof.stop()
+                by = {}
+                if ev is not None:
+                    for e in self.prof.events():  # the GPU's own work, not the annotations put on its timeline
+                        if e.device_type == DeviceType.CUDA and not re.search(r"^ProfilerStep|#", e.name):
+                            d = by.setdefault(e.name, [0.0, 0])
+                            d[0] += e.time_range.end - e.time_range.start
+                            d[1] += 1
+                else:  # a CPU run: each op's own time (the plumbing, not a GPU profile)
+                    by = {k.key: [k.self_cpu_time_total, k.count] for k in self.prof.key_averages()
+                          if k.self_cpu_time_total > 0}
+                json.dump({"steps": _kern[1] - _kern[0], "kernels": [[n, us, c] for n, (us, c) in by.items()]},
+                          open(_out + ".kernels", "w"))
+                self.prof = None
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "loss" in logs:
                 self.losses.append((state.global_step, logs["loss"]))
@@ -214,7 +285,7 @@ if _out:
             self.dump(args, complete=True)
         def dump(self, args, complete=False):
             import torch
-            m = self.marks
+            m = [x for x in self.marks if not _kern or x[0] <= _kern[0]]
             skip = int(os.environ.get("BENCH_SKIP", "5"))
             a, b = m[min(skip, len(m) - 2)], m[-1]
             if a[1] is not None:
@@ -573,7 +644,8 @@ def qlora(a) -> None:
     choose what fits), which also warms the GPU and the page cache of the 16 GB model for the timed runs."""
     work = Path(a.work)
     log = work / "qlora.log"
-    rows, max_len = a.steps * 4 * 4, 1024
+    steps = a.steps + a.kernels  # --kernels: that many more, profiled, after the timed ones (not in the rate)
+    rows, max_len = steps * 4 * 4, 1024
     kinds = {kind: write_chat(work / f"data-qlora-{kind}", lengths(kind, rows, max_len)) for kind in a.kinds}
     script = work / "plain_qlora.py"
     script.write_text(PLAIN_QLORA)
@@ -581,18 +653,18 @@ def qlora(a) -> None:
     py = sys.executable
 
     def plain(data, out):
-        return [py, str(script), str(model), str(data / "train.jsonl"), str(out), str(a.steps), str(max_len)]
+        return [py, str(script), str(model), str(data / "train.jsonl"), str(out), str(steps), str(max_len)]
 
     def ours(data, out):
         return [py, "-m", "trainbox", "qlora", "--model_name_or_path", str(model), "--dataset",
-                str(data / "train.jsonl"), "--output_dir", str(out), "--max_steps", str(a.steps),
+                str(data / "train.jsonl"), "--output_dir", str(out), "--max_steps", str(steps),
                 "--max_length", str(max_len), "--per_device_train_batch_size", "4", "--logging_steps", "1",
                 "--save_strategy", "no", "--report_to", "none", "--seed", "0", "--resume", "never",
                 "--disable_tqdm", "true"]  # fmt: skip
 
     def unsloth(data, out):
         return [py, str(ROOT / "benchmarks" / "unsloth_sides.py"), "sft", str(model), str(data / "train.jsonl"),
-                str(out), "--steps", str(a.steps), "--max-length", str(max_len), "--batch", "4", "--rank", "16",
+                str(out), "--steps", str(steps), "--max-length", str(max_len), "--batch", "4", "--rank", "16",
                 "--packing", a.unsloth_packing]
 
     # Unsloth needs TRL <= 1.15 and patches transformers on import: its own site (--unsloth-site) and the hook
@@ -624,8 +696,11 @@ def qlora(a) -> None:
         fn, side_env = sides[who]
         start = log.stat().st_size if log.is_file() else 0
         timed = {"BENCH_EACH_STEP": "1"} if a.run_timeout else {}
+        if a.kernels:
+            timed["BENCH_KERNELS"] = f"{a.steps}:{steps}"
         results[label] = show(run(f"qlora-{label}", fn(kinds[kind], work / f"o-{label}"), work, log,
                                   {**side_env, **env, **timed}, a.run_timeout), fpt[kind], peak)
+        kernel_table(f"qlora-{label}", work / f"qlora-{label}.json.kernels")
         if label == "12gb":
             text = log.read_text(errors="replace")[start:]
             planned = re.findall(r"^\[trainbox\] ((?:memory plan|gradient checkpointing|precision|packing).*)$", text,
@@ -888,6 +963,9 @@ def main() -> None:
     ap.add_argument("--no-12gb", dest="small_gpu", action="store_false",
                     help="qlora: skip the first run, trainbox qlora under TRAINBOX_GPU_FREE_GIB=11")
     ap.add_argument("--dry-run", action="store_true", help="qlora: write the data, print each run's command, stop")
+    ap.add_argument("--kernels", type=int, default=0, metavar="N",
+                    help="qlora: N more steps on every side after the timed ones, under torch's profiler: GPU ms a "
+                         "step by kernel category and the costliest kernels (KERNELS lines; not in the rates)")
     ap.add_argument("--run-timeout", type=float, default=None,
                     help="qlora: seconds a run may take; past it the run is killed and its steps so far reported")
     ap.add_argument("--no-loss-check", dest="loss_check", action="store_false")

@@ -25,6 +25,8 @@ NAMES = {
     "_rms_norm_forward_kernel": "norms+activations",
     "_swiglu_backward_kernel": "norms+activations",
     "_triton_rope": "norms+activations",
+    "void kDequantizeBlockwise<__nv_bfloat16, 512, 64, 8, 2>(float*, unsigned char*, float*, __nv_bfloat16*, int, int)":
+        "dequantize",
     "liger_cross_entropy_kernel": "loss",
     "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, c10::BFloat16>": ps.OTHER,
     "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<TensorListMetadata<4>, FusedAdamMathFunctor>":
@@ -125,6 +127,25 @@ def test_cpu_smoke_profiles_qlora_and_a_variants_settings(tmp_path):
         assert res["categories"]["dequantize"]["ms_per_step"] > 0
     names = {v: {t["name"] for t in res["top"]} for v, res in runs.items()}
     assert "LoRA4bit" in names["fused"] and "LoRA4bit" not in names["peft"]
+
+
+def test_the_measure_hook_profiles_steps_after_the_timed_ones(tmp_path, capsys):
+    """train_throughput's hook with BENCH_KERNELS=A:B (qlora --kernels): steps A+1..B run under the profiler (each
+    op's time on a CPU run) into LABEL.json.kernels, and the rate is measured up to step A only."""
+    tt = ps.tt
+    model = tt.make_model(tmp_path / "tiny", "llama-1b", device="cpu", **ps.tiny("llama-1b"))
+    data = tt.write_chat(tmp_path / "data", tt.lengths("uniform", 24, 64))
+    argv = [sys.executable, "-m", "trainbox", "sft", "--dataset", str(data / "train.jsonl"), "--output_dir",
+            str(tmp_path / "o"), "--max_steps", "5", "--resume", "never", "--use_cpu", "true",
+            *tt.sft_common(model, 64, 2)]
+    res = tt.run("k", argv, tmp_path, tmp_path / "log", {"BENCH_KERNELS": "3:5", "BENCH_SKIP": "1"}, timeout=240)
+    assert not res.get("failed"), (tmp_path / "log").read_text()[-3000:]
+    assert res["steps"] == 1  # from the mark at step 2 to step 3's (5 steps, 3 without the hook's window)
+    got = json.loads((tmp_path / "k.json.kernels").read_text())
+    assert got["steps"] == 2 and any(name == "aten::mm" and us > 0 for name, us, _ in got["kernels"])
+    tt.kernel_table("k", tmp_path / "k.json.kernels")
+    out = capsys.readouterr().out
+    assert "KERNELS k:" in out and "[matmul] aten::mm" in out
 
 
 def _events(linked: bool):
