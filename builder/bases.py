@@ -127,12 +127,38 @@ def inspect(image: str) -> dict:
             p = m.get("platform") or {}
             if p.get("os") in (None, "unknown"):   # attestation manifests of a buildx image
                 continue
-            name = f"{p['os']}/{p['architecture']}" + (f"/{p['variant']}" if p.get("variant") else "")
-            plats.setdefault(name, m["digest"])
-            if p.get("architecture") == "arm64" and p.get("variant") == "v8":
-                plats.setdefault(f"{p['os']}/arm64", m["digest"])   # the matrix names it linux/arm64
+            for name in _platform_names(p):
+                plats.setdefault(name, m["digest"])
         out["platforms"] = plats
     return out
+
+
+def platforms(image: str) -> set[str] | None:
+    """The platforms IMAGE's tag serves: a manifest list's entries, or a single manifest's own (its config's os and
+    architecture); None where the registry gives no answer (no skopeo, an image only in the local engine, a registry
+    out of reach)."""
+    try:
+        got = inspect(image)
+    except UserError:
+        return None
+    if "platforms" in got:
+        return set(got["platforms"])
+    try:
+        proc = subprocess.run([shutil.which("skopeo") or "skopeo", "inspect", "--config", "--raw", *_tls_flag(image),
+                               f"docker://{image}"], capture_output=True, timeout=SKOPEO_TIMEOUT_S)
+        config = json.loads(proc.stdout) if proc.returncode == 0 else {}
+    except (subprocess.TimeoutExpired, ValueError):
+        return None
+    if not config.get("os") or not config.get("architecture"):
+        return None
+    return set(_platform_names(config))
+
+
+def _platform_names(p: dict) -> list[str]:
+    """A manifest's (or image config's) os/architecture[/variant], and linux/arm64 beside linux/arm64/v8: the matrix
+    and host_platform name it so."""
+    name = f"{p['os']}/{p['architecture']}" + (f"/{p['variant']}" if p.get("variant") else "")
+    return [name, f"{p['os']}/arm64"] if p["architecture"] == "arm64" and p.get("variant") == "v8" else [name]
 
 
 def _toml(s: str) -> str:

@@ -187,6 +187,10 @@ def plan_lines(cells: list[Cell], bases, paths: dict, root: Path = ROOT, overrid
         lines.append(f"   base: {base if sub else base_lock.ref(c.base_image, c)}{sub}")
         args = engine.cell_build_args(c, bases=bases, index_overrides=overrides, native_builder=native)
         lines.append("   build args: " + " ".join(f"{k}={indexes.redact(v)}" for k, v in args.items()))
+        if c.arch != engine.host_arch() and not native and not c.flavour:
+            plat = engine.host_platform()
+            lines.append("   venv stage: " + (f"natively, on the base at {plat} (host-base)" if "VENV_BASE" in args
+                                             else f"under QEMU: {base} serves no {plat} image its registry names"))
         default = indexes.url(c, "default", overrides) or "the installer's default index"
         for name in ["default", *indexes.needed(c)]:
             lines.append(f"   index {name}: {indexes.redact(indexes.url(c, name, overrides)) or default}")

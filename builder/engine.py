@@ -380,13 +380,20 @@ def refuse_emulated_compile(cells, native_builder: bool = False, root: Path = RO
 
 def host_base(cell, bases: dict[str, str], native_builder: bool = False, context: Path = ROOT) -> dict[str, str]:
     """VENV_BASE/HOST_BASE_IMAGE for a build under QEMU: the venv stage on the cell's base for this host's platform
-    (the template's host-base stage), so uv installs the target's wheels natively. A substituted base is the same
-    reference (a multi-arch list, as `--base` expects); a locked one is the tag at this platform's digest. None for a
-    native build or a flavour (its base is the cell image, one arch only)."""
+    (the template's host-base stage), so uv installs the target's wheels natively. A locked base is the tag at this
+    platform's digest; a substituted one is the same reference where its registry says it serves this platform too
+    (a multi-arch list). None for a native build, a flavour (its base is the cell image, one arch only) or a
+    substitute that serves only the target's platform or whose platforms are unknown: the venv stage then runs on
+    `base`, under QEMU, slower but on a base that exists."""
     base = getattr(cell, "base_image", None)
     if not base or native_builder or cell.arch == host_arch() or getattr(cell, "flavour", None):
         return {}
-    ref = bases[base] if base in bases else base_lock.ref(base, cell, context, platform=host_platform())
+    if base in bases:
+        ref = bases[base]
+        if host_platform() not in (base_lock.platforms(ref) or ()):
+            return {}
+    else:
+        ref = base_lock.ref(base, cell, context, platform=host_platform())
     return {"VENV_BASE": "host-base", "HOST_BASE_IMAGE": ref}
 
 

@@ -124,3 +124,26 @@ def test_lock_bases_against_a_real_registry(registry, test_base, tmp_path):  # n
     manifest = json.loads(subprocess.run(["skopeo", "inspect", "--raw", "--tls-verify=false", f"docker://{ref}"],
                                          capture_output=True, check=True).stdout)
     assert "manifests" not in manifest
+
+
+@pytest.mark.engine
+def test_a_substituted_base_gives_the_venv_stage_its_host_platform_only_where_it_serves_it(registry, test_base):  # noqa: F811
+    """bases.platforms asks the registry; an emulated build's venv stage goes on host-base (the substitute at this
+    host's platform) only where the substitute serves that platform: a one-arch base of the target's arch keeps the
+    venv stage on `base` (under QEMU: slower, but FROM an image that exists), as a name the registry does not know."""
+    from builder import engine
+
+    target = "arm64" if engine.host_arch() == "x86_64" else "amd64"
+    multi = f"{registry}/trainbox-hostbase-{uuid.uuid4().hex[:8]}:multi"
+    one = multi.replace(":multi", f":{target}")
+    _copy(test_base, multi, "--all")
+    _copy(test_base, one, "--override-arch", target, "--override-os", "linux")
+    assert {"linux/amd64", "linux/arm64"} <= bases.platforms(multi)
+    assert f"linux/{target}" in bases.platforms(one) and len({n.split("/")[1] for n in bases.platforms(one)}) == 1
+    assert bases.platforms(multi.replace(":multi", ":absent")) is None
+    cell = next(c for c in CELLS.values() if c.arch != engine.host_arch() and not getattr(c, "flavour", None))
+    args = {ref: engine.cell_build_args(cell, bases={cell.base_image: ref})
+            for ref in (multi, one, multi.replace(":multi", ":absent"))}
+    assert args[multi]["VENV_BASE"] == "host-base" and args[multi]["HOST_BASE_IMAGE"] == multi
+    for ref in (one, multi.replace(":multi", ":absent")):
+        assert args[ref]["BASE_IMAGE"] == ref and "VENV_BASE" not in args[ref], ref

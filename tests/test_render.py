@@ -400,10 +400,16 @@ def test_host_base_repeats_the_base_stages_steps(tag):
     assert stage["host-base"] == stage["base"] and stage["base"]
 
 
-def test_an_emulated_build_installs_the_venv_natively_on_the_bases_twin():
+def test_an_emulated_build_installs_the_venv_natively_on_the_bases_twin(monkeypatch):
     """Under QEMU the tool builds the venv stage on host-base, FROM the cell's base at this host's platform's pinned
-    digest (or the substituted multi-arch base); natively, with a native builder or for a flavour it passes nothing."""
+    digest (or a substituted base that serves this platform too, as its registry says); natively, with a native
+    builder, for a flavour, or for a substitute that serves only the target or whose platforms are unknown, it passes
+    nothing (the venv stage runs on `base`). The registry's answer is faked here; test_engine asks a real one."""
     from builder import engine as eng
+
+    served = {"reg/base:multi": {"linux/amd64", "linux/arm64"}, "reg/base:amd64": {"linux/amd64"},
+              "reg/base:arm64": {"linux/arm64"}}
+    monkeypatch.setattr(bases, "platforms", served.get)
 
     host = eng.host_arch()
     native = next(c for c in M.cells if c.arch == host and not c.flavour and c.cuda)
@@ -414,6 +420,10 @@ def test_an_emulated_build_installs_the_venv_natively_on_the_bases_twin():
         assert args["VENV_BASE"] == "host-base" and args["HOST_BASE_IMAGE"] == bases.ref(twin.base_image, twin)
     sub = eng.cell_build_args(other, bases={other.base_image: "reg/base:multi"})
     assert sub["HOST_BASE_IMAGE"] == sub["BASE_IMAGE"] == "reg/base:multi"
+    target_only = f"reg/base:{eng.platform_arch(other.platform)}"
+    for ref in (target_only, "reg/base:unknown"):
+        one = eng.cell_build_args(other, bases={other.base_image: ref})
+        assert one["BASE_IMAGE"] == ref and "VENV_BASE" not in one and "HOST_BASE_IMAGE" not in one
     for quiet in (eng.cell_build_args(native), eng.cell_build_args(other, native_builder=True),
                   *[eng.cell_build_args(c) for c in M.cells if c.flavour and c.arch != host][:1]):
         assert "VENV_BASE" not in quiet and "HOST_BASE_IMAGE" not in quiet
