@@ -411,6 +411,13 @@ def show(res: dict, fpt: float, peak: float) -> dict:
     return res
 
 
+def planned(log: Path, start: int) -> list[str]:
+    """The choices trainbox printed in the log since byte `start` (one run's part): its memory plan, checkpointing,
+    precision and packing lines, without the `[trainbox] ` prefix."""
+    text = log.read_text(errors="replace")[start:] if log.is_file() else ""
+    return re.findall(r"^\[trainbox\] ((?:memory plan|gradient checkpointing|precision|packing).*)$", text, re.M)
+
+
 def sft_common(model: Path, max_length: int = 2048, batch: int = 8) -> list[str]:
     """The options both sft runs share (trl sft and trainbox sft; profile_step.py runs ours with them too). Logging
     is each tool's default (every 10 steps on both): a log line reads the loss, the gradient norm and the metrics
@@ -464,19 +471,23 @@ def sft(a) -> None:
         for i, (who, fn, extra) in enumerate(order):
             label = f"{kind}-{who}-{i}"
             env, opts = split_env(extra)
+            start = log.stat().st_size if log.is_file() else 0
             results[label] = show(run(label, fn(data, work / f"o-{label}", a.steps) + opts, work, log, env), fpt,
                                   peak)
+            results[label]["plan"] = planned(log, start)
+            for line in results[label]["plan"]:
+                print(f"PLAN {label}: {line}", flush=True)
         if kind == "mix" and a.loss_check:
             # Same batches as plain TRL (padded, no packing): the loss per step must match TRL's.
             label = "mix-ours-nopacking"
             # Same max_steps as the TRL runs: the learning-rate schedule decays over max_steps.
             results[label] = show(run(label, ours(data, work / f"o-{label}", a.steps, "--packing", "false"), work,
                                       log), fpt, peak)
-    summarize_sft(results)
+    summarize_sft(results, a.max_length)
     json.dump(results, open(work / "sft-results.json", "w"), indent=1, default=str)
 
 
-def summarize_sft(results: dict) -> None:
+def summarize_sft(results: dict, max_length: int = 2048) -> None:
     def rate(prefix):
         xs = [r["tokens_per_s"] for k, r in results.items()
               if k.startswith(prefix) and k[len(prefix):].lstrip("-").isdigit() and "tokens_per_s" in r]
@@ -496,7 +507,7 @@ def summarize_sft(results: dict) -> None:
                   + (f"; FAILED: {', '.join(failed)}" if failed else ""), flush=True)
     mfu = [r["mfu"] for k, r in results.items() if k.startswith("uniform-ours") and "mfu" in r]
     if mfu:
-        print(f"SUMMARY sft uniform 2048: ours MFU {100 * max(mfu):.1f} %", flush=True)
+        print(f"SUMMARY sft uniform {max_length}: ours MFU {100 * max(mfu):.1f} %", flush=True)
     ref = results.get("mix-trl-0", {}).get("losses")
     mine = results.get("mix-ours-nopacking", {}).get("losses")
     if ref and mine:
@@ -702,16 +713,13 @@ def qlora(a) -> None:
                                   {**side_env, **env, **timed}, a.run_timeout), fpt[kind], peak)
         kernel_table(f"qlora-{label}", work / f"qlora-{label}.json.kernels")
         if label == "12gb":
-            text = log.read_text(errors="replace")[start:]
-            planned = re.findall(r"^\[trainbox\] ((?:memory plan|gradient checkpointing|precision|packing).*)$", text,
-                                 re.M)
             r = results[label]
             print("SUMMARY qlora 8B in 12 GB (TRAINBOX_GPU_FREE_GIB=11): "
                   + ("FAILED" if r.get("failed") else
                      f"trained {r['steps']} timed steps, {r['tokens_per_s']:,.0f} real tok/s, peak allocated "
                      f"{r['peak_gib']:.2f} GiB, reserved {r['peak_reserved_gib']:.2f} GiB "
                      f"({'within' if r['peak_reserved_gib'] <= 11 else 'OVER'} 11 GiB)")
-                  + "".join(f"\n    {line}" for line in planned), flush=True)
+                  + "".join(f"\n    {line}" for line in planned(log, start)), flush=True)
     print("QLORA kind     side       real tok/s  peak GiB  packing  ckpt", flush=True)
     for kind in kinds:
         for who in a.sides:

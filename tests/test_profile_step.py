@@ -143,6 +143,8 @@ def test_the_measure_hook_profiles_steps_after_the_timed_ones(tmp_path, capsys):
     assert res["steps"] == 1  # from the mark at step 2 to step 3's (5 steps, 3 without the hook's window)
     got = json.loads((tmp_path / "k.json.kernels").read_text())
     assert got["steps"] == 2 and any(name == "aten::mm" and us > 0 for name, us, _ in got["kernels"])
+    # the choices the run printed, as the sft side by side reports them beside its figures
+    assert any(line.startswith("packing") for line in tt.planned(tmp_path / "log", 0)), tt.planned(tmp_path / "log", 0)
     tt.kernel_table("k", tmp_path / "k.json.kernels")
     out = capsys.readouterr().out
     assert "KERNELS k:" in out and "[matmul] aten::mm" in out
