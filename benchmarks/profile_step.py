@@ -64,7 +64,8 @@ from pathlib import Path
 
 import train_throughput as tt
 
-CATEGORIES, OTHER, ORDER, categorize = tt.CATEGORIES, tt.OTHER, tt.ORDER, tt.categorize  # one home
+# one home for the categories and their summary: train_throughput (its --kernels tables use them too)
+CATEGORIES, OTHER, ORDER, categorize, summarize = tt.CATEGORIES, tt.OTHER, tt.ORDER, tt.categorize, tt.summarize
 # Launched under these (a kernel's CPU op or one of its parents): the region decides, not the kernel's name. The
 # profiler records an autograd Function's forward under its class name and its backward as <name>Backward: TRL's
 # fused LM head (ChunkedLogProbFunction: the LM-head GEMMs in tiles + log-softmax) and trainbox's one-pass head
@@ -72,33 +73,6 @@ CATEGORIES, OTHER, ORDER, categorize = tt.CATEGORIES, tt.OTHER, tt.ORDER, tt.cat
 # torch.optim records every optimizer's step and zero_grad.
 REGIONS = [("loss", re.compile(r"ChunkedLogProb|OnePassLogProbs|LigerFusedLinearCrossEntropy")),
            ("optimizer", re.compile(r"Optimizer\.(step|zero_grad)"))]
-
-def summarize(kernels: list[tuple], wall_us: float, busy_us: float | None, steps: int, top: int = 15) -> dict:
-    """kernels: (name, microseconds, category or None: from the name[, calls: 1 if absent]). Shares of kernel time
-    sum to 1; shares of the step are of the wall time (idle is the rest when busy is known)."""
-    total = sum(k[1] for k in kernels) or 1.0
-    by_cat = {c: 0.0 for c in ORDER}
-    by_name: dict[str, list] = {}
-    for name, us, cat, *calls in kernels:
-        cat = cat or categorize(name)
-        by_cat[cat] += us
-        entry = by_name.setdefault(name, [0.0, 0, cat])
-        entry[0] += us
-        entry[1] += calls[0] if calls else 1
-    cats = {c: {"ms_per_step": us / steps / 1e3, "share_of_kernels": us / total, "share_of_step": us / wall_us}
-            for c, us in sorted(by_cat.items(), key=lambda kv: -kv[1])}
-    tops = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
-    return {
-        "wall_ms_per_step": wall_us / steps / 1e3,
-        "kernel_ms_per_step": total / steps / 1e3,
-        "busy_ms_per_step": None if busy_us is None else busy_us / steps / 1e3,
-        "busy_share": None if busy_us is None else busy_us / wall_us,
-        "idle_share": None if busy_us is None else 1 - busy_us / wall_us,
-        "categories": cats,
-        "top": [{"name": n, "category": cat, "ms_per_step": us / steps / 1e3, "calls_per_step": k / steps,
-                 "share_of_kernels": us / total} for n, (us, k, cat) in tops],
-    }
-
 
 def union_us(intervals: list[tuple[float, float]]) -> float:
     """Length of the union of [start, end) intervals: time the GPU ran anything (streams may overlap)."""

@@ -165,23 +165,47 @@ def categorize(name: str) -> str:
     return next((c for c, rx in _COMPILED if rx.search(name)), OTHER)
 
 
+def summarize(kernels: list[tuple], wall_us: float, busy_us: float | None, steps: int, top: int = 15) -> dict:
+    """kernels: (name, microseconds, category or None: from the name[, calls: 1 if absent]). Shares of kernel time
+    sum to 1; shares of the step are of the wall time (idle is the rest when busy is known)."""
+    total = sum(k[1] for k in kernels) or 1.0
+    by_cat = {c: 0.0 for c in ORDER}
+    by_name: dict[str, list] = {}
+    for name, us, cat, *calls in kernels:
+        cat = cat or categorize(name)
+        by_cat[cat] += us
+        entry = by_name.setdefault(name, [0.0, 0, cat])
+        entry[0] += us
+        entry[1] += calls[0] if calls else 1
+    cats = {c: {"ms_per_step": us / steps / 1e3, "share_of_kernels": us / total, "share_of_step": us / wall_us}
+            for c, us in sorted(by_cat.items(), key=lambda kv: -kv[1])}
+    tops = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "wall_ms_per_step": wall_us / steps / 1e3,
+        "kernel_ms_per_step": total / steps / 1e3,
+        "busy_ms_per_step": None if busy_us is None else busy_us / steps / 1e3,
+        "busy_share": None if busy_us is None else busy_us / wall_us,
+        "idle_share": None if busy_us is None else 1 - busy_us / wall_us,
+        "categories": cats,
+        "top": [{"name": n, "category": cat, "ms_per_step": us / steps / 1e3, "calls_per_step": k / steps,
+                 "share_of_kernels": us / total} for n, (us, k, cat) in tops],
+    }
+
+
 def kernel_table(label: str, path: Path, top: int = 10) -> None:
     """The kernels BENCH_KERNELS profiled in a run (the hook's LABEL.json.kernels): GPU ms a step by category (by
     name alone: no launching op here, so an LM head's GEMMs count as matmul) and the `top` costliest kernels."""
     if not path.is_file():
         return
     got = json.loads(path.read_text())
-    steps, kernels = got["steps"], got["kernels"]
-    by_cat: dict[str, float] = {}
-    for name, us, _ in kernels:
-        by_cat[categorize(name)] = by_cat.get(categorize(name), 0.0) + us
-    total = sum(by_cat.values())
-    print(f"KERNELS {label}: {total / steps / 1e3:.1f} GPU ms a step over {steps} profiled steps: "
-          + ", ".join(f"{c} {us / steps / 1e3:.1f}" for c, us in sorted(by_cat.items(), key=lambda kv: -kv[1])),
+    kernels = [(name, us, None, calls) for name, us, calls in got["kernels"]]
+    res = summarize(kernels, sum(k[1] for k in kernels) or 1.0, None, got["steps"], top)
+    print(f"KERNELS {label}: {res['kernel_ms_per_step']:.1f} GPU ms a step over {got['steps']} profiled steps: "
+          + ", ".join(f"{c} {v['ms_per_step']:.1f}" for c, v in res["categories"].items() if v["ms_per_step"] > 0),
           flush=True)
-    for name, us, calls in sorted(kernels, key=lambda k: -k[1])[:top]:
-        print(f"KERNELS {label}: {us / steps / 1e3:8.2f} ms x{calls / steps:<5.0f} [{categorize(name)}] {name[:120]}",
-              flush=True)
+    for k in res["top"]:
+        print(f"KERNELS {label}: {k['ms_per_step']:8.2f} ms x{k['calls_per_step']:<5.0f} [{k['category']}] "
+              f"{k['name'][:120]}", flush=True)
 
 
 MEASURE = '''

@@ -11,6 +11,7 @@ the tests (--base) and are not locked.
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import json
 import re
@@ -102,17 +103,22 @@ def _tls_flag(image: str) -> list[str]:
     return ["--tls-verify=false"] if re.fullmatch(r"(127(\.\d+){3}|localhost|\[::1\])(:\d+)?", host) else []
 
 
-def inspect(image: str) -> dict:
-    """The registry's answer for IMAGE: {digest, platforms} from the manifest's raw bytes."""
+def _skopeo_inspect(image: str, *flags: str) -> subprocess.CompletedProcess | None:
+    """`skopeo inspect FLAGS docker://IMAGE` (None when it timed out); no skopeo is one error."""
     skopeo = shutil.which("skopeo")
     if not skopeo:
         raise UserError("skopeo is not installed (the bases lock asks the registry through it)",
                         fix="apt-get install skopeo")
     try:
-        proc = subprocess.run([skopeo, "inspect", "--raw", *_tls_flag(image), f"docker://{image}"],
+        return subprocess.run([skopeo, "inspect", *flags, *_tls_flag(image), f"docker://{image}"],
                               capture_output=True, timeout=SKOPEO_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        proc = None
+        return None
+
+
+def inspect(image: str) -> dict:
+    """The registry's answer for IMAGE: {digest, platforms} from the manifest's raw bytes."""
+    proc = _skopeo_inspect(image, "--raw")
     if proc is None or proc.returncode != 0:
         why = "timed out" if proc is None else " ".join(proc.stderr.decode(errors="replace").split())[-300:]
         raise UserError(f"cannot lock base {image}: the registry did not answer ({why})",
@@ -133,25 +139,22 @@ def inspect(image: str) -> dict:
     return out
 
 
-def platforms(image: str) -> set[str] | None:
+@functools.cache
+def platforms(image: str) -> frozenset[str] | None:
     """The platforms IMAGE's tag serves: a manifest list's entries, or a single manifest's own (its config's os and
     architecture); None where the registry gives no answer (no skopeo, an image only in the local engine, a registry
-    out of reach)."""
+    out of reach). Asked once per run: every emulated cell built FROM one substitute shares the answer."""
     try:
         got = inspect(image)
-    except UserError:
-        return None
-    if "platforms" in got:
-        return set(got["platforms"])
-    try:
-        proc = subprocess.run([shutil.which("skopeo") or "skopeo", "inspect", "--config", "--raw", *_tls_flag(image),
-                               f"docker://{image}"], capture_output=True, timeout=SKOPEO_TIMEOUT_S)
-        config = json.loads(proc.stdout) if proc.returncode == 0 else {}
-    except (subprocess.TimeoutExpired, ValueError):
+        if "platforms" in got:
+            return frozenset(got["platforms"])
+        proc = _skopeo_inspect(image, "--config", "--raw")
+        config = json.loads(proc.stdout) if proc is not None and proc.returncode == 0 else {}
+    except (UserError, ValueError):
         return None
     if not config.get("os") or not config.get("architecture"):
         return None
-    return set(_platform_names(config))
+    return frozenset(_platform_names(config))
 
 
 def _platform_names(p: dict) -> list[str]:
